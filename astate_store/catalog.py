@@ -1,0 +1,676 @@
+"""The control plane in etcd: sessions, layouts, versions, commits, readers.
+
+Key layout under ``/astate/<namespace>/`` (see README "etcd key layout"):
+
+    epoch                               counter: the newest session's epoch (fencing token)
+    session                             session record, on rank 0's lease
+    members/<epoch>/<rank>              member record, on that rank's lease
+    layouts/<epoch>/<rank>/<layout_id>  layout record (shards + transport), on the rank's lease
+    versions/<step>/pieces/<epoch>/<rank>  piece record
+    versions/<step>/commit              commit record
+    latest                              counter: newest committed step (only moves forward)
+    readers/<step>/<reader_id>          reader record, on the consumer's lease
+    retired/<step>/<rank>               retired record: rank is reusing that version's memory
+    checkpoints/<step>                  checkpoint record
+
+Steps and epochs are 20-digit zero-padded in keys and in the two counters, so lexical
+order is numeric order and etcd can compare counters inside transactions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+
+import grpc
+import pyetcd
+import pyetcd.exceptions as etcd_exc
+from pyetcd import transactions as tx
+from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+
+from . import codec
+from .errors import (
+    CatalogError,
+    CatalogUnavailable,
+    PeerUnreachable,
+    StaleSessionError,
+    VersionNotFound,
+    WaitTimeout,
+)
+from .layout import Box, ShardRecord
+
+__all__ = ["Catalog", "Session", "Piece", "Layout", "Version", "CheckpointEntry", "shard_to_wire", "shard_from_wire"]
+
+log = logging.getLogger("astate_store.catalog")
+T = TypeVar("T")
+
+_NS_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_RETRYABLE = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.InternalServerError,
+    etcd_exc.NoServerAvailableError,
+    grpc.RpcError,
+)
+# etcd's default request limit is 1.5 MiB; stay well inside it when batching layout reads.
+_MAX_BATCH_BYTES = 1 << 20
+
+
+def _n(v: int) -> str:
+    return "%020d" % v
+
+
+def _range_end(prefix: bytes) -> bytes:
+    return pyetcd.utils.prefix_range_end(prefix)
+
+
+def shard_to_wire(s: ShardRecord) -> dict[str, Any]:
+    return {
+        "name": s.name, "dtype": s.dtype, "global_shape": list(s.global_shape),
+        "offsets": list(s.box.offsets), "sizes": list(s.box.sizes), "strides": list(s.strides),
+        "region": s.region, "byte_offset": s.byte_offset,
+    }
+
+
+def shard_from_wire(d: Mapping[str, Any], rank: int) -> ShardRecord:
+    return ShardRecord(
+        name=d["name"], dtype=d["dtype"], global_shape=tuple(d["global_shape"]),
+        box=Box(tuple(d["offsets"]), tuple(d["sizes"])), strides=tuple(d["strides"]),
+        rank=rank, region=d["region"], byte_offset=d["byte_offset"],
+    )
+
+
+@dataclass(frozen=True)
+class Session:
+    """A publisher group's membership: all ranks of one session share ``epoch``."""
+
+    epoch: int
+    session_id: str
+    rank: int
+    world_size: int
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    layout_id: str
+    epoch: int
+    rank: int
+    shards: tuple[ShardRecord, ...]
+    transport: bytes
+
+
+@dataclass(frozen=True)
+class Piece:
+    step: int
+    epoch: int
+    rank: int
+    world_size: int
+    layout_id: str
+    base_offset: int
+
+
+@dataclass(frozen=True)
+class Version:
+    """A committed version as one consumer read it: commit, pieces, and (when asked) layouts."""
+
+    step: int
+    epoch: int
+    world_size: int
+    pieces: Mapping[int, Piece]
+    layouts: Mapping[int, Layout] = field(default_factory=dict)
+
+    @property
+    def layout_key(self) -> tuple[str, ...]:
+        """Identifies the source layout: unchanged key means the cached plan still holds."""
+        return tuple(self.pieces[r].layout_id for r in sorted(self.pieces))
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    step: int
+    uri: str
+    world_size: int
+    bytes: int
+    written_at: float
+
+
+def layout_id_of(epoch: int, rank: int, shards: Sequence[ShardRecord], transport: bytes) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    h.update(b"%d/%d/" % (epoch, rank))
+    h.update(transport)
+    for s in shards:
+        h.update(repr(shard_to_wire(s)).encode())
+    return h.hexdigest()
+
+
+class _KeepAlive(threading.Thread):
+    """Refreshes a lease every ttl/3; after a refresh gap longer than the ttl the lease is lost."""
+
+    def __init__(self, catalog: "Catalog", lease_id: int, ttl: float):
+        super().__init__(name=f"astate-lease-{lease_id:x}", daemon=True)
+        self.catalog, self.lease_id, self.ttl = catalog, lease_id, ttl
+        self.stop_event = threading.Event()
+        self.lost = False
+
+    def run(self) -> None:
+        last_ok = time.monotonic()
+        while not self.stop_event.wait(self.ttl / 3):
+            try:
+                resp = list(self.catalog.client.refresh_lease(self.lease_id))
+                if resp and resp[0].TTL <= 0:
+                    self.lost = True
+                    log.error("lease %x expired", self.lease_id)
+                    return
+                last_ok = time.monotonic()
+            except _RETRYABLE as exc:
+                if time.monotonic() - last_ok > self.ttl:
+                    self.lost = True
+                    log.error("lease %x lost: etcd unreachable for %.1fs (%s)", self.lease_id, self.ttl, exc)
+                    return
+
+
+class Catalog:
+    """One namespace's control plane in etcd.
+
+    Args:
+        endpoint: ``host:port`` (comma-separated for several etcd members).
+        namespace: the versioned state, e.g. ``"policy"``; namespaces never see each other's keys.
+        retention: committed versions whose metadata is kept (older ones are deleted after each commit).
+        lease_ttl: seconds without keep-alive after which a rank (or reader) is considered dead.
+        op_timeout: seconds for one etcd request.
+        retry_deadline: seconds of retries with backoff before :class:`CatalogUnavailable`.
+
+    Raises:
+        CatalogError: a bad namespace.
+    """
+
+    def __init__(self, endpoint: str, namespace: str, *, retention: int = 4, lease_ttl: float = 10.0,
+                 op_timeout: float = 5.0, retry_deadline: float = 15.0):
+        if not isinstance(namespace, str) or not _NS_RE.match(namespace):
+            raise CatalogError(f"bad namespace {namespace!r}: use 1-128 characters from [A-Za-z0-9_.-]")
+        if retention < 1:
+            raise CatalogError(f"retention must be >= 1, got {retention}")
+        self.endpoint, self.namespace, self.retention = endpoint, namespace, retention
+        self.lease_ttl, self.op_timeout, self.retry_deadline = lease_ttl, op_timeout, retry_deadline
+        self.prefix = f"/astate/{namespace}/"
+        eps = []
+        for item in endpoint.split(","):
+            host, _, port = item.strip().rpartition(":")
+            # time_retry=0: pyetcd would otherwise refuse a single endpoint for 5 min after one failure.
+            eps.append(Endpoint(host or "127.0.0.1", int(port), secure=False, time_retry=0.0,
+                                opts=[("grpc.max_receive_message_length", 64 << 20)]))
+        self.client = MultiEndpointEtcd3Client(endpoints=eps, timeout=op_timeout, failover=len(eps) > 1)
+        self.session: Session | None = None
+        self._keepalives: list[_KeepAlive] = []
+        self._reader_lease: int | None = None
+        self._layout_cache: dict[str, Layout] = {}
+        self._written_layouts: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    # ---- plumbing -------------------------------------------------------------------------
+
+    def key(self, *parts: str) -> str:
+        return self.prefix + "/".join(parts)
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.retry_deadline
+        delay = 0.05
+        while True:
+            try:
+                return fn()
+            except _RETRYABLE as exc:
+                if time.monotonic() + delay > deadline:
+                    raise CatalogUnavailable(
+                        f"etcd at {self.endpoint} unreachable for {self.retry_deadline:.0f}s during {what}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                log.debug("etcd %s failed (%s); retrying in %.2fs", what, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _txn(self, what: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None
+             ) -> tuple[bool, list[Any]]:
+        return self._call(what, lambda: self.client.transaction(compare=compare, success=success,
+                                                                failure=failure or []))
+
+    def _new_lease(self) -> int:
+        lease = self._call("lease grant", lambda: self.client.lease(max(1, int(round(self.lease_ttl)))))
+        ka = _KeepAlive(self, lease.id, self.lease_ttl)
+        ka.start()
+        self._keepalives.append(ka)
+        return int(lease.id)
+
+    def ping(self) -> None:
+        """Raises CatalogUnavailable when etcd does not answer within the retry budget."""
+        self._call("status", self.client.status)
+
+    # ---- counters -------------------------------------------------------------------------
+
+    def _get_counter(self, name: str) -> tuple[int | None, int]:
+        value, meta = self._call(f"get {name}", lambda: self.client.get(self.key(name)))
+        return codec.decode_counter(value), (meta.mod_revision if meta else 0)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None before the first commit."""
+        return self._get_counter("latest")[0]
+
+    def epoch(self) -> int | None:
+        return self._get_counter("epoch")[0]
+
+    # ---- sessions -------------------------------------------------------------------------
+
+    def open_session(self, *, rank: int, world_size: int, session_id: str | None = None,
+                     join_timeout: float = 60.0) -> Session:
+        """Start (rank 0) or join (rank > 0) the publisher session of this namespace.
+
+        Rank 0 increments the epoch, which fences every older session: their writes are
+        rejected from then on. Ranks > 0 join the session whose id matches ``session_id``
+        (any live session with the same world size when None).
+
+        Raises:
+            CatalogError: bad rank/world_size; WaitTimeout: no session to join in time.
+        """
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise CatalogError(f"rank {rank} is not in [0, world_size={world_size})")
+        lease = self._new_lease()
+        host, pid = socket.gethostname(), os.getpid()
+        if rank == 0:
+            sid = session_id or uuid.uuid4().hex
+            while True:
+                old, _rev = self._get_counter("epoch")
+                new = (old or 0) + 1
+                cmp = (tx.Version(self.key("epoch")) == 0) if old is None else (
+                    tx.Value(self.key("epoch")) == codec.encode_counter(old))
+                ok, _ = self._txn("open session", [cmp], [
+                    tx.Put(self.key("epoch"), codec.encode_counter(new)),
+                    tx.Put(self.key("session"), codec.encode("session", {
+                        "epoch": new, "session_id": sid, "world_size": world_size, "host": host,
+                        "pid": pid, "started": time.time()}), lease=lease),
+                    tx.Put(self.key("members", _n(new), _n(0)),
+                           codec.encode("member", {"epoch": new, "rank": 0, "host": host, "pid": pid}), lease=lease),
+                    # An empty 'latest' lets the commit transaction compare values from the first step on.
+                    tx.Txn([tx.Version(self.key("latest")) == 0], [tx.Put(self.key("latest"), b"")], []),
+                ])
+                if ok:
+                    self.session = Session(new, sid, 0, world_size, lease)
+                    log.info("namespace %s: session %s opened with epoch %d (world size %d)",
+                             self.namespace, sid, new, world_size)
+                    return self.session
+        deadline = time.monotonic() + join_timeout
+        while True:
+            rec = self.session_record()
+            if rec is not None and rec["world_size"] == world_size and (
+                    session_id is None or rec["session_id"] == session_id):
+                epoch = rec["epoch"]
+                ok, _ = self._txn("join session", [tx.Value(self.key("epoch")) == codec.encode_counter(epoch)], [
+                    tx.Put(self.key("members", _n(epoch), _n(rank)),
+                           codec.encode("member", {"epoch": epoch, "rank": rank, "host": host, "pid": pid}),
+                           lease=lease)])
+                if ok:
+                    self.session = Session(epoch, rec["session_id"], rank, world_size, lease)
+                    log.info("namespace %s: rank %d joined session %s (epoch %d)",
+                             self.namespace, rank, rec["session_id"], epoch)
+                    return self.session
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(
+                    f"namespace {self.namespace!r}: rank {rank} found no session "
+                    f"{session_id or '(any)'} of world size {world_size} to join within {join_timeout}s"
+                )
+            self._wait_change(self.key("session"), min(remaining, 1.0))
+
+    def session_record(self) -> dict[str, Any] | None:
+        value, _ = self._call("get session", lambda: self.client.get(self.key("session")))
+        return None if value is None else codec.decode("session", value)
+
+    def live_ranks(self, epoch: int) -> set[int]:
+        """Ranks of session ``epoch`` whose lease is alive."""
+        kvs = self._call("get members", lambda: list(self.client.get_prefix(self.key("members", _n(epoch)) + "/")))
+        return {codec.decode("member", v)["rank"] for v, _ in kvs}
+
+    def _fence(self) -> list[Any]:
+        s = self._require_session()
+        return [tx.Value(self.key("epoch")) == codec.encode_counter(s.epoch),
+                tx.Version(self.key("members", _n(s.epoch), _n(s.rank))) > 0]
+
+    def _require_session(self) -> Session:
+        if self.session is None:
+            raise CatalogError("no publisher session: call open_session first")
+        return self.session
+
+    def _fenced_error(self, what: str) -> StaleSessionError:
+        s = self._require_session()
+        now = self.epoch()
+        if now != s.epoch:
+            return StaleSessionError(
+                f"namespace {self.namespace!r}: {what} rejected: session epoch {s.epoch} was fenced by "
+                f"a newer session (epoch {now})")
+        return StaleSessionError(
+            f"namespace {self.namespace!r}: {what} rejected: rank {s.rank}'s lease of session epoch "
+            f"{s.epoch} expired (the rank was considered dead)")
+
+    # ---- publishing -----------------------------------------------------------------------
+
+    def write_layout(self, shards: Sequence[ShardRecord], transport: bytes) -> str:
+        """Store this rank's layout once (content-addressed); returns its id.
+
+        Raises:
+            StaleSessionError: this session was fenced or this rank's lease expired.
+        """
+        s = self._require_session()
+        lid = layout_id_of(s.epoch, s.rank, shards, transport)
+        if lid in self._written_layouts:
+            return lid
+        value = codec.encode("layout", {"layout_id": lid, "epoch": s.epoch, "rank": s.rank,
+                                        "shards": [shard_to_wire(x) for x in shards], "transport": transport})
+        ok, _ = self._txn("write layout", self._fence(),
+                          [tx.Put(self.key("layouts", _n(s.epoch), _n(s.rank), lid), value, lease=s.lease_id)])
+        if not ok:
+            raise self._fenced_error("layout write")
+        self._written_layouts[lid] = value
+        return lid
+
+    def drop_layout(self, layout_id: str) -> None:
+        s = self._require_session()
+        self._written_layouts.pop(layout_id, None)
+        self._call("delete layout", lambda: self.client.delete(self.key("layouts", _n(s.epoch), _n(s.rank), layout_id)))
+
+    def put_piece(self, step: int, layout_id: str, base_offset: int = 0) -> bool:
+        """Write this rank's piece of ``step`` and try to commit; returns True if the version
+        is committed (by this or another rank's transaction).
+
+        Raises:
+            StaleSessionError: this session was fenced or this rank's lease expired.
+        """
+        s = self._require_session()
+        _check_step(step)
+        piece = codec.encode("piece", {"step": step, "epoch": s.epoch, "rank": s.rank, "world_size": s.world_size,
+                                       "layout_id": layout_id, "base_offset": base_offset})
+        ok, _ = self._txn("write piece", self._fence(),
+                          [tx.Put(self.key("versions", _n(step), "pieces", _n(s.epoch), _n(s.rank)), piece)])
+        if not ok:
+            raise self._fenced_error(f"piece of step {step}")
+        return self.try_commit(step)
+
+    def try_commit(self, step: int) -> bool:
+        """Commit ``step`` if all pieces of this session are present (an etcd transaction).
+
+        Concurrent calls from several ranks are safe: the comparisons make every winner
+        write the same commit, and ``latest`` only moves forward.
+        """
+        s = self._require_session()
+        pieces = [tx.Version(self.key("versions", _n(step), "pieces", _n(s.epoch), _n(r))) > 0
+                  for r in range(s.world_size)]
+        # latest <= step, as a bytewise compare against step + 1 (an empty latest is smallest).
+        forward = tx.Value(self.key("latest")) < codec.encode_counter(step + 1)
+        commit = codec.encode("commit", {"step": step, "epoch": s.epoch, "world_size": s.world_size,
+                                         "committed_at": time.time()})
+        ok, resp = self._txn(f"commit {step}", [*self._fence(), *pieces, forward], [
+            tx.Put(self.key("versions", _n(step), "commit"), commit),
+            tx.Put(self.key("latest"), codec.encode_counter(step)),
+        ], [tx.Get(self.key("epoch")), tx.Get(self.key("latest")), tx.Get(self.key("versions", _n(step), "commit"))])
+        if ok:
+            log.info("namespace %s: committed step %d (epoch %d)", self.namespace, step, s.epoch)
+            self._apply_retention()
+            return True
+        epoch_now = codec.decode_counter(resp[0][0][0]) if resp[0] else None
+        if epoch_now != s.epoch:
+            raise self._fenced_error(f"commit of step {step}")
+        latest = codec.decode_counter(resp[1][0][0]) if resp[1] else None
+        if latest is not None and latest > step:
+            log.warning("namespace %s: step %d superseded by committed step %d", self.namespace, step, latest)
+            return False
+        return bool(resp[2]) and codec.decode("commit", resp[2][0][0])["epoch"] == s.epoch
+
+    def _apply_retention(self) -> None:
+        steps = self.committed_steps()
+        for old in steps[: max(0, len(steps) - self.retention)]:
+            self._txn("retention", [], [
+                tx.Delete(self.key("versions", _n(old)) + "/", _range_end(self.key("versions", _n(old), "").encode())),
+                tx.Delete(self.key("readers", _n(old)) + "/", _range_end(self.key("readers", _n(old), "").encode())),
+                tx.Delete(self.key("retired", _n(old)) + "/", _range_end(self.key("retired", _n(old), "").encode())),
+            ])
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose metadata is still held, oldest first."""
+        pre = self.key("versions") + "/"
+        kvs = self._call("list versions", lambda: list(self.client.get_prefix(pre, keys_only=True)))
+        out = []
+        for _v, meta in kvs:
+            k = meta.key.decode()
+            if k.endswith("/commit"):
+                out.append(int(k[len(pre):].split("/", 1)[0]))
+        return sorted(out)
+
+    def retire(self, step: int, *, timeout: float = 30.0) -> int:
+        """Mark this rank's memory of ``step`` as about to change and wait (bounded) for the
+        readers registered on it to finish. Returns how many readers were still registered
+        when the wait ended (they will detect the retirement and discard their reads).
+
+        Raises:
+            StaleSessionError: this session was fenced.
+        """
+        s = self._require_session()
+        rec = codec.encode("retired", {"step": step, "epoch": s.epoch, "rank": s.rank})
+        self._call("retire", lambda: self.client.put(self.key("retired", _n(step), _n(s.rank)), rec))
+        pre = self.key("readers", _n(step)) + "/"
+        deadline = time.monotonic() + timeout
+        while True:
+            kvs, rev = self._get_prefix_rev(pre)
+            if not kvs:
+                return 0
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("namespace %s: retiring step %d with %d readers still registered",
+                            self.namespace, step, len(kvs))
+                return len(kvs)
+            self._wait_change(pre, remaining, prefix=True, start_revision=rev + 1)
+
+    # ---- consuming ------------------------------------------------------------------------
+
+    def wait_for(self, min_step: int | None = None, timeout: float | None = None) -> int:
+        """Block until a committed version >= ``min_step`` exists (any version when None);
+        returns the newest committed step. Built on an etcd watch of ``latest``.
+
+        Raises:
+            WaitTimeout: none appeared within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            latest, rev = self._get_counter("latest")
+            if latest is not None and (min_step is None or latest >= min_step):
+                return latest
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                want = "any version" if min_step is None else f"a version >= {min_step}"
+                raise WaitTimeout(
+                    f"namespace {self.namespace!r}: {want} was not committed within {timeout}s "
+                    f"(latest is {latest})")
+            _, hdr_rev = self._get_prefix_rev(self.key("latest"))
+            self._wait_change(self.key("latest"), remaining, start_revision=max(rev, hdr_rev) + 1)
+
+    def _get_prefix_rev(self, prefix: str) -> tuple[list[tuple[bytes, Any]], int]:
+        """Range read plus the store revision it saw (so a watch can start right after it)."""
+        def go() -> tuple[list[tuple[bytes, Any]], int]:
+            resp = self.client.get_prefix_response(prefix)
+            return [(kv.value, kv) for kv in resp.kvs], int(resp.header.revision)
+        return self._call(f"get {prefix}", go)
+
+    def _wait_change(self, key: str, timeout: float | None, *, prefix: bool = False, start_revision: int | None = None
+                     ) -> None:
+        """Wait for one watch event on key (or prefix) after start_revision, or the timeout."""
+        event = threading.Event()
+
+        def cb(resp: Any) -> None:
+            event.set()
+
+        kwargs: dict[str, Any] = {}
+        if prefix:
+            kwargs["range_end"] = _range_end(key.encode())
+        if start_revision is not None:
+            kwargs["start_revision"] = start_revision
+        try:
+            wid = self._call("watch", lambda: self.client.add_watch_callback(key, cb, **kwargs))
+        except etcd_exc.WatchTimedOut as exc:
+            raise CatalogUnavailable(f"etcd watch on {key} could not be created: {exc}") from exc
+        try:
+            # Bounded so a lost watch stream (etcd restart) is re-established rather than waited on forever.
+            event.wait(min(timeout, 5.0) if timeout is not None else 5.0)
+        finally:
+            try:
+                self.client.cancel_watch(wid)
+            except _RETRYABLE:
+                pass
+
+    def _reader_lease_id(self) -> int:
+        with self._lock:
+            if self._reader_lease is None:
+                self._reader_lease = self._new_lease()
+            return self._reader_lease
+
+    def begin_read(self, step: int, reader_id: str) -> Version:
+        """Register as a reader of ``step`` and read its commit and pieces, in one transaction.
+
+        Raises:
+            VersionNotFound: the version is not committed, was retired, or was dropped by retention.
+        """
+        vkey = self.key("versions", _n(step))
+        rkey = self.key("readers", _n(step), reader_id)
+        retired = self.key("retired", _n(step)) + "/"
+        reader = codec.encode("reader", {"step": step, "reader_id": reader_id, "host": socket.gethostname(),
+                                         "pid": os.getpid()})
+        ok, resp = self._txn(f"begin read {step}", [
+            tx.Version(vkey + "/commit") > 0,
+            tx.Version(retired, _range_end(retired.encode())) == 0,
+        ], [
+            tx.Put(rkey, reader, lease=self._reader_lease_id()),
+            tx.Get(vkey + "/", _range_end((vkey + "/").encode())),
+        ])
+        if not ok:
+            raise VersionNotFound(f"namespace {self.namespace!r}: step {step} is not committed or was retired")
+        return self._parse_version(step, resp[1])
+
+    def end_read(self, step: int, reader_id: str) -> bool:
+        """Unregister; True when the version was neither retired nor dropped meanwhile,
+        i.e. the bytes read are all of ``step``."""
+        vkey = self.key("versions", _n(step))
+        rkey = self.key("readers", _n(step), reader_id)
+        retired = self.key("retired", _n(step)) + "/"
+        ok, _ = self._txn(f"end read {step}", [
+            tx.Version(vkey + "/commit") > 0,
+            tx.Version(retired, _range_end(retired.encode())) == 0,
+        ], [tx.Delete(rkey)], [tx.Delete(rkey)])
+        return bool(ok)
+
+    def read_version(self, step: int) -> Version:
+        """Commit and pieces of a committed step, in one round trip (no reader registration).
+
+        Raises:
+            VersionNotFound: the step is not committed (or its metadata was dropped by retention).
+        """
+        vkey = self.key("versions", _n(step)) + "/"
+        kvs, _ = self._get_prefix_rev(vkey)
+        return self._parse_version(step, kvs)
+
+    def _parse_version(self, step: int, kvs: Iterable[tuple[bytes, Any]]) -> Version:
+        commit = None
+        pieces_raw: dict[tuple[int, int], bytes] = {}
+        for value, meta in kvs:
+            k = meta.key.decode()
+            tail = k.rsplit("/versions/", 1)[1].split("/")[1:]
+            if tail == ["commit"]:
+                commit = codec.decode("commit", value)
+            elif len(tail) == 3 and tail[0] == "pieces":
+                pieces_raw[(int(tail[1]), int(tail[2]))] = value
+        if commit is None:
+            raise VersionNotFound(f"namespace {self.namespace!r}: step {step} is not committed")
+        epoch = commit["epoch"]
+        pieces = {}
+        for (e, r), value in pieces_raw.items():
+            if e == epoch:
+                p = codec.decode("piece", value)
+                pieces[r] = Piece(p["step"], p["epoch"], p["rank"], p["world_size"], p["layout_id"], p["base_offset"])
+        if set(pieces) != set(range(commit["world_size"])):
+            raise CatalogError(
+                f"namespace {self.namespace!r}: step {step} is committed but pieces of ranks "
+                f"{sorted(set(range(commit['world_size'])) - set(pieces))} are missing")
+        return Version(step, epoch, commit["world_size"], pieces)
+
+    def layouts_of(self, version: Version) -> Version:
+        """The version with its layouts (cached by id: layouts are immutable).
+
+        Raises:
+            PeerUnreachable: a publisher rank's layout is gone (its lease expired: the rank died).
+        """
+        need = [p for p in version.pieces.values() if p.layout_id not in self._layout_cache]
+        if need:
+            keys = [self.key("layouts", _n(p.epoch), _n(p.rank), p.layout_id) for p in need]
+            for i in range(0, len(keys), 16):
+                batch = keys[i:i + 16]
+                ok, resp = self._txn("get layouts", [], [tx.Get(k) for k in batch])
+                for k, p, r in zip(batch, need[i:i + 16], resp):
+                    if not r:
+                        raise PeerUnreachable(
+                            f"namespace {self.namespace!r}: step {version.step}: publisher rank {p.rank} "
+                            f"(epoch {p.epoch}) is gone: its layout lease expired")
+                    rec = codec.decode("layout", r[0][0])
+                    shards = tuple(shard_from_wire(d, rec["rank"]) for d in rec["shards"])
+                    self._layout_cache[rec["layout_id"]] = Layout(rec["layout_id"], rec["epoch"], rec["rank"],
+                                                                  shards, rec["transport"])
+        layouts = {r: self._layout_cache[p.layout_id] for r, p in version.pieces.items()}
+        return Version(version.step, version.epoch, version.world_size, version.pieces, layouts)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def record_checkpoint(self, entry: CheckpointEntry) -> None:
+        value = codec.encode("checkpoint", {"step": entry.step, "uri": entry.uri, "world_size": entry.world_size,
+                                            "bytes": entry.bytes, "written_at": entry.written_at})
+        self._call("record checkpoint", lambda: self.client.put(self.key("checkpoints", _n(entry.step)), value))
+
+    def checkpoints(self) -> list[CheckpointEntry]:
+        """Known complete checkpoints, oldest first."""
+        kvs = self._call("list checkpoints", lambda: list(self.client.get_prefix(self.key("checkpoints") + "/")))
+        out = []
+        for v, _ in kvs:
+            d = codec.decode("checkpoint", v)
+            out.append(CheckpointEntry(d["step"], d["uri"], d["world_size"], d["bytes"], d["written_at"]))
+        return sorted(out, key=lambda e: e.step)
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    def lease_lost(self) -> bool:
+        return any(k.lost for k in self._keepalives)
+
+    def close(self, *, revoke: bool = True) -> None:
+        """Stop keep-alives and revoke leases (members, layouts and readers vanish at once)."""
+        for ka in self._keepalives:
+            ka.stop_event.set()
+            if revoke:
+                try:
+                    self.client.revoke_lease(ka.lease_id)
+                except _RETRYABLE:
+                    pass
+        self._keepalives.clear()
+        self.session = None
+        self.client.close()
+
+    def __enter__(self) -> "Catalog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_step(step: int) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or step >= 10**19:
+        raise CatalogError(f"step must be an int in [0, 1e19), got {step!r}")
+

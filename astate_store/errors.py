@@ -1,0 +1,86 @@
+"""Typed exceptions: every failure a caller can handle has its own class."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AStateError",
+    "LayoutError",
+    "CodecError",
+    "CatalogError",
+    "CatalogUnavailable",
+    "StaleSessionError",
+    "CommitConflict",
+    "VersionNotFound",
+    "WaitTimeout",
+    "PlanError",
+    "TransportError",
+    "PeerUnreachable",
+    "TornReadError",
+    "CheckpointError",
+    "CheckpointNotFound",
+    "CheckpointCorrupted",
+]
+
+
+class AStateError(Exception):
+    """Base of every error astate-store raises on purpose."""
+
+
+class LayoutError(AStateError, ValueError):
+    """Bad tensors, shards or buffers; raised before any byte moves."""
+
+
+class CodecError(AStateError, ValueError):
+    """A record that does not decode: unknown schema version, truncated or malformed bytes."""
+
+
+class CatalogError(AStateError):
+    """The etcd control plane refused or failed an operation."""
+
+
+class CatalogUnavailable(CatalogError):
+    """etcd could not be reached within the retry budget."""
+
+
+class StaleSessionError(CatalogError):
+    """A write from a session that a newer session of the namespace has fenced."""
+
+
+class CommitConflict(CatalogError):
+    """A version's pieces disagree (for example, a rank wrote twice with different layouts)."""
+
+
+class VersionNotFound(CatalogError, KeyError):
+    """The requested version is not (or no longer) committed."""
+
+
+class WaitTimeout(AStateError, TimeoutError):
+    """No committed version appeared before the deadline."""
+
+
+class PlanError(AStateError, ValueError):
+    """The planner cannot serve a request (a box no source covers, a dtype it cannot convert)."""
+
+
+class TransportError(AStateError):
+    """A data-path failure; the message carries the UCX status text."""
+
+
+class PeerUnreachable(TransportError):
+    """A source process is gone or cannot be connected."""
+
+
+class TornReadError(AStateError):
+    """The version was retired while being read; the bytes may mix two steps."""
+
+
+class CheckpointError(AStateError):
+    """A checkpoint could not be written or read."""
+
+
+class CheckpointNotFound(CheckpointError):
+    """No complete checkpoint exists for the request."""
+
+
+class CheckpointCorrupted(CheckpointError):
+    """A shard file is missing, short, or fails its checksum."""

@@ -1,0 +1,376 @@
+"""Layout contracts: how a tensor is split into N-d boxes and where each box's bytes live.
+
+Everything here is pure and frozen. A publisher rank describes what it holds with
+``ShardRecord``s; the catalog merges the ranks' records of one version into a
+``TensorLayout`` per tensor after checking that they agree and tile the tensor.
+Consumers describe their buffers with the same records (``rank`` is then the
+consumer's buffer index space, ``region`` the buffer).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence, Union
+
+import torch
+
+from .errors import LayoutError
+
+__all__ = [
+    "DTYPES",
+    "dtype_name",
+    "torch_dtype",
+    "itemsize",
+    "is_floating",
+    "validate_name",
+    "Box",
+    "ShardRecord",
+    "TensorLayout",
+    "Shard",
+    "TensorLike",
+    "contiguous_strides",
+    "local_box",
+    "merge_tensor_layout",
+]
+
+# Wire names of the dtypes we move. Names, not torch objects, go to etcd and checkpoints.
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+
+# Names become etcd key segments and file names: keep them printable and slash-free at the ends.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+MAX_NAME_LEN = 512
+
+
+def dtype_name(dtype: torch.dtype, *, tensor: str = "?") -> str:
+    """Wire name of a torch dtype.
+
+    Raises:
+        LayoutError: the dtype is not one astate-store moves (complex, quantized, ...).
+    """
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise LayoutError(
+            f"tensor {tensor!r}: unsupported dtype {dtype}; supported: {', '.join(DTYPES)}"
+        ) from None
+
+
+def torch_dtype(name: str, *, tensor: str = "?") -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise LayoutError(f"tensor {tensor!r}: unknown dtype name {name!r}") from None
+
+
+def itemsize(name: str) -> int:
+    return _ITEMSIZE[name]
+
+
+def is_floating(name: str) -> bool:
+    return DTYPES[name].is_floating_point
+
+
+def validate_name(name: object) -> str:
+    """Check a tensor name and return it.
+
+    Raises:
+        LayoutError: not a string, empty, too long, or with characters outside ``[A-Za-z0-9_.-/]``.
+    """
+    if not isinstance(name, str):
+        raise LayoutError(f"tensor name must be a str, got {type(name).__name__}: {name!r}")
+    if not name or len(name) > MAX_NAME_LEN or not _NAME_RE.match(name) or ".." in name.split("/"):
+        raise LayoutError(
+            f"bad tensor name {name!r}: use 1-{MAX_NAME_LEN} characters from [A-Za-z0-9_.-] "
+            "with '/' only between segments"
+        )
+    return name
+
+
+def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Row-major element strides of a dense box."""
+    strides = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * max(int(sizes[d + 1]), 1)
+    return tuple(strides)
+
+
+@dataclass(frozen=True)
+class Box:
+    """An N-d box of a global tensor: ``offsets[d] <= i < offsets[d] + sizes[d]``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.sizes):
+            raise LayoutError(f"box offsets {self.offsets} and sizes {self.sizes} differ in rank")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    def intersect(self, other: "Box") -> "Box | None":
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def within(self, shape: Sequence[int]) -> bool:
+        return len(shape) == self.ndim and all(
+            o >= 0 and s >= 0 and o + s <= g for o, s, g in zip(self.offsets, self.sizes, shape)
+        )
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One box of one tensor held in registered memory.
+
+    ``byte_offset`` is where element ``box.offsets`` lives inside memory region ``region``
+    of ``rank``; ``strides`` are element strides of that memory (row-major for a
+    contiguous shard, anything non-negative and non-overlapping for a view).
+    """
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    box: Box
+    strides: tuple[int, ...]
+    rank: int
+    region: int
+    byte_offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * itemsize(self.dtype)
+
+    @property
+    def contiguous(self) -> bool:
+        return _is_dense(self.box.sizes, self.strides)
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes from the first to one past the last element in memory."""
+        if self.box.numel == 0:
+            return 0
+        last = sum((s - 1) * st for s, st in zip(self.box.sizes, self.strides))
+        return (last + 1) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """The committed layout of one tensor: every publisher shard, replicas included."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    shards: tuple[ShardRecord, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.global_shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, init=False)
+class Shard:
+    """A local tensor that holds the box ``[offsets, offsets + tensor.shape)`` of a global tensor.
+
+    Args:
+        tensor: the local piece (any strides; its shape is the box's sizes).
+        offsets: where the piece starts in the global tensor, one int per dim.
+        global_shape: the whole tensor's shape.
+
+    Raises:
+        LayoutError: offsets or global_shape of the wrong rank, or the box out of bounds.
+    """
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+    def __init__(self, tensor: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int]):
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutError(f"Shard needs a torch.Tensor, got {type(tensor).__name__}")
+        object.__setattr__(self, "tensor", tensor)
+        object.__setattr__(self, "offsets", _int_tuple(offsets, "offsets"))
+        object.__setattr__(self, "global_shape", _int_tuple(global_shape, "global_shape"))
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offsets, tuple(self.tensor.shape))
+
+
+TensorLike = Union[torch.Tensor, Shard]
+
+
+def _int_tuple(values: Sequence[int], what: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in values)
+    except (TypeError, ValueError):
+        raise LayoutError(f"{what} must be a sequence of ints, got {values!r}") from None
+    if any(isinstance(v, bool) for v in values):
+        raise LayoutError(f"{what} must be ints, got {values!r}")
+    return out
+
+
+def _is_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    expect = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _check_non_overlapping(name: str, sizes: Sequence[int], strides: Sequence[int]) -> None:
+    """Reject memory where two elements share an address (expanded views): a read into it
+    would write the same byte twice and a published one has no single value per element."""
+    dims = sorted((st, sz) for sz, st in zip(sizes, strides) if sz > 1)
+    span = 1
+    for stride, size in dims:
+        if stride < span:
+            raise LayoutError(
+                f"tensor {name!r}: memory with strides {tuple(strides)} for sizes {tuple(sizes)} "
+                "overlaps itself (an expanded or aliased view); pass a .contiguous() copy"
+            )
+        span += stride * (size - 1)
+
+
+def local_box(name: str, value: TensorLike) -> tuple[torch.Tensor, Box, tuple[int, ...], str]:
+    """Validate one user entry and return ``(tensor, box, global_shape, dtype_name)``.
+
+    Raises:
+        LayoutError: bad name, unsupported dtype, box out of bounds, or aliased memory.
+    """
+    validate_name(name)
+    if isinstance(value, Shard):
+        tensor, global_shape = value.tensor, value.global_shape
+        if len(value.offsets) != tensor.dim():
+            raise LayoutError(
+                f"tensor {name!r}: {len(value.offsets)} offsets for a {tensor.dim()}-d tensor "
+                f"of shape {tuple(tensor.shape)}"
+            )
+        if len(global_shape) != tensor.dim():
+            raise LayoutError(
+                f"tensor {name!r}: global_shape {global_shape} has {len(global_shape)} dims, "
+                f"the local tensor has {tensor.dim()} (shape {tuple(tensor.shape)})"
+            )
+        box = value.box
+        if not box.within(global_shape):
+            raise LayoutError(
+                f"tensor {name!r}: box offsets {box.offsets} + sizes {box.sizes} is out of "
+                f"bounds of global shape {global_shape}"
+            )
+    elif isinstance(value, torch.Tensor):
+        tensor = value
+        global_shape = tuple(tensor.shape)
+        box = Box((0,) * tensor.dim(), global_shape)
+    else:
+        raise LayoutError(
+            f"tensor {name!r}: expected a torch.Tensor or astate_store.Shard, got {type(value).__name__}"
+        )
+    dtype = dtype_name(tensor.dtype, tensor=name)
+    if any(s < 0 for s in tensor.stride()):
+        raise LayoutError(f"tensor {name!r}: negative strides {tensor.stride()} are not supported")
+    _check_non_overlapping(name, tuple(tensor.shape), tensor.stride())
+    return tensor, box, global_shape, dtype
+
+
+def merge_tensor_layout(name: str, shards: Iterable[ShardRecord]) -> TensorLayout:
+    """Merge the shards all publisher ranks wrote for one tensor into its committed layout.
+
+    Identical boxes on several ranks are replicas. Distinct boxes must tile the global
+    tensor: no overlap, no gap.
+
+    Raises:
+        LayoutError: dtype or global shape disagreeing between ranks, partial overlaps,
+            or elements no shard holds.
+    """
+    shards = sorted(shards, key=lambda s: (s.box.offsets, s.box.sizes, s.rank, s.region))
+    if not shards:
+        raise LayoutError(f"tensor {name!r}: no shards")
+    first = shards[0]
+    for s in shards[1:]:
+        if s.dtype != first.dtype:
+            raise LayoutError(
+                f"tensor {name!r}: dtype disagrees between ranks: rank {first.rank} has "
+                f"{first.dtype}, rank {s.rank} has {s.dtype}"
+            )
+        if s.global_shape != first.global_shape:
+            raise LayoutError(
+                f"tensor {name!r}: global shape disagrees between ranks: rank {first.rank} has "
+                f"{first.global_shape}, rank {s.rank} has {s.global_shape}"
+            )
+    shape = first.global_shape
+    for s in shards:
+        if not s.box.within(shape):
+            raise LayoutError(
+                f"tensor {name!r}: rank {s.rank} box {s.box.offsets}+{s.box.sizes} is out of "
+                f"bounds of {shape}"
+            )
+    distinct: list[Box] = []
+    for s in shards:
+        if not distinct or distinct[-1] != s.box:
+            distinct.append(s.box)
+    # Boxes are sorted; overlap checks stay quadratic only among boxes that share a start
+    # region, which keeps 1T-parameter layouts (thousands of boxes per tensor) fast.
+    _check_tiling(name, shape, distinct, shards)
+    return TensorLayout(name, first.dtype, shape, tuple(shards))
+
+
+def _check_tiling(name: str, shape: tuple[int, ...], boxes: list[Box], shards: list[ShardRecord]) -> None:
+    total = math.prod(shape)
+    covered = sum(b.numel for b in boxes)
+    if len(boxes) > 1:
+        # Sweep on dim 0 (or the flat index for 0-d) to find partial overlaps.
+        by_start = sorted(boxes, key=lambda b: b.offsets)
+        active: list[Box] = []
+        for b in by_start:
+            active = [a for a in active if a.ndim == 0 or a.ends[0] > b.offsets[0]]
+            for a in active:
+                if a.intersect(b) is not None and b.numel and a.numel:
+                    ra = next(s.rank for s in shards if s.box == a)
+                    rb = next(s.rank for s in shards if s.box == b)
+                    raise LayoutError(
+                        f"tensor {name!r}: shards overlap without being replicas: rank {ra} "
+                        f"{a.offsets}+{a.sizes} and rank {rb} {b.offsets}+{b.sizes}"
+                    )
+            active.append(b)
+    if covered != total:
+        raise LayoutError(
+            f"tensor {name!r}: shards cover {covered} of {total} elements of {shape}; "
+            "publisher shards must tile the whole tensor (a gap)"
+        )
+
+
+def group_layouts(records: Iterable[ShardRecord]) -> Mapping[str, TensorLayout]:
+    """Merge a version's shard records into one layout per tensor."""
+    by_name: dict[str, list[ShardRecord]] = {}
+    for r in records:
+        by_name.setdefault(r.name, []).append(r)
+    return {n: merge_tensor_layout(n, rs) for n, rs in sorted(by_name.items())}

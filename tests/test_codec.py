@@ -1,0 +1,127 @@
+"""Codec: msgpack records checked against schemas/*.json, both by our codec and by jsonschema."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import jsonschema
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from astate_store import codec
+from astate_store.catalog import shard_to_wire
+from astate_store.errors import CodecError
+from astate_store.layout import Box, ShardRecord
+
+ints = st.integers(min_value=0, max_value=2**62)
+names = st.from_regex(r"[A-Za-z0-9_.\-]{1,12}(/[A-Za-z0-9_.\-]{1,8}){0,2}", fullmatch=True).filter(
+    lambda s: ".." not in s.split("/"))
+
+
+@st.composite
+def shards(draw: st.DrawFn) -> dict:
+    nd = draw(st.integers(0, 4))
+    shape = tuple(draw(st.lists(st.integers(1, 64), min_size=nd, max_size=nd)))
+    offs = tuple(draw(st.integers(0, s - 1)) for s in shape)
+    sizes = tuple(draw(st.integers(1, s - o)) for s, o in zip(shape, offs))
+    rec = ShardRecord(draw(names), draw(st.sampled_from(["float32", "bfloat16", "int8", "float8_e4m3fn"])), shape,
+                      Box(offs, sizes), tuple(draw(st.lists(ints, min_size=nd, max_size=nd))), 0,
+                      draw(st.integers(0, 100)), draw(ints))
+    return shard_to_wire(rec)
+
+
+layouts = st.builds(lambda lid, e, r, sh, t: {"layout_id": lid, "epoch": e, "rank": r, "shards": sh, "transport": t},
+                    st.text(min_size=1, max_size=24), ints, ints, st.lists(shards(), max_size=5), st.binary(max_size=64))
+pieces = st.builds(lambda s, e, r, w, l, b: {"step": s, "epoch": e, "rank": r, "world_size": w, "layout_id": l,
+                                             "base_offset": b}, ints, ints, ints, st.integers(1, 10**6), st.text(), ints)
+descs = st.builds(lambda a, h, regs: {"kind": "ucx", "worker_address": a, "host": h, "regions": regs},
+                  st.binary(max_size=200), st.text(max_size=20),
+                  st.lists(st.builds(lambda b, s, k, m: {"base": b, "size": s, "rkey": k, "mem_type": m},
+                                     ints, ints, st.binary(max_size=40), st.sampled_from(["host", "cuda"])),
+                           max_size=4))
+
+
+def _as_json(v: object) -> object:
+    if isinstance(v, bytes):
+        return base64.b64encode(v).decode()
+    if isinstance(v, dict):
+        return {k: _as_json(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_as_json(x) for x in v]
+    return v
+
+
+def _jsonschema_check(kind: str, data: bytes) -> None:
+    raw = msgpack.unpackb(data, raw=False)
+    jsonschema.Draft202012Validator(codec.schema_of(kind)).validate(_as_json(raw))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(layouts.map(lambda r: ("layout", r)), pieces.map(lambda r: ("piece", r)),
+                 descs.map(lambda r: ("ucx_descriptor", r))))
+def test_round_trip_and_schema(kind_rec: tuple[str, dict]) -> None:
+    kind, rec = kind_rec
+    data = codec.encode(kind, rec)
+    assert codec.decode(kind, data) == rec
+    _jsonschema_check(kind, data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces, st.data())
+def test_truncated_bytes_are_rejected(rec: dict, data: st.DataObject) -> None:
+    raw = codec.encode("piece", rec)
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    with pytest.raises(CodecError):
+        codec.decode("piece", raw[:cut])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=64))
+def test_garbage_never_crashes(raw: bytes) -> None:
+    try:
+        codec.decode("commit", raw)
+    except CodecError:
+        pass
+
+
+def test_every_schema_file_is_valid_json_schema() -> None:
+    files = sorted(codec.schema_dir().glob("*.json"))
+    assert {f.stem for f in files} >= set(codec.KINDS) | {"counter"}
+    for f in files:
+        jsonschema.Draft202012Validator.check_schema(json.loads(f.read_text()))
+
+
+def test_unknown_schema_version() -> None:
+    raw = msgpack.packb({"schema": "commit/2", "step": 1, "epoch": 1, "world_size": 1, "committed_at": 0.0})
+    with pytest.raises(CodecError, match="unknown schema version"):
+        codec.decode("commit", raw)
+
+
+def test_wrong_kind_missing_and_extra_fields() -> None:
+    c = codec.encode("commit", {"step": 1, "epoch": 1, "world_size": 1, "committed_at": 0.0})
+    with pytest.raises(CodecError, match="expected a piece record, got a commit"):
+        codec.decode("piece", c)
+    bad = msgpack.packb({"schema": "commit/1", "step": 1, "epoch": 1, "world_size": 1})
+    with pytest.raises(CodecError, match="missing field 'committed_at'"):
+        codec.decode("commit", bad)
+    with pytest.raises(CodecError, match="unknown field 'extra'"):
+        codec.encode("commit", {"step": 1, "epoch": 1, "world_size": 1, "committed_at": 0.0, "extra": 1})
+    with pytest.raises(CodecError, match=r"world_size.*minimum"):
+        codec.encode("commit", {"step": 1, "epoch": 1, "world_size": 0, "committed_at": 0.0})
+    with pytest.raises(CodecError, match="trailing"):
+        codec.decode("commit", c + b"\x00")
+    with pytest.raises(CodecError, match="expected a map"):
+        codec.decode("commit", msgpack.packb([1, 2]))
+
+
+def test_counters() -> None:
+    assert codec.decode_counter(codec.encode_counter(42)) == 42
+    assert codec.encode_counter(None) == b"" and codec.decode_counter(b"") is None
+    assert codec.encode_counter(9) < codec.encode_counter(10)  # bytewise order is numeric order
+    with pytest.raises(CodecError):
+        codec.decode_counter(b"12x")
+    with pytest.raises(CodecError):
+        codec.encode_counter(-1)
