@@ -1,0 +1,379 @@
+"""UCX transport against real UCX: publishers in separate (spawned) processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any, Iterator
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from astate_store.errors import PeerUnreachable, TransportError
+from astate_store.transport import RegionInfo, UcxTransport, make_ops
+from astate_store.transport.ucx import native
+
+from ._transport_peer import pattern, serve
+
+MODES = ["shm", "tcp"]
+SIZES = [8 << 20, 1 << 16, 0]  # region 0: 8 MiB, region 1: 64 KiB, region 2: empty
+CTX = mp.get_context("spawn")
+
+
+class Peer:
+    def __init__(self, mode: str, sizes: list[int] = SIZES) -> None:
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=serve, args=(child, mode, sizes), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(60):
+            self.proc.kill()
+            raise RuntimeError("transport peer did not start")
+        hello = self.conn.recv()
+        self.descriptor: dict[str, Any] = hello["descriptor"]
+        self.pid: int = hello["pid"]
+
+    def call(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        assert self.conn.poll(30)
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit",))
+            except OSError:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[UcxTransport, Peer, str]]:
+    mode = request.param
+    peer = Peer(mode)
+    t = UcxTransport(mode)
+    t.connect("pub", peer.descriptor)
+    yield t, peer, mode
+    t.close()
+    peer.stop()
+
+
+def ops_for(rows: list[tuple[int, int, int, int, int]]) -> np.ndarray:
+    return np.array(rows, dtype=np.uint64).reshape(-1, 5)
+
+
+# ------------------------------------------------------------------------------ data path
+
+
+def test_whole_region(pair: tuple[UcxTransport, Peer, str]) -> None:
+    t, _, _ = pair
+    n = SIZES[0]
+    dst = torch.zeros(n, dtype=torch.uint8)
+    t.get(ops_for([(t.peer_index("pub"), 0, 0, dst.data_ptr(), n)]), timeout=30)
+    assert np.array_equal(dst.numpy(), pattern(n, 0))
+
+
+def test_many_small_strided_reads(pair: tuple[UcxTransport, Peer, str]) -> None:
+    t, _, _ = pair
+    n_ops, piece = 10_000, 96
+    rng = np.random.default_rng(1)
+    src_off = rng.integers(0, SIZES[0] - piece, n_ops, dtype=np.uint64)
+    dst = torch.full((n_ops * 128,), 0xEE, dtype=torch.uint8)
+    t.register_tensor(dst)  # local memh path (6-column plan)
+    ops = make_ops(n_ops)
+    ops[:, 0] = t.peer_index("pub")
+    ops[:, 1] = 0
+    ops[:, 2] = src_off
+    ops[:, 3] = dst.data_ptr() + np.arange(n_ops, dtype=np.uint64) * 128  # strided destination
+    ops[:, 4] = piece
+    t.get(ops, timeout=30)
+    src = pattern(SIZES[0], 0)
+    got = dst.numpy().reshape(n_ops, 128)
+    want = src[src_off[:, None].astype(np.int64) + np.arange(piece)]
+    assert np.array_equal(got[:, :piece], want)
+    assert (got[:, piece:] == 0xEE).all()  # nothing written between pieces
+
+
+def test_two_regions_and_zero_length_rows(pair: tuple[UcxTransport, Peer, str]) -> None:
+    t, _, _ = pair
+    p = t.peer_index("pub")
+    a = torch.zeros(4096, dtype=torch.uint8)
+    b = torch.zeros(SIZES[1], dtype=torch.uint8)
+    t.get(
+        ops_for(
+            [
+                (p, 1, 0, b.data_ptr(), SIZES[1]),
+                (p, 0, SIZES[0] - 4096, a.data_ptr(), 4096),
+                (p, 2, 0, a.data_ptr(), 0),  # empty region, zero length: no-op
+            ]
+        ),
+        timeout=30,
+    )
+    assert np.array_equal(b.numpy(), pattern(SIZES[1], 1))
+    assert np.array_equal(a.numpy(), pattern(SIZES[0], 0)[-4096:])
+
+
+def test_bounds_error_before_any_byte_moves(pair: tuple[UcxTransport, Peer, str]) -> None:
+    t, _, _ = pair
+    p = t.peer_index("pub")
+    n_ops = 5000
+    dst = torch.full((n_ops * 64,), 0x5A, dtype=torch.uint8)
+    ops = make_ops(n_ops)
+    ops[:, 0], ops[:, 1], ops[:, 4] = p, 1, 64
+    ops[:, 2] = np.arange(n_ops, dtype=np.uint64) % 1000 * 64
+    ops[:, 3] = dst.data_ptr() + np.arange(n_ops, dtype=np.uint64) * 64
+    ops[4321, 2] = SIZES[1] - 63  # one byte past the end of region 1
+    with pytest.raises(TransportError, match=r"op 4321: .*region 1 \(size 65536"):
+        t.get(ops, timeout=30)
+    assert (dst.numpy() == 0x5A).all()
+    with pytest.raises(TransportError, match="no region 7"):
+        t.get(ops_for([(p, 7, 0, dst.data_ptr(), 1)]))
+    with pytest.raises(TransportError, match="peer index 99 is not connected"):
+        t.get(ops_for([(99, 0, 0, dst.data_ptr(), 1)]))
+    with pytest.raises(TransportError, match="region 2"):
+        t.get(ops_for([(p, 2, 0, dst.data_ptr(), 1)]))  # empty region
+    assert (dst.numpy() == 0x5A).all()
+
+
+def test_descriptor_msgpack_and_connect_cache(pair: tuple[UcxTransport, Peer, str]) -> None:
+    t, peer, mode = pair
+    wire = msgpack.unpackb(msgpack.packb(peer.descriptor), raw=False)
+    before = t._peers["pub"].ep
+    assert t.connect("pub", wire) == t.peer_index("pub")
+    assert t._peers["pub"].ep is before  # same worker address: endpoint reused
+    info = t.endpoint_info("pub")
+    assert ("cma" if mode == "shm" else "tcp") in info
+    # the publisher frees region 1 and adds region 3: indices stay, region 1 reads fail
+    desc = peer.call("unregister", 1)
+    assert desc["regions"][1]["size"] == 0 and desc["regions"][1]["rkey"] == b""
+    desc = peer.call("register", 12345)
+    t.connect("pub", desc)
+    assert t._peers["pub"].ep is before
+    p = t.peer_index("pub")
+    dst = torch.zeros(12345, dtype=torch.uint8)
+    with pytest.raises(TransportError, match="unregistered"):
+        t.get(ops_for([(p, 1, 0, dst.data_ptr(), 1)]))
+    t.get(ops_for([(p, 3, 0, dst.data_ptr(), 12345)]), timeout=30)
+    assert np.array_equal(dst.numpy(), pattern(12345, 3))
+
+
+# ------------------------------------------------------------------------------ failures
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", MODES)
+def test_dead_peer_raises_instead_of_hanging(mode: str) -> None:
+    peer = Peer(mode, [1 << 20])
+    try:
+        with UcxTransport(mode) as t:
+            t.connect("p", peer.descriptor)
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            ops = ops_for([(t.peer_index("p"), 0, 0, dst.data_ptr(), 1 << 20)])
+            t.get(ops, timeout=30)
+            os.kill(peer.pid, signal.SIGKILL)
+            peer.proc.join(10)
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnreachable) as ei:
+                for _ in range(1000):  # the failure may surface on a later call
+                    t.get(ops, timeout=10)
+            assert time.monotonic() - t0 < 30
+            err = ei.value
+            assert err.status_text and err.status_text in str(err)  # type: ignore[attr-defined]
+            # the failed endpoint stays failed (no hang), and reconnecting is bounded too
+            with pytest.raises(TransportError):
+                t.get(ops, timeout=5)
+                t.connect("p", peer.descriptor)
+                t.get(ops, timeout=5)
+    finally:
+        peer.stop()
+
+
+def _wait_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+@pytest.mark.timeout(90)
+def test_stopped_peer_times_out_over_tcp() -> None:
+    peer = Peer("tcp", [1 << 20])
+    try:
+        with UcxTransport("tcp") as t:
+            t.connect("p", peer.descriptor)
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            ops = ops_for([(t.peer_index("p"), 0, 0, dst.data_ptr(), 1 << 20)])
+            t.get(ops, timeout=30)
+            os.kill(peer.pid, signal.SIGSTOP)  # alive, but its worker is never progressed
+            _wait_stopped(peer.pid)
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnreachable, match="timed out"):
+                t.get(ops, timeout=1.0)
+            assert time.monotonic() - t0 < 20
+    finally:
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.stop()
+
+
+def test_unreachable_peer_address() -> None:
+    # a tcp-only consumer cannot reach a shm-only publisher: typed error at connect
+    with UcxTransport("shm") as pub, UcxTransport("tcp") as sub:
+        pub.register_tensor(torch.zeros(16, dtype=torch.uint8))
+        with pytest.raises(PeerUnreachable, match="unreachable"):
+            sub.connect("p", pub.descriptor())
+
+
+# ------------------------------------------------------------------------------ in-process
+
+
+@pytest.fixture
+def loop() -> Iterator[UcxTransport]:
+    with UcxTransport("shm") as t:
+        yield t
+
+
+def test_loopback_register_idempotent_and_unregister(loop: UcxTransport) -> None:
+    x = torch.arange(256, dtype=torch.float32)
+    i = loop.register_tensor(x)
+    assert loop.register_tensor(x[10:20]) == i  # same storage -> same region
+    assert loop.register(x.data_ptr(), x.numel() * 4) == i
+    info = loop.region(i)
+    assert isinstance(info, RegionInfo) and info.base == x.data_ptr() and info.size == 1024 and info.rkey
+    e = loop.register_tensor(torch.empty(0))
+    assert loop.region(e).size == 0 and loop.region(e).rkey == b""
+    loop.connect("me", loop.descriptor())
+    y = torch.zeros(256, dtype=torch.float32)
+    loop.get(ops_for([(loop.peer_index("me"), i, 0, y.data_ptr(), 1024)]))
+    assert torch.equal(x, y)
+    loop.unregister(i)
+    d = loop.descriptor()
+    assert d["regions"][i] == {"base": x.data_ptr(), "size": 0, "rkey": b""}
+    j = loop.register_tensor(x)
+    assert j != i  # indices are never reused
+    loop.connect("me", d)
+    with pytest.raises(TransportError, match="unregistered"):
+        loop.get(ops_for([(loop.peer_index("me"), i, 0, y.data_ptr(), 4)]))
+
+
+def test_bad_plans(loop: UcxTransport) -> None:
+    x = torch.zeros(64, dtype=torch.uint8)
+    i = loop.register_tensor(x)
+    loop.connect("me", loop.descriptor())
+    with pytest.raises(TransportError, match="shape"):
+        loop.get(np.zeros((3, 4), dtype=np.uint64))
+    with pytest.raises(TransportError, match="negative"):
+        loop.get(np.array([[0, i, -1, x.data_ptr(), 1]], dtype=np.int64))
+    with pytest.raises(TransportError, match="null local address"):
+        loop.get(ops_for([(0, i, 0, 0, 1)]))
+    loop.get(np.zeros((0, 5), dtype=np.int64))  # empty plan is a no-op
+    with pytest.raises(KeyError):
+        loop.peer_index("nobody")
+    with pytest.raises(TransportError, match="kind"):
+        loop.connect("x", {**loop.descriptor(), "kind": "other"})
+    with pytest.raises(TransportError, match="malformed"):
+        loop.connect("x", {"kind": "ucx"})
+
+
+def test_native_lifetimes_survive_any_close_order() -> None:
+    nat = native()
+    w = nat.Worker({"TLS": "sm,self"}, progress_thread=True)
+    buf = np.arange(1024, dtype=np.uint8)
+    dst = np.zeros(1024, dtype=np.uint8)
+    m = w.mem_map(buf.ctypes.data, buf.nbytes, nat.MEMORY_TYPE_HOST)
+    ep = w.connect(w.address, peer_error_handling=False)
+    rk = ep.unpack_rkey(m.rkey())
+    plan = np.array([[0, 0, buf.ctypes.data, dst.ctypes.data, 1024]], dtype=np.uint64)
+    w.get(plan, [ep], [rk], timeout=5.0)
+    assert np.array_equal(buf, dst)
+    with pytest.raises(IndexError):
+        w.get(np.array([[1, 0, buf.ctypes.data, dst.ctypes.data, 1]], dtype=np.uint64), [ep], [rk])
+    w.close()  # parent first: children are torn down in UCX order and report closed
+    assert w.closed and ep.closed and rk.closed and m.closed
+    with pytest.raises(nat.UcxError):
+        w.get(plan, [ep], [rk])
+    with pytest.raises(nat.UcxError):
+        ep.unpack_rkey(b"\0" * 16)
+    ep.close()
+    rk.destroy()
+    m.unmap()
+    del w, ep, rk, m  # deallocation in any order after close is safe
+    w2 = nat.Worker({"TLS": "sm,self"})
+    ep2 = w2.connect(w2.address, peer_error_handling=False)
+    m2 = w2.mem_map(buf.ctypes.data, buf.nbytes)
+    rk2 = ep2.unpack_rkey(m2.rkey())
+    del w2, ep2  # children keep their parents alive
+    rk2.destroy()
+    del rk2, m2
+
+
+def _use_inherited(t: UcxTransport, q: Any) -> None:
+    try:
+        t.get(ops_for([(0, 0, 0, 1, 1)]))
+        q.put("no error")
+    except TransportError as exc:
+        q.put(str(exc))
+    t.close()  # must neither hang nor touch the parent's UCX state
+
+
+@pytest.mark.timeout(60)
+def test_forked_child_cannot_use_parents_worker(loop: UcxTransport) -> None:
+    x = torch.zeros(64, dtype=torch.uint8)
+    loop.register_tensor(x)
+    loop.connect("me", loop.descriptor())
+    fork = mp.get_context("fork")
+    q = fork.Queue()
+    p = fork.Process(target=_use_inherited, args=(loop, q))
+    p.start()
+    msg = q.get(timeout=30)
+    p.join(30)
+    assert p.exitcode == 0 and "another process" in msg
+    y = torch.ones(64, dtype=torch.uint8)  # the parent is unaffected
+    loop.get(ops_for([(loop.peer_index("me"), 0, 0, y.data_ptr(), 64)]))
+    assert not y.any()
+
+
+def test_mode_config_respects_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = UcxTransport._effective_config
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    monkeypatch.delenv("UCX_TCP_RX_SEG_SIZE", raising=False)
+    assert cfg("shm", None)["TLS"].startswith("sm,self")
+    tcp = cfg("tcp", None)
+    assert tcp["TLS"].startswith("tcp,self") and tcp["TCP_TX_SEG_SIZE"] == "1M"
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "64k")
+    got = cfg("shm", {"UCX_NET_DEVICES": "lo"})
+    assert "TLS" not in got and "TCP_TX_SEG_SIZE" not in got and got["NET_DEVICES"] == "lo"
+    with UcxTransport("shm") as t:  # env UCX_TLS=tcp wins: no shared memory, PEER endpoints
+        assert not t.shm and not t.descriptor()["shm"]
+
+
+def test_native_error_carries_status_text() -> None:
+    nat = native()
+    with pytest.raises(nat.UcxError) as ei:
+        nat.Worker({"TLS": "no_such_transport_xyz"})
+    assert ei.value.status != 0 and ei.value.status_text in str(ei.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensor_roundtrip() -> None:
+    with UcxTransport("auto") as t:
+        src = torch.arange(1 << 20, dtype=torch.uint8, device="cuda")
+        dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+        r = t.register_tensor(src)
+        t.register_tensor(dst)
+        t.connect("me", t.descriptor())
+        t.get(ops_for([(t.peer_index("me"), r, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
+        torch.cuda.synchronize()
+        assert torch.equal(src, dst)
