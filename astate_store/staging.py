@@ -1,0 +1,118 @@
+"""Registered staging memory: the snapshot pool a publisher copies into, reused every step.
+
+One allocation of ``depth`` slots, registered with the transport once. Every slot holds the
+same shard layout at the same offsets, so a step only changes the piece's ``base_offset``
+(slot index x slot size): the layout record, rkeys and every consumer's plan stay cached.
+With ``depth >= 2`` a step never overwrites the version consumers are most likely reading
+(the previous one); the slot it does overwrite is retired first.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .errors import LayoutError
+from .layout import Box, itemsize, torch_dtype
+
+__all__ = ["SlotEntry", "SnapshotPool", "ALIGN"]
+
+log = logging.getLogger("astate_store.staging")
+
+# Cache-line aligned shards: copies and remote reads never straddle a shared line.
+ALIGN = 256
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    box: Box
+    offset: int  # byte offset of the shard inside a slot
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * itemsize(self.dtype)
+
+
+class SnapshotPool:
+    """Args:
+        depth: slots (versions that can be live at once); >= 1.
+        cap_bytes: the most memory the pool may use; depth shrinks to fit, down to 1.
+        alloc: ``alloc(nbytes) -> uint8 tensor`` (NUMA-local allocation by default: plain).
+        register: ``register(tensor) -> region`` index in the transport descriptor.
+        unregister: frees an old registration when the pool grows.
+
+    Raises:
+        LayoutError: one slot alone is larger than ``cap_bytes``.
+    """
+
+    def __init__(self, depth: int, cap_bytes: int | None, alloc: Callable[[int], torch.Tensor],
+                 register: Callable[[torch.Tensor], int], unregister: Callable[[int], None]):
+        if depth < 1:
+            raise ValueError(f"staging depth must be >= 1, got {depth}")
+        self.want_depth, self.cap_bytes = depth, cap_bytes
+        self._alloc, self._register, self._unregister = alloc, register, unregister
+        self.signature: tuple[object, ...] | None = None
+        self.entries: tuple[SlotEntry, ...] = ()
+        self.slot_size = 0
+        self.depth = 0
+        self.buffer: torch.Tensor | None = None
+        self.region: int | None = None
+        self.slot_step: list[int | None] = []
+        self._next = 0
+
+    def configure(self, items: Sequence[tuple[str, str, tuple[int, ...], Box]]) -> bool:
+        """Lay out the slots for these (name, dtype, global_shape, box); True if the layout changed."""
+        sig = tuple(items)
+        if sig == self.signature:
+            return False
+        entries, off = [], 0
+        for name, dtype, gshape, box in items:
+            entries.append(SlotEntry(name, dtype, gshape, box, off))
+            off += -(-box.numel * itemsize(dtype) // ALIGN) * ALIGN
+        slot = max(off, ALIGN)
+        depth = self.want_depth
+        if self.cap_bytes is not None:
+            if slot > self.cap_bytes:
+                raise LayoutError(
+                    f"snapshot of this rank's {len(entries)} tensors needs {slot} bytes of staging, above the "
+                    f"cap of {self.cap_bytes} bytes; raise staging_cap_bytes or publish with copy=False")
+            depth = max(1, min(depth, self.cap_bytes // slot))
+            if depth < self.want_depth:
+                log.warning("staging cap %d bytes allows %d of %d snapshot slots; puts will wait for readers",
+                            self.cap_bytes, depth, self.want_depth)
+        need = slot * depth
+        if self.buffer is None or self.buffer.numel() < need or self.buffer.numel() > 2 * need:
+            if self.region is not None:
+                self._unregister(self.region)
+            self.buffer = self._alloc(need)
+            self.region = self._register(self.buffer)
+        self.signature, self.entries, self.slot_size, self.depth = sig, tuple(entries), slot, depth
+        self.slot_step = [None] * depth
+        self._next = 0
+        return True
+
+    def next_slot(self) -> tuple[int, int | None]:
+        """The slot the next step goes to, and the step it held (to retire first)."""
+        k = self._next
+        return k, self.slot_step[k]
+
+    def fill(self, k: int, tensors: Sequence[torch.Tensor], step: int) -> None:
+        """Copy the step's tensors into slot k (torch's copy is multi-threaded for large tensors)."""
+        assert self.buffer is not None
+        base = k * self.slot_size
+        with torch.no_grad():
+            for e, t in zip(self.entries, tensors):
+                view = self.buffer[base + e.offset: base + e.offset + e.nbytes]
+                view.view(torch_dtype(e.dtype)).view(e.box.sizes).copy_(t)
+        self.slot_step[k] = step
+        self._next = (k + 1) % self.depth
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else int(self.buffer.numel())

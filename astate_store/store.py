@@ -1,0 +1,491 @@
+"""The public façade: ``connect`` -> ``Store.put`` / ``Store.get_into`` / ``Store.latest``.
+
+put:  tensors -> layout (validate) -> staging (snapshot) or registration (zero-copy) -> catalog.
+get:  catalog (wait, begin_read) -> plan (cached) -> transport (one batched get) -> buffers -> end_read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from . import codec, plan as planner
+from .catalog import Catalog, Version
+from .errors import (
+    AStateError,
+    CatalogError,
+    LayoutError,
+    PeerUnreachable,
+    TornReadError,
+    TransportError,
+    VersionNotFound,
+    WaitTimeout,
+)
+from .etcd_server import shared_endpoint
+from .layout import (
+    Box,
+    ShardRecord,
+    TensorLike,
+    TensorLayout,
+    group_layouts,
+    is_floating,
+    itemsize,
+    local_box,
+    torch_dtype,
+)
+from .staging import SnapshotPool
+from .transport import UcxTransport
+
+__all__ = ["connect", "Store"]
+
+log = logging.getLogger("astate_store")
+
+_MAX_TORN_RETRIES = 8
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One validated user tensor: the local piece and where it sits in the global tensor."""
+
+    name: str
+    tensor: torch.Tensor
+    box: Box
+    global_shape: tuple[int, ...]
+    dtype: str
+
+
+def _validate(tensors: Mapping[str, TensorLike], what: str) -> list[_Entry]:
+    if not isinstance(tensors, Mapping):
+        raise LayoutError(f"{what} must map names to tensors or Shards, got {type(tensors).__name__}")
+    if not tensors:
+        raise LayoutError(f"{what} is empty")
+    out = []
+    for name in sorted(tensors):
+        t, box, gshape, dtype = local_box(name, tensors[name])
+        if t.device.type not in ("cpu", "cuda"):
+            raise LayoutError(f"tensor {name!r}: device {t.device} is not supported (cpu or cuda)")
+        out.append(_Entry(name, t, box, gshape, dtype))
+    return out
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the memory a tensor view spans (first to one past last element)."""
+    if t.numel() == 0:
+        return t.data_ptr(), 0
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), (last + 1) * t.element_size()
+
+
+def connect(namespace: str, *, etcd: str | None = None, rank: int | None = None, world_size: int | None = None,
+            **options: Any) -> "Store":
+    """Open the store of one namespace (one versioned state, e.g. ``"policy"``).
+
+    Args:
+        namespace: the state's name, ``[A-Za-z0-9_.-]{1,128}``.
+        etcd: ``host:port`` of etcd (comma-separated for a cluster); None starts or reuses the
+            embedded single-host etcd (``$ASTATE_ETCD`` wins when set).
+        rank: this process's publisher rank; default ``$RANK`` or 0.
+        world_size: publisher group size; default ``$WORLD_SIZE`` or 1.
+        **options: see :class:`Store`.
+
+    Raises:
+        CatalogUnavailable: etcd could not be reached or started.
+    """
+    endpoint = etcd or shared_endpoint()
+    r = int(os.environ.get("RANK", 0)) if rank is None else rank
+    w = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    return Store(namespace, endpoint=endpoint, rank=r, world_size=w, **options)
+
+
+class Store:
+    """A namespace's versioned tensors: publish with :meth:`put`, pull with :meth:`get_into`.
+
+    Args:
+        namespace, endpoint, rank, world_size: as in :func:`connect`.
+        transport: ``"auto"`` (shared memory + cma on one host), ``"shm"`` or ``"tcp"`` (several hosts).
+        session_id: id shared by the ranks of one publisher group (default ``$ASTATE_SESSION_ID``, or
+            torchrun's run id and restart count; ranks > 0 otherwise join the live session).
+        retention: committed versions whose metadata etcd keeps.
+        lease_ttl: seconds after which a silent process counts as dead.
+        staging_depth: snapshot slots (versions live at once) of the publisher's pool.
+        staging_cap_bytes: the most staging memory this store may use, for snapshots and for
+            dtype conversion on pull (chunks are pipelined through it).
+        read_timeout: seconds one batched pull may take before ``PeerUnreachable``.
+        retire_timeout: seconds a publisher waits for readers before reusing memory.
+        window: outstanding UCX requests per pull.
+    """
+
+    def __init__(self, namespace: str, *, endpoint: str, rank: int = 0, world_size: int = 1,
+                 transport: str = "auto", session_id: str | None = None, retention: int = 4,
+                 lease_ttl: float = 10.0, staging_depth: int = 2, staging_cap_bytes: int | None = None,
+                 read_timeout: float = 120.0, retire_timeout: float = 30.0, window: int = 256):
+        self.namespace, self.rank, self.world_size = namespace, rank, world_size
+        self.catalog = Catalog(endpoint, namespace, retention=retention, lease_ttl=lease_ttl)
+        self._session_id = session_id or os.environ.get("ASTATE_SESSION_ID") or _torchrun_session()
+        self._transport_mode = transport
+        self._transport: UcxTransport | None = None
+        self._staging_depth, self._staging_cap = staging_depth, staging_cap_bytes
+        self.read_timeout, self.retire_timeout, self.window = read_timeout, retire_timeout, window
+        self._pool: SnapshotPool | None = None
+        self._layout_id: str | None = None
+        self._layout_sig: object = None
+        self._zero_copy_live: list[int] = []
+        self._registered: dict[tuple[int, int], int] = {}
+        self._reader_id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        self._planner = planner.Planner()
+        self._connected: dict[str, tuple[int, int]] = {}  # layout id -> (epoch, rank) peer key
+        self._ops_cache: OrderedDict[object, np.ndarray] = OrderedDict()
+        self._closed = False
+        self.stats: dict[str, int] = {"plans": 0, "plan_hits": 0, "torn_retries": 0}
+
+    # ---- shared --------------------------------------------------------------------------
+
+    @property
+    def transport(self) -> UcxTransport:
+        if self._transport is None:
+            self._transport = UcxTransport(mode=self._transport_mode, window=self.window)  # type: ignore[arg-type]
+        return self._transport
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None before the first commit.
+
+        Raises:
+            CatalogUnavailable: etcd unreachable within the retry budget.
+        """
+        return self.catalog.latest()
+
+    def close(self) -> None:
+        """Leave the session (members, layouts and readers vanish at once) and free memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self.catalog.close()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._pool = None
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- publishing ----------------------------------------------------------------------
+
+    def put(self, step: int, tensors: Mapping[str, TensorLike], *, copy: bool = True) -> bool:
+        """Publish this rank's piece of version ``step``.
+
+        Args:
+            step: the version number; ``latest`` only moves forward.
+            tensors: names -> ``torch.Tensor`` (the whole tensor) or ``Shard`` (a box of it).
+            copy: True (default): snapshot into registered staging memory; the caller may change
+                its tensors as soon as ``put`` returns. False: publish the tensors' memory in place
+                (no copy); the caller must call :meth:`retire` before changing them.
+
+        Returns:
+            True if this put completed the version (all ranks have put it).
+
+        Raises:
+            LayoutError: bad names, dtypes, boxes (before anything is published).
+            StaleSessionError: a newer session of the namespace fenced this one.
+            CatalogUnavailable: etcd unreachable.
+        """
+        entries = _validate(tensors, "put(tensors)")
+        if self.catalog.session is None:
+            self.catalog.open_session(rank=self.rank, world_size=self.world_size, session_id=self._session_id)
+        if copy:
+            lid, base = self._stage(step, entries)
+        else:
+            lid, base = self._register_in_place(entries), 0
+            if self._zero_copy_live:
+                log.warning("put(copy=False) of step %d while steps %s were not retired: call store.retire() "
+                            "before changing published tensors", step, self._zero_copy_live)
+            self._zero_copy_live.append(step)
+        return self.catalog.put_piece(step, lid, base)
+
+    def _stage(self, step: int, entries: list[_Entry]) -> tuple[str, int]:
+        if self._pool is None:
+            self._pool = SnapshotPool(self._staging_depth, self._staging_cap, _alloc_staging,
+                                      self.transport.register_tensor, self.transport.unregister)
+        pool = self._pool
+        if pool.configure([(e.name, e.dtype, e.global_shape, e.box) for e in entries]) or self._layout_id is None:
+            assert pool.region is not None
+            shards = [ShardRecord(se.name, se.dtype, se.global_shape, se.box, _contig(se.box.sizes), self.rank,
+                                  pool.region, se.offset) for se in pool.entries]
+            self._publish_layout(shards)
+        k, old = pool.next_slot()
+        if old is not None:
+            # The slot still holds an older version: readers of it must be done or will discard.
+            self.catalog.retire(old, timeout=self.retire_timeout)
+        pool.fill(k, [e.tensor for e in entries], step)
+        assert self._layout_id is not None
+        return self._layout_id, k * pool.slot_size
+
+    def _register_in_place(self, entries: list[_Entry]) -> str:
+        shards = []
+        for e in entries:
+            addr, nbytes = _storage_span(e.tensor)
+            region = self._in_place_region(e.tensor, addr, nbytes)
+            shards.append(ShardRecord(e.name, e.dtype, e.global_shape, e.box, tuple(e.tensor.stride()), self.rank,
+                                      region, addr - self.transport.region(region).base))
+        sig = tuple(shards)
+        if sig != self._layout_sig or self._layout_id is None:
+            self._publish_layout(shards)
+            self._layout_sig = sig
+        assert self._layout_id is not None
+        return self._layout_id
+
+    def _in_place_region(self, t: torch.Tensor, addr: int, nbytes: int) -> int:
+        """The registered region holding a tensor's storage, registered once per storage."""
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        region = self._registered.get(key)
+        if region is None:
+            region = self.transport.register_tensor(t)
+            self._registered[key] = region
+        info = self.transport.region(region)
+        assert info.base <= addr and addr + nbytes <= info.base + info.size
+        return region
+
+    def _publish_layout(self, shards: list[ShardRecord]) -> None:
+        desc = codec.encode("ucx_descriptor", self.transport.descriptor())
+        old = self._layout_id
+        self._layout_id = self.catalog.write_layout(shards, desc)
+        if old is not None and old != self._layout_id:
+            log.info("rank %d: layout changed (%s -> %s)", self.rank, old, self._layout_id)
+
+    def retire(self, timeout: float | None = None) -> int:
+        """Before changing tensors published with ``copy=False``: mark those versions retired and
+        wait (bounded) for their in-flight readers. Readers that were still reading discard their
+        bytes and retry on a newer version. Returns the number of readers that had not finished.
+
+        Raises:
+            StaleSessionError: the session was fenced.
+        """
+        left = 0
+        for s in self._zero_copy_live:
+            left += self.catalog.retire(s, timeout=self.retire_timeout if timeout is None else timeout)
+        self._zero_copy_live.clear()
+        return left
+
+    # ---- consuming -----------------------------------------------------------------------
+
+    def get_into(self, buffers: Mapping[str, TensorLike], *, step: int | None = None,
+                 timeout: float | None = None) -> int:
+        """Pull the newest committed version >= ``step`` into preallocated buffers, in place.
+
+        Args:
+            buffers: names -> preallocated ``torch.Tensor`` (the whole tensor) or ``Shard`` (a box),
+                any strides; a subset of the published names is fine. A floating buffer of another
+                floating dtype than the published one is converted during the pull.
+            step: the oldest acceptable step (None: any committed version).
+            timeout: seconds to wait for that version (None: wait indefinitely for the commit;
+                each pull is still bounded by ``read_timeout``).
+
+        Returns:
+            The step delivered; every buffer holds bytes of that step only.
+
+        Raises:
+            LayoutError: unknown name, or shape/box/dtype that does not fit (before any byte moves).
+            WaitTimeout: no such version committed in time.
+            PeerUnreachable: a publisher died or did not answer within ``read_timeout``.
+            TornReadError: the version kept being retired under the reader (too many retries).
+        """
+        dests = _validate(buffers, "get_into(buffers)")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        want = step
+        torn = 0
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            s = self.catalog.wait_for(want, timeout=remaining)
+            try:
+                version = self.catalog.begin_read(s, self._reader_id)
+            except VersionNotFound:
+                # Retired or dropped between the wait and the read: only a newer one can serve.
+                want = s + 1
+                continue
+            try:
+                version = self.catalog.layouts_of(version)
+                self._pull(version, dests)
+            except BaseException:
+                self.catalog.end_read(s, self._reader_id)
+                raise
+            if self.catalog.end_read(s, self._reader_id):
+                return s
+            torn += 1
+            self.stats["torn_retries"] += 1
+            log.info("step %d was retired while being read; retrying on a newer version", s)
+            if torn > _MAX_TORN_RETRIES:
+                raise TornReadError(f"namespace {self.namespace!r}: step {s} and {torn - 1} newer ones were "
+                                    "retired while being read; the publisher changes memory faster than it "
+                                    "can be read")
+            want = s + 1
+
+    def _pull(self, version: Version, dests: list[_Entry]) -> None:
+        layouts = self._tensor_layouts(version)
+        same, convert = self._check_dests(layouts, dests)
+        self._connect(version)
+        if same:
+            ops = self._same_dtype_ops(version, layouts, same)
+            if len(ops):
+                self.transport.get(ops, timeout=self.read_timeout)
+        for e in convert:
+            self._pull_converted(version, layouts, e)
+
+    def _tensor_layouts(self, version: Version) -> Mapping[str, TensorLayout]:
+        key = ("layouts", version.layout_key)
+        cached = self._planner.memo.get(key)
+        if cached is None:
+            cached = group_layouts(s for lay in version.layouts.values() for s in lay.shards)
+            self._planner.memo[key] = cached
+        return cached  # type: ignore[no-any-return]
+
+    def _check_dests(self, layouts: Mapping[str, TensorLayout], dests: list[_Entry]
+                     ) -> tuple[list[_Entry], list[_Entry]]:
+        same, convert = [], []
+        for e in dests:
+            lay = layouts.get(e.name)
+            if lay is None:
+                near = ", ".join(sorted(layouts)[:8])
+                raise LayoutError(f"tensor {e.name!r} is not in step's published tensors ({near}"
+                                  f"{', ...' if len(layouts) > 8 else ''})")
+            if lay.global_shape != e.global_shape:
+                raise LayoutError(f"tensor {e.name!r}: buffer expects global shape {e.global_shape}, published "
+                                  f"global shape is {lay.global_shape}")
+            if e.dtype == lay.dtype:
+                same.append(e)
+            elif is_floating(e.dtype) and is_floating(lay.dtype):
+                convert.append(e)
+            else:
+                raise LayoutError(f"tensor {e.name!r}: buffer dtype {e.dtype} does not match published dtype "
+                                  f"{lay.dtype}, and {lay.dtype} -> {e.dtype} is not a float conversion")
+        return same, convert
+
+    def _connect(self, version: Version) -> None:
+        for r, lay in version.layouts.items():
+            if lay.layout_id in self._connected:
+                continue
+            desc = codec.decode("ucx_descriptor", lay.transport)
+            peer = (lay.epoch, r)
+            try:
+                self.transport.connect(peer, desc)
+            except TransportError as exc:
+                raise PeerUnreachable(f"step {version.step}: cannot connect to publisher rank {r}: {exc}") from exc
+            self._connected[lay.layout_id] = peer
+
+    def _dest_records(self, dests: list[_Entry], region0: int = 0) -> list[ShardRecord]:
+        return [ShardRecord(e.name, e.dtype, e.global_shape, e.box, tuple(e.tensor.stride()), -1, region0 + i, 0)
+                for i, e in enumerate(dests)]
+
+    def _plan(self, layouts: Mapping[str, TensorLayout], version: Version, dests: Sequence[ShardRecord]
+              ) -> np.ndarray:
+        before = self._planner.misses
+        reads = self._planner.plan_one(layouts, dests, key=(version.layout_key, tuple(dests)))
+        if self._planner.misses != before:
+            self.stats["plans"] += 1
+        else:
+            self.stats["plan_hits"] += 1
+        return reads
+
+    def _same_dtype_ops(self, version: Version, layouts: Mapping[str, TensorLayout], dests: list[_Entry]
+                        ) -> np.ndarray:
+        ptrs = tuple(e.tensor.data_ptr() for e in dests)
+        bases = tuple(version.pieces[r].base_offset for r in sorted(version.pieces))
+        key = (version.layout_key, tuple((e.name, e.box, e.tensor.stride()) for e in dests), ptrs, bases)
+        hit = self._ops_cache.get(key)
+        if hit is not None:
+            self._ops_cache.move_to_end(key)
+            self.stats["plan_hits"] += 1
+            return hit
+        reads = self._plan(layouts, version, self._dest_records(dests))
+        ops = self._to_transport_ops(version, reads, np.asarray(ptrs, dtype=np.int64))
+        self._ops_cache[key] = ops
+        while len(self._ops_cache) > 8:
+            self._ops_cache.popitem(last=False)
+        return ops
+
+    def _to_transport_ops(self, version: Version, reads: np.ndarray, dst_base: np.ndarray) -> np.ndarray:
+        """Plan rows -> (peer index, region, remote offset, local address, length), vectorized."""
+        ranks = sorted(version.pieces)
+        nr = max(ranks) + 1
+        peer_idx = np.full(nr, -1, dtype=np.int64)
+        base = np.zeros(nr, dtype=np.int64)
+        for r in ranks:
+            peer_idx[r] = self.transport.peer_index((version.layouts[r].epoch, r))
+            base[r] = version.pieces[r].base_offset
+        src = reads["src_rank"].astype(np.int64)
+        ops = np.empty((len(reads), 5), dtype=np.int64)
+        ops[:, 0] = peer_idx[src]
+        ops[:, 1] = reads["src_region"]
+        ops[:, 2] = reads["src_offset"] + base[src]
+        ops[:, 3] = dst_base[reads["dst_region"]] + reads["dst_offset"]
+        ops[:, 4] = reads["length"]
+        return ops
+
+    def _pull_converted(self, version: Version, layouts: Mapping[str, TensorLayout], e: _Entry) -> None:
+        """Pull a buffer of another float dtype: chunks of the source bytes go through bounded
+        staging, then one torch conversion per chunk writes the buffer in place."""
+        src_dtype = layouts[e.name].dtype
+        isz = itemsize(src_dtype)
+        cap = self._staging_cap or (64 << 20)
+        sizes = e.box.sizes
+        if not sizes:
+            chunks = [e.box]
+        else:
+            row = max(1, int(np.prod(sizes[1:], dtype=np.int64)) * isz)
+            if row > cap and len(sizes) > 1:
+                raise LayoutError(f"tensor {e.name!r}: one row of {row} bytes exceeds the staging cap {cap}; "
+                                  "raise staging_cap_bytes")
+            per = max(1, cap // row)
+            chunks = [Box((e.box.offsets[0] + i,) + e.box.offsets[1:], (min(per, sizes[0] - i),) + sizes[1:])
+                      for i in range(0, sizes[0], per)]
+        staging = self._conversion_staging(min(cap, e.box.numel * isz))
+        for c in chunks:
+            rec = ShardRecord(e.name, src_dtype, e.global_shape, c, _contig(c.sizes), -1, 0, 0)
+            reads = self._plan(layouts, version, [rec])
+            ops = self._to_transport_ops(version, reads, np.asarray([staging.data_ptr()], dtype=np.int64))
+            if len(ops):
+                self.transport.get(ops, timeout=self.read_timeout)
+            n = c.numel * isz
+            src = staging[:n].view(torch_dtype(src_dtype)).view(c.sizes)
+            local = tuple(slice(o - b, o - b + s) for o, b, s in zip(c.offsets, e.box.offsets, c.sizes))
+            with torch.no_grad():
+                e.tensor[local].copy_(src)
+
+    def _conversion_staging(self, nbytes: int) -> torch.Tensor:
+        buf = getattr(self, "_conv_buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = _alloc_staging(max(nbytes, 1))
+            self._conv_buf = buf
+        return buf
+
+
+def _contig(sizes: Sequence[int]) -> tuple[int, ...]:
+    from .layout import contiguous_strides
+
+    return contiguous_strides(sizes)
+
+
+def _alloc_staging(nbytes: int) -> torch.Tensor:
+    # numpy asks the kernel for transparent huge pages on large arrays; torch's allocator does
+    # not, and cma reads from huge-page memory measured ~2x faster.
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+
+
+def _torchrun_session() -> str | None:
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run:
+        return f"{run}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return None
+
+
+_ = (AStateError, CatalogError, WaitTimeout)

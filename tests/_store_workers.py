@@ -1,0 +1,105 @@
+"""Publisher processes for the data-path tests, and the model specs both sides rebuild.
+
+Every tensor's value at step s is a pure function of (name, step), so any process can
+compute the expected global tensor and check a consumer's buffers byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def split(shape: tuple[int, ...], dim: int, parts: int, index: int, uneven: bool = False) -> Box:
+    """Box ``index`` of ``parts`` along ``dim``; uneven gives the first part one extra row."""
+    n = shape[dim]
+    if uneven:
+        cuts = [0] + [min(n, (n // parts) * (i + 1) + 1) for i in range(parts - 1)] + [n]
+    else:
+        cuts = [n * i // parts for i in range(parts + 1)]
+    offs = [0] * len(shape)
+    sizes = list(shape)
+    offs[dim], sizes[dim] = cuts[index], cuts[index + 1] - cuts[index]
+    return tuple(offs), tuple(sizes)
+
+
+def whole(shape: tuple[int, ...]) -> Box:
+    return (0,) * len(shape), shape
+
+
+# name -> (global shape, dtype, trainer box for (tp_rank, tp_size))
+SPECS: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[int, int], Box]]]] = {
+    "mixed": {
+        "emb": ((64, 48), torch.float32, lambda r, n: split((64, 48), 0, n, r)),            # row-parallel
+        "qkv": ((96, 48), torch.bfloat16, lambda r, n: split((96, 48), 1, n, r)),           # column-parallel
+        "odd": ((37, 29), torch.float32, lambda r, n: split((37, 29), 0, n, r, uneven=True)),
+        "experts": ((8, 24, 16), torch.float16, lambda r, n: split((8, 24, 16), 0, n, r)),  # expert-parallel
+        "norm": ((48,), torch.float32, lambda r, n: whole((48,))),                           # replicated
+        "step_count": ((), torch.int64, lambda r, n: whole(())),
+    },
+}
+
+
+def value(name: str, shape: tuple[int, ...], dtype: torch.dtype, step: int) -> torch.Tensor:
+    numel = 1
+    for s in shape:
+        numel *= s
+    seed = sum(map(ord, name)) % 97
+    base = torch.arange(numel, dtype=torch.float64).reshape(shape)
+    if dtype.is_floating_point:
+        return ((base * 0.013 + seed) % 17 + step).to(dtype)
+    return (base + seed * 1000 + step).to(dtype)
+
+
+def local_tensors(spec: str, step: int, tp_rank: int, tp_size: int, *, strided: bool = False) -> dict[str, Any]:
+    from astate_store import Shard
+
+    out: dict[str, Any] = {}
+    for name, (shape, dtype, boxer) in SPECS[spec].items():
+        offs, sizes = boxer(tp_rank, tp_size)
+        full = value(name, shape, dtype, step)
+        piece = full[tuple(slice(o, o + s) for o, s in zip(offs, sizes))]
+        if strided and piece.dim() == 2:
+            # A view with strides: the piece lives inside a wider buffer.
+            holder = torch.zeros(piece.shape[0], piece.shape[1] + 5, dtype=dtype)
+            holder[:, 2:2 + piece.shape[1]] = piece
+            piece = holder[:, 2:2 + piece.shape[1]]
+        else:
+            piece = piece.clone()
+        out[name] = Shard(piece, offs, shape)
+    return out
+
+
+def publisher_main(endpoint: str, ns: str, rank: int, world: int, tp: int, spec: str, transport: str,
+                   cmds: Any, out: Any, copy: bool = True) -> None:
+    """A trainer rank: on ("put", step) publish that step; on ("exit",) leave."""
+    import astate_store
+    from astate_store.store import Store
+
+    store = Store(ns, endpoint=endpoint, rank=rank, world_size=world, transport=transport,
+                  session_id=f"{ns}-pub", lease_ttl=3.0)
+    tensors = local_tensors(spec, 0, rank % tp, tp, strided=not copy)
+    out.put(("ready", rank, os.getpid()))
+    while True:
+        cmd = cmds.get()
+        if cmd[0] == "exit":
+            break
+        step = cmd[1]
+        if not copy:
+            store.retire()
+        new = local_tensors(spec, step, rank % tp, tp)
+        for name, sh in tensors.items():
+            sh.tensor.copy_(new[name].tensor)
+        try:
+            committed = store.put(step, tensors, copy=copy)
+            out.put(("put", rank, step, committed))
+        except astate_store.AStateError as exc:
+            out.put(("error", rank, step, f"{type(exc).__name__}: {exc}"))
+    store.close()
+    out.put(("bye", rank))
+    time.sleep(0.1)

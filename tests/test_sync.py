@@ -1,0 +1,214 @@
+"""End to end: publisher processes put, this process pulls over real UCX, byte-exact."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import uuid
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from astate_store import LayoutError, PeerUnreachable, Shard, WaitTimeout
+from astate_store.store import Store
+
+from ._store_workers import SPECS, publisher_main, split, value, whole
+
+CTX = mp.get_context("spawn")
+TRANSPORTS = ["shm", "tcp"]
+
+
+class Group:
+    """A publisher group of separate processes driven through queues."""
+
+    def __init__(self, endpoint: str, ns: str, world: int, tp: int, transport: str, spec: str = "mixed",
+                 copy: bool = True):
+        self.ns, self.world = ns, world
+        self.cmds = [CTX.Queue() for _ in range(world)]
+        self.out = CTX.Queue()
+        self.procs = [CTX.Process(target=publisher_main, daemon=True,
+                                  args=(endpoint, ns, r, world, tp, spec, transport, self.cmds[r], self.out, copy))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.pids = {}
+        for _ in range(world):
+            msg = self.out.get(timeout=120)
+            assert msg[0] == "ready", msg
+            self.pids[msg[1]] = msg[2]
+
+    def put(self, step: int) -> None:
+        for q in self.cmds:
+            q.put(("put", step))
+        for _ in range(self.world):
+            msg = self.out.get(timeout=60)
+            assert msg[0] == "put", msg
+
+    def kill(self, rank: int) -> None:
+        os.kill(self.pids[rank], signal.SIGKILL)
+        self.procs[rank].join(10)
+
+    def close(self) -> None:
+        for p, q in zip(self.procs, self.cmds):
+            if p.is_alive():
+                q.put(("exit",))
+        for p in self.procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: Any) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def consumer(etcd: Any, transport: str) -> Iterator[Any]:
+    made: list[Store] = []
+
+    def make(ns: str, **kw: Any) -> Store:
+        s = Store(ns, endpoint=etcd.endpoint, transport=transport, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def group(etcd: Any, transport: str, world: int = 2, tp: int = 2, **kw: Any) -> Group:
+    return Group(etcd.endpoint, "sync-" + uuid.uuid4().hex[:10], world, tp, transport, **kw)
+
+
+def expected(name: str, step: int, box: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> torch.Tensor:
+    shape, dtype, _ = SPECS["mixed"][name]
+    full = value(name, shape, dtype, step)
+    if box is None:
+        return full
+    return full[tuple(slice(o, o + s) for o, s in zip(*box))]
+
+
+def whole_buffers() -> dict[str, torch.Tensor]:
+    return {n: torch.full(shape, 0, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
+
+
+def column_buffers(index: int, parts: int = 2) -> dict[str, Shard]:
+    """A rollout rank laid out differently: split on the last dim where the trainer split rows."""
+    out = {}
+    for n, (shape, dt, _) in SPECS["mixed"].items():
+        offs, sizes = split(shape, len(shape) - 1, parts, index) if shape else whole(shape)
+        out[n] = Shard(torch.zeros(sizes, dtype=dt), offs, shape)
+    return out
+
+
+def assert_exact(buffers: dict[str, Any], step: int) -> None:
+    for n, b in buffers.items():
+        if isinstance(b, Shard):
+            exp = expected(n, step, (b.offsets, tuple(b.tensor.shape)))
+            got = b.tensor
+        else:
+            exp, got = expected(n, step), b
+        assert torch.equal(got.reshape(-1).view(torch.uint8), exp.reshape(-1).view(torch.uint8)), n
+
+
+def test_reshard_n_to_m_byte_exact_several_steps(etcd: Any, transport: str, consumer: Any) -> None:
+    g = group(etcd, transport)
+    try:
+        full = consumer(g.ns)
+        col = [consumer(g.ns), consumer(g.ns)]
+        bufs, cols = whole_buffers(), [column_buffers(0), column_buffers(1)]
+        ptrs = {n: t.data_ptr() for n, t in bufs.items()}
+        for step in (1, 2, 3):
+            g.put(step)
+            assert full.get_into(bufs, step=step, timeout=30) == step
+            assert_exact(bufs, step)
+            for c, b in zip(col, cols):
+                assert c.get_into(b, step=step, timeout=30) == step
+                assert_exact(b, step)
+        assert {n: t.data_ptr() for n, t in bufs.items()} == ptrs  # in place
+        # Steady state: the layout did not change, so later steps reuse the plan.
+        assert full.stats["plans"] == 1 and full.stats["plan_hits"] >= 2
+    finally:
+        g.close()
+
+
+def test_dp_replicas_serve_as_alternative_sources(etcd: Any, transport: str, consumer: Any) -> None:
+    g = group(etcd, transport, world=4, tp=2)  # ranks 0,2 and 1,3 hold identical boxes
+    try:
+        g.put(5)
+        store = consumer(g.ns)
+        bufs = whole_buffers()
+        assert store.get_into(bufs, timeout=30) == 5
+        assert_exact(bufs, 5)
+        cols = column_buffers(1)
+        assert store.get_into(cols, timeout=30) == 5
+        assert_exact(cols, 5)
+    finally:
+        g.close()
+
+
+def test_subset_of_names_and_strided_destination(etcd: Any, transport: str, consumer: Any) -> None:
+    g = group(etcd, transport)
+    try:
+        g.put(1)
+        store = consumer(g.ns)
+        holder = torch.zeros(48, 64 + 3)  # destination is a transposed, offset view
+        view = holder[:, 3:].t()
+        assert view.shape == (64, 48)
+        got = store.get_into({"emb": view, "experts": Shard(torch.zeros(3, 24, 16, dtype=torch.float16),
+                                                            (4, 0, 0), (8, 24, 16))}, timeout=30)
+        assert got == 1
+        assert torch.equal(view, expected("emb", 1))
+        assert torch.equal(holder[:, :3], torch.zeros(48, 3))  # nothing outside the view written
+    finally:
+        g.close()
+
+
+def test_bad_buffers_fail_before_any_byte_moves(etcd: Any, transport: str, consumer: Any) -> None:
+    g = group(etcd, transport)
+    try:
+        g.put(1)
+        store = consumer(g.ns)
+        keep = torch.full((64, 48), 7.0)
+        with pytest.raises(LayoutError, match="'nope' is not in"):
+            store.get_into({"emb": keep, "nope": torch.zeros(3)}, timeout=30)
+        with pytest.raises(LayoutError, match=r"'emb'.*global shape"):
+            store.get_into({"emb": torch.zeros(64, 47)}, timeout=30)
+        with pytest.raises(LayoutError, match=r"'emb'.*dtype int32"):
+            store.get_into({"emb": torch.zeros(64, 48, dtype=torch.int32)}, timeout=30)
+        with pytest.raises(LayoutError, match=r"'emb'.*out of bounds"):
+            store.get_into({"emb": Shard(torch.zeros(10, 48), (60, 0), (64, 48))}, timeout=30)
+        assert torch.equal(keep, torch.full((64, 48), 7.0))
+    finally:
+        g.close()
+
+
+def test_step_that_never_commits_times_out(etcd: Any, transport: str, consumer: Any) -> None:
+    g = group(etcd, transport)
+    try:
+        g.put(1)
+        g.cmds[0].put(("put", 2))  # only rank 0 writes step 2: it never commits
+        assert g.out.get(timeout=60)[0] == "put"
+        store = consumer(g.ns)
+        with pytest.raises(WaitTimeout):
+            store.get_into(whole_buffers(), step=2, timeout=1.5)
+        assert store.get_into(whole_buffers(), timeout=5) == 1
+    finally:
+        g.close()
+
+
+@pytest.mark.timeout(120)
+def test_dead_publisher_gives_typed_error(etcd: Any, transport: str, consumer: Any) -> None:
+    g = group(etcd, transport)
+    try:
+        g.put(1)
+        g.kill(1)
+        store = consumer(g.ns, read_timeout=10.0)
+        # Its lease (3 s) may not have expired yet: then the read itself fails; either way typed.
+        with pytest.raises(PeerUnreachable):
+            store.get_into(whole_buffers(), timeout=10)
+    finally:
+        g.close()
