@@ -10,7 +10,8 @@ Key layout under ``/astate/<namespace>/`` (see README "etcd key layout"):
     versions/<step>/commit              commit record
     latest                              counter: newest committed step (only moves forward)
     readers/<step>/<reader_id>          reader record, on the consumer's lease
-    retired/<step>/<rank>               retired record: rank is reusing that version's memory
+    retired/<step>/<rank>               retired record: no new readers; rank will reuse the memory
+    torn/<step>/<rank>                  retired record: rank changed the memory with readers still on it
     checkpoints/<step>                  checkpoint record
 
 Steps and epochs are 20-digit zero-padded in keys and in the two counters, so lexical
@@ -438,6 +439,7 @@ class Catalog:
                 tx.Delete(self.key("versions", _n(old)) + "/", _range_end(self.key("versions", _n(old), "").encode())),
                 tx.Delete(self.key("readers", _n(old)) + "/", _range_end(self.key("readers", _n(old), "").encode())),
                 tx.Delete(self.key("retired", _n(old)) + "/", _range_end(self.key("retired", _n(old), "").encode())),
+                tx.Delete(self.key("torn", _n(old)) + "/", _range_end(self.key("torn", _n(old), "").encode())),
             ])
 
     def committed_steps(self) -> list[int]:
@@ -452,9 +454,10 @@ class Catalog:
         return sorted(out)
 
     def retire(self, step: int, *, timeout: float = 30.0) -> int:
-        """Mark this rank's memory of ``step`` as about to change and wait (bounded) for the
-        readers registered on it to finish. Returns how many readers were still registered
-        when the wait ended (they will detect the retirement and discard their reads).
+        """Mark this rank's memory of ``step`` as about to change (no new readers), and wait
+        (bounded) for the readers registered on it to finish. If some are still registered when
+        the wait ends, mark the version torn: those readers will discard what they read.
+        Returns how many readers were still registered.
 
         Raises:
             StaleSessionError: this session was fenced.
@@ -472,6 +475,7 @@ class Catalog:
             if remaining <= 0:
                 log.warning("namespace %s: retiring step %d with %d readers still registered",
                             self.namespace, step, len(kvs))
+                self._call("mark torn", lambda: self.client.put(self.key("torn", _n(step), _n(s.rank)), rec))
                 return len(kvs)
             self._wait_change(pre, remaining, prefix=True, start_revision=rev + 1)
 
@@ -560,14 +564,14 @@ class Catalog:
         return self._parse_version(step, resp[1])
 
     def end_read(self, step: int, reader_id: str) -> bool:
-        """Unregister; True when the version was neither retired nor dropped meanwhile,
-        i.e. the bytes read are all of ``step``."""
+        """Unregister; True when no publisher changed the memory of ``step`` while this reader
+        was registered (and the version was not dropped), i.e. the bytes read are all of ``step``."""
         vkey = self.key("versions", _n(step))
         rkey = self.key("readers", _n(step), reader_id)
-        retired = self.key("retired", _n(step)) + "/"
+        torn = self.key("torn", _n(step)) + "/"
         ok, _ = self._txn(f"end read {step}", [
             tx.Version(vkey + "/commit") > 0,
-            tx.Version(retired, _range_end(retired.encode())) == 0,
+            tx.Version(torn, _range_end(torn.encode())) == 0,
         ], [tx.Delete(rkey)], [tx.Delete(rkey)])
         return bool(ok)
 

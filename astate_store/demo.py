@@ -104,6 +104,7 @@ def rollout(group: str, rank: int, parts: int, endpoint: str, spec: dict[str, An
     ptrs = {n: b.tensor.data_ptr() for n, b in bufs.items()}
     with Store(NS, endpoint=endpoint) as store:
         for step in range(1, steps + 1):
+            store.wait(step, timeout=120)  # time the pull, not the trainer's update
             t0 = time.perf_counter()
             got = store.get_into(bufs, step=step, timeout=120)
             dt = time.perf_counter() - t0

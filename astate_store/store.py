@@ -42,6 +42,7 @@ from .layout import (
     torch_dtype,
 )
 from .staging import SnapshotPool
+from .topology import AffinityChoice, AffinityConfig, affinity_for, alloc_on_node, apply_env, pinned
 from .transport import UcxTransport
 
 __all__ = ["connect", "Store"]
@@ -121,12 +122,15 @@ class Store:
         read_timeout: seconds one batched pull may take before ``PeerUnreachable``.
         retire_timeout: seconds a publisher waits for readers before reusing memory.
         window: outstanding UCX requests per pull.
+        affinity: NUMA/NIC affinity (:class:`~astate_store.topology.AffinityConfig`); None reads
+            ``ASTATE_AFFINITY`` / ``ASTATE_NUMA_NODE``; False turns it off.
     """
 
     def __init__(self, namespace: str, *, endpoint: str, rank: int = 0, world_size: int = 1,
                  transport: str = "auto", session_id: str | None = None, retention: int = 4,
                  lease_ttl: float = 10.0, staging_depth: int = 2, staging_cap_bytes: int | None = None,
-                 read_timeout: float = 120.0, retire_timeout: float = 30.0, window: int = 256):
+                 read_timeout: float = 120.0, retire_timeout: float = 30.0, window: int = 256,
+                 affinity: AffinityConfig | bool | None = None):
         self.namespace, self.rank, self.world_size = namespace, rank, world_size
         self.catalog = Catalog(endpoint, namespace, retention=retention, lease_ttl=lease_ttl)
         self._session_id = session_id or os.environ.get("ASTATE_SESSION_ID") or _torchrun_session()
@@ -135,6 +139,8 @@ class Store:
         self._staging_depth, self._staging_cap = staging_depth, staging_cap_bytes
         self.read_timeout, self.retire_timeout, self.window = read_timeout, retire_timeout, window
         self._pool: SnapshotPool | None = None
+        self._pool_device: torch.device | None = None
+        self._conv_buf: torch.Tensor | None = None
         self._layout_id: str | None = None
         self._layout_sig: object = None
         self._zero_copy_live: list[int] = []
@@ -144,15 +150,42 @@ class Store:
         self._connected: dict[str, tuple[int, int]] = {}  # layout id -> (epoch, rank) peer key
         self._ops_cache: OrderedDict[object, np.ndarray] = OrderedDict()
         self._closed = False
+        if affinity is False:
+            affinity = AffinityConfig(enabled=False)
+        self._affinity_cfg = affinity if isinstance(affinity, AffinityConfig) else AffinityConfig.from_env()
+        self.affinity: AffinityChoice | None = None
         self.stats: dict[str, int] = {"plans": 0, "plan_hits": 0, "torn_retries": 0}
 
     # ---- shared --------------------------------------------------------------------------
 
     @property
     def transport(self) -> UcxTransport:
+        return self._ensure_transport(None)
+
+    def _ensure_transport(self, device: torch.device | None) -> UcxTransport:
+        """Create the UCX context near the buffers' device: NIC choice via UCX_NET_DEVICES (unless
+        the user set it) and the progress thread pinned to the local NUMA node (threads inherit
+        the creating thread's CPU mask)."""
         if self._transport is None:
-            self._transport = UcxTransport(mode=self._transport_mode, window=self.window)  # type: ignore[arg-type]
+            self.affinity = affinity_for(device, self._affinity_cfg)
+            apply_env(self.affinity)
+            with pinned(self.affinity.cpus):
+                self._transport = UcxTransport(mode=self._transport_mode, window=self.window)  # type: ignore[arg-type]
         return self._transport
+
+    def wait(self, step: int | None = None, timeout: float | None = None) -> int:
+        """Block until a version >= ``step`` is committed (any when None); returns the newest step.
+
+        Raises:
+            WaitTimeout: none within ``timeout`` seconds.
+        """
+        return self.catalog.wait_for(step, timeout=timeout)
+
+    def _alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type == "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        node = self.affinity.numa_node if self.affinity is not None else None
+        return alloc_on_node(nbytes, node)
 
     def latest(self) -> int | None:
         """The newest committed step, or None before the first commit.
@@ -200,6 +233,7 @@ class Store:
             CatalogUnavailable: etcd unreachable.
         """
         entries = _validate(tensors, "put(tensors)")
+        self._ensure_transport(entries[0].tensor.device)
         if self.catalog.session is None:
             self.catalog.open_session(rank=self.rank, world_size=self.world_size, session_id=self._session_id)
         if copy:
@@ -213,9 +247,17 @@ class Store:
         return self.catalog.put_piece(step, lid, base)
 
     def _stage(self, step: int, entries: list[_Entry]) -> tuple[str, int]:
+        devices = {e.tensor.device for e in entries}
+        if len(devices) > 1:
+            raise LayoutError(f"put(copy=True): tensors are on several devices {sorted(map(str, devices))}; "
+                              "one snapshot pool per store serves one device")
+        device = devices.pop()
+        if self._pool is not None and self._pool_device != device:
+            self._pool = None
         if self._pool is None:
-            self._pool = SnapshotPool(self._staging_depth, self._staging_cap, _alloc_staging,
+            self._pool = SnapshotPool(self._staging_depth, self._staging_cap, lambda n: self._alloc(n, device),
                                       self.transport.register_tensor, self.transport.unregister)
+            self._pool_device = device
         pool = self._pool
         if pool.configure([(e.name, e.dtype, e.global_shape, e.box) for e in entries]) or self._layout_id is None:
             assert pool.region is not None
@@ -301,6 +343,7 @@ class Store:
             TornReadError: the version kept being retired under the reader (too many retries).
         """
         dests = _validate(buffers, "get_into(buffers)")
+        self._ensure_transport(dests[0].tensor.device)
         deadline = None if timeout is None else time.monotonic() + timeout
         want = step
         torn = 0
@@ -448,7 +491,7 @@ class Store:
             per = max(1, cap // row)
             chunks = [Box((e.box.offsets[0] + i,) + e.box.offsets[1:], (min(per, sizes[0] - i),) + sizes[1:])
                       for i in range(0, sizes[0], per)]
-        staging = self._conversion_staging(min(cap, e.box.numel * isz))
+        staging = self._conversion_staging(min(cap, e.box.numel * isz), e.tensor.device)
         for c in chunks:
             rec = ShardRecord(e.name, src_dtype, e.global_shape, c, _contig(c.sizes), -1, 0, 0)
             reads = self._plan(layouts, version, [rec])
@@ -461,10 +504,11 @@ class Store:
             with torch.no_grad():
                 e.tensor[local].copy_(src)
 
-    def _conversion_staging(self, nbytes: int) -> torch.Tensor:
-        buf = getattr(self, "_conv_buf", None)
-        if buf is None or buf.numel() < nbytes:
-            buf = _alloc_staging(max(nbytes, 1))
+    def _conversion_staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._conv_buf
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            self._conv_buf = None
+            buf = self._alloc(max(nbytes, 1), device)
             self._conv_buf = buf
         return buf
 
@@ -473,12 +517,6 @@ def _contig(sizes: Sequence[int]) -> tuple[int, ...]:
     from .layout import contiguous_strides
 
     return contiguous_strides(sizes)
-
-
-def _alloc_staging(nbytes: int) -> torch.Tensor:
-    # numpy asks the kernel for transparent huge pages on large arrays; torch's allocator does
-    # not, and cma reads from huge-page memory measured ~2x faster.
-    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
 
 
 def _torchrun_session() -> str | None:

