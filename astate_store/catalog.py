@@ -8,6 +8,8 @@ Key layout under ``/astate/<namespace>/`` (see README "etcd key layout"):
     layouts/<epoch>/<rank>/<layout_id>  layout record (shards + transport), on the rank's lease
     versions/<step>/pieces/<epoch>/<rank>  piece record
     versions/<step>/commit              commit record
+    versions/<step>/replicas/<group>/<member>  replica record (a consumer re-serving), on its lease
+    layouts/replicas/<member>/<layout_id>      that consumer's layout record, on its lease
     latest                              counter: newest committed step (only moves forward)
     readers/<step>/<reader_id>          reader record, on the consumer's lease
     retired/<step>/<rank>               retired record: no new readers; rank will reuse the memory
@@ -41,14 +43,13 @@ from . import codec
 from .errors import (
     CatalogError,
     CatalogUnavailable,
-    PeerUnreachable,
     StaleSessionError,
     VersionNotFound,
     WaitTimeout,
 )
 from .layout import Box, ShardRecord
 
-__all__ = ["Catalog", "Session", "Piece", "Layout", "Version", "CheckpointEntry", "shard_to_wire", "shard_from_wire"]
+__all__ = ["Catalog", "Session", "Piece", "Layout", "Replica", "Version", "CheckpointEntry", "shard_to_wire", "shard_from_wire"]
 
 log = logging.getLogger("astate_store.catalog")
 T = TypeVar("T")
@@ -120,19 +121,34 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Replica:
+    """A consumer re-serving a version from its buffers (P2P fan-out)."""
+
+    step: int
+    group: str
+    member: str
+    layout_id: str
+
+
+@dataclass(frozen=True)
 class Version:
-    """A committed version as one consumer read it: commit, pieces, and (when asked) layouts."""
+    """A committed version as one consumer read it: commit, pieces, replicas, and (when asked)
+    the layouts that are still alive (``missing``: publisher ranks whose layout lease is gone)."""
 
     step: int
     epoch: int
     world_size: int
     pieces: Mapping[int, Piece]
+    replicas: Mapping[str, Replica] = field(default_factory=dict)
     layouts: Mapping[int, Layout] = field(default_factory=dict)
+    replica_layouts: Mapping[str, Layout] = field(default_factory=dict)
+    missing: frozenset[int] = frozenset()
 
     @property
-    def layout_key(self) -> tuple[str, ...]:
+    def layout_key(self) -> tuple[object, ...]:
         """Identifies the source layout: unchanged key means the cached plan still holds."""
-        return tuple(self.pieces[r].layout_id for r in sorted(self.pieces))
+        return (tuple(self.pieces[r].layout_id for r in sorted(self.pieces)),
+                tuple((m, self.replicas[m].layout_id) for m in sorted(self.replica_layouts)))
 
 
 @dataclass(frozen=True)
@@ -465,6 +481,9 @@ class Catalog:
         s = self._require_session()
         rec = codec.encode("retired", {"step": step, "epoch": s.epoch, "rank": s.rank})
         self._call("retire", lambda: self.client.put(self.key("retired", _n(step), _n(s.rank)), rec))
+        return self._wait_readers(step, timeout, torn_as=_n(s.rank))
+
+    def _wait_readers(self, step: int, timeout: float, *, torn_as: str) -> int:
         pre = self.key("readers", _n(step)) + "/"
         deadline = time.monotonic() + timeout
         while True:
@@ -473,9 +492,12 @@ class Catalog:
                 return 0
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                log.warning("namespace %s: retiring step %d with %d readers still registered",
-                            self.namespace, step, len(kvs))
-                self._call("mark torn", lambda: self.client.put(self.key("torn", _n(step), _n(s.rank)), rec))
+                log.log(logging.WARNING if timeout > 0 else logging.DEBUG,
+                        "namespace %s: changing memory of step %d with %d readers still registered",
+                        self.namespace, step, len(kvs))
+                rec = codec.encode("retired", {"step": step, "epoch": self.session.epoch if self.session else 0,
+                                               "rank": self.session.rank if self.session else 0})
+                self._call("mark torn", lambda: self.client.put(self.key("torn", _n(step), torn_as), rec))
                 return len(kvs)
             self._wait_change(pre, remaining, prefix=True, start_revision=rev + 1)
 
@@ -588,6 +610,7 @@ class Catalog:
     def _parse_version(self, step: int, kvs: Iterable[tuple[bytes, Any]]) -> Version:
         commit = None
         pieces_raw: dict[tuple[int, int], bytes] = {}
+        replicas: dict[str, Replica] = {}
         for value, meta in kvs:
             k = meta.key.decode()
             tail = k.rsplit("/versions/", 1)[1].split("/")[1:]
@@ -595,6 +618,9 @@ class Catalog:
                 commit = codec.decode("commit", value)
             elif len(tail) == 3 and tail[0] == "pieces":
                 pieces_raw[(int(tail[1]), int(tail[2]))] = value
+            elif len(tail) == 3 and tail[0] == "replicas":
+                r = codec.decode("replica", value)
+                replicas[r["member"]] = Replica(r["step"], r["group"], r["member"], r["layout_id"])
         if commit is None:
             raise VersionNotFound(f"namespace {self.namespace!r}: step {step} is not committed")
         epoch = commit["epoch"]
@@ -607,31 +633,71 @@ class Catalog:
             raise CatalogError(
                 f"namespace {self.namespace!r}: step {step} is committed but pieces of ranks "
                 f"{sorted(set(range(commit['world_size'])) - set(pieces))} are missing")
-        return Version(step, epoch, commit["world_size"], pieces)
+        return Version(step, epoch, commit["world_size"], pieces, replicas)
 
     def layouts_of(self, version: Version) -> Version:
-        """The version with its layouts (cached by id: layouts are immutable).
+        """The version with the layouts of its live sources (cached by id: layouts are immutable).
+        A publisher whose layout lease expired (the rank died) is listed in ``missing``; a
+        re-serving consumer that died is left out."""
+        want: list[tuple[object, str]] = []
+        for p in version.pieces.values():
+            if p.layout_id not in self._layout_cache:
+                want.append((p.rank, self.key("layouts", _n(p.epoch), _n(p.rank), p.layout_id)))
+        for m, rp in version.replicas.items():
+            if rp.layout_id not in self._layout_cache:
+                want.append((m, self.key("layouts", "replicas", m, rp.layout_id)))
+        gone: set[object] = set()
+        for i in range(0, len(want), 16):
+            batch = want[i:i + 16]
+            _ok, resp = self._txn("get layouts", [], [tx.Get(k) for _, k in batch])
+            for (who, _k), r in zip(batch, resp):
+                if not r:
+                    gone.add(who)
+                    continue
+                rec = codec.decode("layout", r[0][0])
+                shards = tuple(shard_from_wire(d, rec["rank"]) for d in rec["shards"])
+                self._layout_cache[rec["layout_id"]] = Layout(rec["layout_id"], rec["epoch"], rec["rank"],
+                                                              shards, rec["transport"])
+        layouts = {r: self._layout_cache[p.layout_id] for r, p in version.pieces.items()
+                   if p.layout_id in self._layout_cache}
+        rlayouts = {m: self._layout_cache[rp.layout_id] for m, rp in version.replicas.items()
+                    if rp.layout_id in self._layout_cache}
+        missing = frozenset(r for r in version.pieces if r not in layouts)
+        return Version(version.step, version.epoch, version.world_size, version.pieces, version.replicas,
+                       layouts, rlayouts, missing)
+
+    # ---- re-serving consumers (P2P fan-out) ----------------------------------------------
+
+    def add_replica(self, step: int, group: str, member: str, shards: Sequence[ShardRecord],
+                    transport: bytes) -> str:
+        """Offer this consumer's buffers, which hold ``step``, as an extra source of that step.
 
         Raises:
-            PeerUnreachable: a publisher rank's layout is gone (its lease expired: the rank died).
+            VersionNotFound: the step is no longer committed.
         """
-        need = [p for p in version.pieces.values() if p.layout_id not in self._layout_cache]
-        if need:
-            keys = [self.key("layouts", _n(p.epoch), _n(p.rank), p.layout_id) for p in need]
-            for i in range(0, len(keys), 16):
-                batch = keys[i:i + 16]
-                ok, resp = self._txn("get layouts", [], [tx.Get(k) for k in batch])
-                for k, p, r in zip(batch, need[i:i + 16], resp):
-                    if not r:
-                        raise PeerUnreachable(
-                            f"namespace {self.namespace!r}: step {version.step}: publisher rank {p.rank} "
-                            f"(epoch {p.epoch}) is gone: its layout lease expired")
-                    rec = codec.decode("layout", r[0][0])
-                    shards = tuple(shard_from_wire(d, rec["rank"]) for d in rec["shards"])
-                    self._layout_cache[rec["layout_id"]] = Layout(rec["layout_id"], rec["epoch"], rec["rank"],
-                                                                  shards, rec["transport"])
-        layouts = {r: self._layout_cache[p.layout_id] for r, p in version.pieces.items()}
-        return Version(version.step, version.epoch, version.world_size, version.pieces, layouts)
+        lid = layout_id_of(0, 0, shards, transport)
+        lease = self._reader_lease_id()
+        value = codec.encode("layout", {"layout_id": lid, "epoch": 0, "rank": 0,
+                                        "shards": [shard_to_wire(x) for x in shards], "transport": transport})
+        rec = codec.encode("replica", {"step": step, "group": group, "member": member, "layout_id": lid})
+        vkey = self.key("versions", _n(step))
+        ok, _ = self._txn("add replica", [tx.Version(vkey + "/commit") > 0], [
+            tx.Put(self.key("layouts", "replicas", member, lid), value, lease=lease),
+            tx.Put(vkey + "/replicas/" + group + "/" + member, rec, lease=lease),
+        ])
+        if not ok:
+            raise VersionNotFound(f"namespace {self.namespace!r}: step {step} is not committed; cannot re-serve it")
+        return lid
+
+    def remove_replica(self, step: int, group: str, member: str, layout_id: str, *, timeout: float) -> int:
+        """Stop offering a replica before its memory changes: no new reader plans with it, and
+        readers registered on the step are waited for (bounded; past that they are marked torn)."""
+        self._call("remove replica", lambda: self.client.delete(
+            self.key("versions", _n(step), "replicas", group, member)))
+        left = self._wait_readers(step, timeout, torn_as="r-" + member)
+        self._call("drop replica layout", lambda: self.client.delete(self.key("layouts", "replicas", member,
+                                                                              layout_id)))
+        return left
 
     # ---- checkpoints ----------------------------------------------------------------------
 

@@ -50,7 +50,8 @@ def schema_of(kind: str) -> dict[str, Any]:
         raise CodecError(f"unknown record kind {kind!r}; known: {sorted(_schemas())}") from None
 
 
-KINDS = ("session", "member", "layout", "piece", "commit", "reader", "retired", "ucx_descriptor", "checkpoint")
+KINDS = ("session", "member", "layout", "piece", "commit", "reader", "retired", "replica", "ucx_descriptor",
+         "checkpoint")
 
 
 def _fail(kind: str, path: str, msg: str) -> CodecError:

@@ -10,18 +10,21 @@ import logging
 import os
 import time
 import uuid
+import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from . import codec, plan as planner
-from .catalog import Catalog, Version
+from .catalog import Catalog, CheckpointEntry, Layout, Version
 from .errors import (
     AStateError,
     CatalogError,
+    CheckpointError,
+    CheckpointNotFound,
     LayoutError,
     PeerUnreachable,
     TornReadError,
@@ -35,7 +38,9 @@ from .layout import (
     ShardRecord,
     TensorLike,
     TensorLayout,
+    contiguous_strides,
     group_layouts,
+    merge_tensor_layout,
     is_floating,
     itemsize,
     local_box,
@@ -50,6 +55,18 @@ __all__ = ["connect", "Store"]
 log = logging.getLogger("astate_store")
 
 _MAX_TORN_RETRIES = 8
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One set of sources that together hold whole tensors: the publishers, or a re-serving group.
+    ``sources`` maps the planner's source id to (transport peer key, publisher rank or None, layout);
+    a publisher's base offset (its staging slot) changes every step and is looked up per version."""
+
+    gid: str
+    layouts: Mapping[str, TensorLayout]
+    sources: Mapping[int, tuple[Hashable, int | None, Layout]]
+    key: object
 
 
 @dataclass(frozen=True)
@@ -145,9 +162,15 @@ class Store:
         self._layout_sig: object = None
         self._zero_copy_live: list[int] = []
         self._registered: dict[tuple[int, int], int] = {}
+        self._zero_copy_entries: list[_Entry] = []
+        self._serving: list[tuple[int, str, str]] = []
+        self._delivered: dict[int, set[int]] = {}
+        self._async_ckpt: Any = None
         self._reader_id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
         self._planner = planner.Planner()
-        self._connected: dict[str, tuple[int, int]] = {}  # layout id -> (epoch, rank) peer key
+        self._connected: dict[Hashable, str] = {}  # peer -> layout id its rkeys come from
+        # Consumers spread over replicas and groups without talking to each other.
+        self._rotation = zlib.crc32(self._reader_id.encode()) & 0xFFFF
         self._ops_cache: OrderedDict[object, np.ndarray] = OrderedDict()
         self._closed = False
         if affinity is False:
@@ -200,6 +223,8 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        if self._async_ckpt is not None:
+            self._async_ckpt.close()
         self.catalog.close()
         if self._transport is not None:
             self._transport.close()
@@ -244,6 +269,7 @@ class Store:
                 log.warning("put(copy=False) of step %d while steps %s were not retired: call store.retire() "
                             "before changing published tensors", step, self._zero_copy_live)
             self._zero_copy_live.append(step)
+            self._zero_copy_entries = entries
         return self.catalog.put_piece(step, lid, base)
 
     def _stage(self, step: int, entries: list[_Entry]) -> tuple[str, int]:
@@ -261,7 +287,7 @@ class Store:
         pool = self._pool
         if pool.configure([(e.name, e.dtype, e.global_shape, e.box) for e in entries]) or self._layout_id is None:
             assert pool.region is not None
-            shards = [ShardRecord(se.name, se.dtype, se.global_shape, se.box, _contig(se.box.sizes), self.rank,
+            shards = [ShardRecord(se.name, se.dtype, se.global_shape, se.box, contiguous_strides(se.box.sizes), self.rank,
                                   pool.region, se.offset) for se in pool.entries]
             self._publish_layout(shards)
         k, old = pool.next_slot()
@@ -319,6 +345,160 @@ class Store:
         self._zero_copy_live.clear()
         return left
 
+    # ---- re-serving (P2P fan-out) ---------------------------------------------------------
+
+    def serve(self, step: int, buffers: Mapping[str, TensorLike], *, group: str | None = None) -> None:
+        """Offer buffers that :meth:`get_into` just filled with ``step`` as an extra source of that
+        step, so later consumers and recovering publishers can pull from this process instead of
+        the trainers. Members of one ``group`` (e.g. the TP ranks of one rollout instance) together
+        serve whole tensors; a process holding whole tensors can serve alone (the default group).
+        The next :meth:`get_into` withdraws the offer first (waiting, bounded, for its readers).
+
+        Raises:
+            LayoutError: the buffers were not all filled with ``step`` by this store.
+        """
+        entries = _validate(buffers, "serve(buffers)")
+        delivered = self._delivered.get(step, set())
+        for e in entries:
+            if e.tensor.data_ptr() not in delivered:
+                raise LayoutError(f"tensor {e.name!r}: serve() of step {step} needs buffers that get_into "
+                                  "filled with that step")
+        shards = []
+        for e in entries:
+            addr, nbytes = _storage_span(e.tensor)
+            region = self._in_place_region(e.tensor, addr, nbytes)
+            shards.append(ShardRecord(e.name, e.dtype, e.global_shape, e.box, tuple(e.tensor.stride()), 0,
+                                      region, addr - self.transport.region(region).base))
+        desc = codec.encode("ucx_descriptor", self.transport.descriptor())
+        grp = group or f"solo-{self._reader_id}"
+        lid = self.catalog.add_replica(step, grp, self._reader_id, shards, desc)
+        self._serving.append((step, grp, lid))
+        log.info("re-serving step %d as %s/%s (%d tensors)", step, grp, self._reader_id, len(shards))
+
+    def unserve(self) -> int:
+        """Withdraw every re-served step; returns readers that had not finished within the wait."""
+        left = 0
+        for step, grp, lid in self._serving:
+            left += self.catalog.remove_replica(step, grp, self._reader_id, lid, timeout=self.retire_timeout)
+        self._serving.clear()
+        return left
+
+    # ---- checkpoints and recovery ---------------------------------------------------------
+
+    def _held(self, step: int) -> list[tuple[ShardRecord, torch.Tensor]]:
+        """This rank's shards of ``step`` as (record, tensor) while it still holds them."""
+        pool = self._pool
+        if pool is not None and step in pool.slot_step and pool.buffer is not None:
+            k = pool.slot_step.index(step)
+            out = []
+            for se in pool.entries:
+                off = k * pool.slot_size + se.offset
+                t = pool.buffer[off: off + se.nbytes].view(torch_dtype(se.dtype)).view(se.box.sizes)
+                out.append((ShardRecord(se.name, se.dtype, se.global_shape, se.box, contiguous_strides(se.box.sizes),
+                                        self.rank, 0, 0), t))
+            return out
+        if step in self._zero_copy_live and self._zero_copy_entries:
+            return [(ShardRecord(e.name, e.dtype, e.global_shape, e.box, tuple(e.tensor.stride()), self.rank, 0, 0),
+                     e.tensor) for e in self._zero_copy_entries]
+        raise CheckpointError(f"rank {self.rank} no longer holds step {step} (its staging slot was reused); "
+                              "checkpoint a step right after putting it")
+
+    def checkpoint(self, step: int, uri: str, *, asynchronous: bool = False) -> Any:
+        """Write this rank's shards of committed version ``step`` to storage (any ``pyarrow.fs``
+        URI or local path); the rank that completes the set commits it and records it in the
+        catalog. Every publisher rank calls it. Replicated shards are written by one rank only.
+
+        Args:
+            asynchronous: snapshot the shards and write in a background thread; returns a
+                ``concurrent.futures.Future`` of the part info instead of waiting.
+
+        Returns:
+            True if the checkpoint is complete after this call (or the Future, when asynchronous).
+
+        Raises:
+            CheckpointError: the step is not committed, or this rank no longer holds it.
+        """
+        from . import checkpoint as ckpt
+
+        s = self.catalog.session
+        version = self.catalog.layouts_of(self.catalog.read_version(step))
+        if s is None or version.epoch != s.epoch:
+            raise CheckpointError(f"step {step} was not committed by this store's session")
+        layouts = group_layouts(x for lay in version.layouts.values() for x in lay.shards)
+        shards = ckpt.owned_shards(self._held(step), layouts, self.rank)
+
+        def finish(_part: Any = None) -> bool:
+            done = ckpt.try_commit(uri, step, self.world_size, attempt=s.session_id)
+            if done:
+                self.catalog.record_checkpoint(CheckpointEntry(step, str(uri), self.world_size,
+                                                               sum(t.nbytes for t in layouts.values()),
+                                                               time.time()))
+            return done
+
+        if asynchronous:
+            if self._async_ckpt is None:
+                self._async_ckpt = ckpt.AsyncCheckpointer()
+            fut = self._async_ckpt.save(uri, step, self.rank, self.world_size, shards, attempt=s.session_id)
+            fut.add_done_callback(lambda f: f.exception() is None and finish())
+            return fut
+        ckpt.write_part(uri, step, self.rank, self.world_size, shards, attempt=s.session_id)
+        return finish()
+
+    def restore(self, buffers: Mapping[str, TensorLike], *, uri: str | None = None, step: int | None = None) -> int:
+        """Fill preallocated buffers of any layout from a checkpoint: ``uri`` (newest complete step
+        there, or ``step``), else the newest complete checkpoint the catalog knows.
+
+        Raises:
+            CheckpointNotFound: no complete checkpoint; CheckpointCorrupted: checksum or file errors;
+            LayoutError: a buffer that does not fit.
+        """
+        from . import checkpoint as ckpt
+
+        if uri is None:
+            known = [c for c in self.catalog.checkpoints() if step is None or c.step == step]
+            if not known:
+                raise CheckpointNotFound(f"namespace {self.namespace!r}: the catalog knows no checkpoint"
+                                         + ("" if step is None else f" of step {step}"))
+            uri, step = known[-1].uri, known[-1].step
+        return int(ckpt.restore(uri, buffers, step=step))
+
+    def recover(self, tensors: Mapping[str, TensorLike], *, timeout: float = 60.0, uri: str | None = None
+                ) -> int | None:
+        """For a (re)started publisher rank: fence the previous session, fill this rank's
+        preallocated ``tensors`` with the newest committed state — from live sources (surviving
+        replicas, consumers that re-serve it) or else the newest complete checkpoint — and
+        republish it in the new session so consumers carry on.
+
+        Returns:
+            The recovered step, or None when nothing was ever committed or checkpointed.
+
+        Raises:
+            CheckpointCorrupted: the only copy left is a damaged checkpoint.
+        """
+        entries = _validate(tensors, "recover(tensors)")
+        self._ensure_transport(entries[0].tensor.device)
+        if self.catalog.session is None:
+            self.catalog.open_session(rank=self.rank, world_size=self.world_size, session_id=self._session_id)
+        got: int | None = None
+        latest = self.catalog.latest()
+        if latest is not None:
+            try:
+                got = self.get_into(tensors, step=latest, timeout=timeout)
+                log.info("rank %d recovered step %d from live sources", self.rank, got)
+            except (PeerUnreachable, VersionNotFound, TornReadError, WaitTimeout) as exc:
+                log.warning("rank %d: step %d has no live source (%s); trying checkpoints", self.rank, latest, exc)
+        if got is None:
+            try:
+                got = self.restore(tensors, uri=uri)
+                log.info("rank %d recovered step %d from a checkpoint", self.rank, got)
+            except CheckpointNotFound:
+                if latest is not None:
+                    raise PeerUnreachable(f"namespace {self.namespace!r}: step {latest} has no live source and "
+                                          "no checkpoint exists") from None
+                return None
+        self.put(got, tensors)
+        return got
+
     # ---- consuming -----------------------------------------------------------------------
 
     def get_into(self, buffers: Mapping[str, TensorLike], *, step: int | None = None,
@@ -344,6 +524,8 @@ class Store:
         """
         dests = _validate(buffers, "get_into(buffers)")
         self._ensure_transport(dests[0].tensor.device)
+        if self._serving:
+            self.unserve()  # these buffers may be among the re-served ones: withdraw before writing
         deadline = None if timeout is None else time.monotonic() + timeout
         want = step
         torn = 0
@@ -363,6 +545,7 @@ class Store:
                 self.catalog.end_read(s, self._reader_id)
                 raise
             if self.catalog.end_read(s, self._reader_id):
+                self._delivered = {s: {e.tensor.data_ptr() for e in dests}}
                 return s
             torn += 1
             self.stats["torn_retries"] += 1
@@ -374,97 +557,149 @@ class Store:
             want = s + 1
 
     def _pull(self, version: Version, dests: list[_Entry]) -> None:
-        layouts = self._tensor_layouts(version)
-        same, convert = self._check_dests(layouts, dests)
-        self._connect(version)
-        if same:
-            ops = self._same_dtype_ops(version, layouts, same)
-            if len(ops):
-                self.transport.get(ops, timeout=self.read_timeout)
-        for e in convert:
-            self._pull_converted(version, layouts, e)
+        groups = self._source_groups(version)
+        # A source may have died without its lease expiring yet: retry on the other groups.
+        tries = [groups]
+        if "pub" in groups and len(groups) > 1:
+            tries += [{k: v for k, v in groups.items() if k != "pub"}, {"pub": groups["pub"]}]
+        for i, gs in enumerate(tries):
+            try:
+                self._pull_from(version, gs, dests)
+                return
+            except PeerUnreachable:
+                if i == len(tries) - 1:
+                    raise
+                log.info("step %d: a source failed; retrying with other sources", version.step)
 
-    def _tensor_layouts(self, version: Version) -> Mapping[str, TensorLayout]:
-        key = ("layouts", version.layout_key)
-        cached = self._planner.memo.get(key)
-        if cached is None:
-            cached = group_layouts(s for lay in version.layouts.values() for s in lay.shards)
-            self._planner.memo[key] = cached
-        return cached  # type: ignore[no-any-return]
+    @staticmethod
+    def _bases(version: Version, g: "_Group") -> dict[int, int]:
+        return {sid: (0 if r is None else version.pieces[r].base_offset) for sid, (_p, r, _l) in g.sources.items()}
 
-    def _check_dests(self, layouts: Mapping[str, TensorLayout], dests: list[_Entry]
-                     ) -> tuple[list[_Entry], list[_Entry]]:
-        same, convert = [], []
-        for e in dests:
-            lay = layouts.get(e.name)
-            if lay is None:
-                near = ", ".join(sorted(layouts)[:8])
-                raise LayoutError(f"tensor {e.name!r} is not in step's published tensors ({near}"
-                                  f"{', ...' if len(layouts) > 8 else ''})")
+    def _pull_from(self, version: Version, groups: Mapping[str, "_Group"], dests: list[_Entry]) -> None:
+        if not groups:
+            raise PeerUnreachable(
+                f"namespace {self.namespace!r}: step {version.step}: publisher ranks {sorted(version.missing)} "
+                "are gone (their leases expired) and no consumer re-serves the version")
+        assigned = self._assign(groups, dests)
+        batches = []
+        convert: list[tuple[_Group, _Entry]] = []
+        for gid, items in assigned.items():
+            g = groups[gid]
+            same = [e for e in items if e.dtype == g.layouts[e.name].dtype]
+            convert += [(g, e) for e in items if e.dtype != g.layouts[e.name].dtype]
+            if same:
+                self._connect(g)
+                batches.append(self._same_dtype_ops(version, g, same))
+        ops = np.concatenate(batches) if len(batches) > 1 else (batches[0] if batches else None)
+        if ops is not None and len(ops):
+            self.transport.get(ops, timeout=self.read_timeout)  # every same-dtype read in one call
+        for g, e in convert:
+            self._connect(g)
+            self._pull_converted(version, g, e)
+
+    def _source_groups(self, version: Version) -> dict[str, "_Group"]:
+        """The alternative sources of a version: the publishers (when all are alive) and each
+        re-serving group, with the tensors each can serve whole."""
+        key = ("groups", version.layout_key, version.missing)
+        hit = self._planner.memo.get(key)
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]
+        groups: dict[str, _Group] = {}
+        if not version.missing:
+            src = {r: (("pub", version.layouts[r].epoch, r), r, version.layouts[r]) for r in version.layouts}
+            groups["pub"] = _Group("pub", group_layouts(s for lay in version.layouts.values() for s in lay.shards),
+                                   src, version.layout_key)
+        by_group: dict[str, list[str]] = {}
+        for m in sorted(version.replica_layouts):
+            by_group.setdefault(version.replicas[m].group, []).append(m)
+        for gname, members in sorted(by_group.items()):
+            src, shards = {}, []
+            for i, m in enumerate(members):
+                lay = version.replica_layouts[m]
+                src[i] = (("replica", m), None, lay)
+                shards += [replace(s, rank=i) for s in lay.shards]
+            by_name: dict[str, list[ShardRecord]] = {}
+            for s in shards:
+                by_name.setdefault(s.name, []).append(s)
+            layouts = {}
+            for n, recs in sorted(by_name.items()):
+                try:
+                    layouts[n] = merge_tensor_layout(n, recs)
+                except LayoutError:
+                    continue  # the group holds only part of this tensor: not a source of it
+            if layouts:
+                groups["g:" + gname] = _Group("g:" + gname, layouts, src,
+                                              tuple((m, version.replica_layouts[m].layout_id) for m in members))
+        self._planner.memo[key] = groups
+        return groups
+
+    def _assign(self, groups: Mapping[str, "_Group"], dests: list[_Entry]) -> dict[str, list[_Entry]]:
+        """Pick one source group per buffer: checks fit first (before any byte moves), then spreads
+        consumers over the groups that hold the tensor, deterministically per consumer."""
+        out: dict[str, list[_Entry]] = {}
+        order = sorted(groups)
+        for i, e in enumerate(dests):
+            cands = [g for g in order if e.name in groups[g].layouts]
+            if not cands:
+                names = sorted({n for g in groups.values() for n in g.layouts})
+                raise LayoutError(f"tensor {e.name!r} is not in step's published tensors ({', '.join(names[:8])}"
+                                  f"{', ...' if len(names) > 8 else ''})")
+            lay = groups[cands[0]].layouts[e.name]
             if lay.global_shape != e.global_shape:
                 raise LayoutError(f"tensor {e.name!r}: buffer expects global shape {e.global_shape}, published "
                                   f"global shape is {lay.global_shape}")
-            if e.dtype == lay.dtype:
-                same.append(e)
-            elif is_floating(e.dtype) and is_floating(lay.dtype):
-                convert.append(e)
-            else:
+            if e.dtype != lay.dtype and not (is_floating(e.dtype) and is_floating(lay.dtype)):
                 raise LayoutError(f"tensor {e.name!r}: buffer dtype {e.dtype} does not match published dtype "
                                   f"{lay.dtype}, and {lay.dtype} -> {e.dtype} is not a float conversion")
-        return same, convert
+            out.setdefault(cands[(self._rotation + i) % len(cands)], []).append(e)
+        return out
 
-    def _connect(self, version: Version) -> None:
-        for r, lay in version.layouts.items():
-            if lay.layout_id in self._connected:
+    def _connect(self, g: "_Group") -> None:
+        for sid, (peer, _base, lay) in g.sources.items():
+            if self._connected.get(peer) == lay.layout_id:
                 continue
             desc = codec.decode("ucx_descriptor", lay.transport)
-            peer = (lay.epoch, r)
             try:
                 self.transport.connect(peer, desc)
             except TransportError as exc:
-                raise PeerUnreachable(f"step {version.step}: cannot connect to publisher rank {r}: {exc}") from exc
-            self._connected[lay.layout_id] = peer
+                raise PeerUnreachable(f"cannot connect to source {peer}: {exc}") from exc
+            self._connected[peer] = lay.layout_id
 
-    def _dest_records(self, dests: list[_Entry], region0: int = 0) -> list[ShardRecord]:
-        return [ShardRecord(e.name, e.dtype, e.global_shape, e.box, tuple(e.tensor.stride()), -1, region0 + i, 0)
-                for i, e in enumerate(dests)]
+    def _dest_records(self, dests: list[_Entry]) -> tuple[ShardRecord, ...]:
+        return tuple(ShardRecord(e.name, e.dtype, e.global_shape, e.box, tuple(e.tensor.stride()), -1, i, 0)
+                     for i, e in enumerate(dests))
 
-    def _plan(self, layouts: Mapping[str, TensorLayout], version: Version, dests: Sequence[ShardRecord]
-              ) -> np.ndarray:
+    def _plan(self, g: "_Group", dests: tuple[ShardRecord, ...]) -> np.ndarray:
         before = self._planner.misses
-        reads = self._planner.plan_one(layouts, dests, key=(version.layout_key, tuple(dests)))
-        if self._planner.misses != before:
-            self.stats["plans"] += 1
-        else:
-            self.stats["plan_hits"] += 1
+        reads = self._planner.plan_one(g.layouts, dests, rotation=self._rotation, key=(g.key, dests))
+        self.stats["plans" if self._planner.misses != before else "plan_hits"] += 1
         return reads
 
-    def _same_dtype_ops(self, version: Version, layouts: Mapping[str, TensorLayout], dests: list[_Entry]
-                        ) -> np.ndarray:
+    def _same_dtype_ops(self, version: Version, g: "_Group", dests: list[_Entry]) -> np.ndarray:
         ptrs = tuple(e.tensor.data_ptr() for e in dests)
-        bases = tuple(version.pieces[r].base_offset for r in sorted(version.pieces))
-        key = (version.layout_key, tuple((e.name, e.box, e.tensor.stride()) for e in dests), ptrs, bases)
+        recs = self._dest_records(dests)
+        bases = self._bases(version, g)
+        key = (g.key, recs, ptrs, tuple(sorted(bases.items())))
         hit = self._ops_cache.get(key)
         if hit is not None:
             self._ops_cache.move_to_end(key)
             self.stats["plan_hits"] += 1
             return hit
-        reads = self._plan(layouts, version, self._dest_records(dests))
-        ops = self._to_transport_ops(version, reads, np.asarray(ptrs, dtype=np.int64))
+        ops = self._to_transport_ops(g, bases, self._plan(g, recs), np.asarray(ptrs, dtype=np.int64))
         self._ops_cache[key] = ops
         while len(self._ops_cache) > 8:
             self._ops_cache.popitem(last=False)
         return ops
 
-    def _to_transport_ops(self, version: Version, reads: np.ndarray, dst_base: np.ndarray) -> np.ndarray:
+    def _to_transport_ops(self, g: "_Group", bases: Mapping[int, int], reads: np.ndarray, dst_base: np.ndarray
+                          ) -> np.ndarray:
         """Plan rows -> (peer index, region, remote offset, local address, length), vectorized."""
-        ranks = sorted(version.pieces)
-        nr = max(ranks) + 1
-        peer_idx = np.full(nr, -1, dtype=np.int64)
-        base = np.zeros(nr, dtype=np.int64)
-        for r in ranks:
-            peer_idx[r] = self.transport.peer_index((version.layouts[r].epoch, r))
-            base[r] = version.pieces[r].base_offset
+        n = max(g.sources) + 1
+        peer_idx = np.full(n, -1, dtype=np.int64)
+        base = np.zeros(n, dtype=np.int64)
+        for sid, (peer, _r, _lay) in g.sources.items():
+            peer_idx[sid] = self.transport.peer_index(peer)
+            base[sid] = bases[sid]
         src = reads["src_rank"].astype(np.int64)
         ops = np.empty((len(reads), 5), dtype=np.int64)
         ops[:, 0] = peer_idx[src]
@@ -474,10 +709,10 @@ class Store:
         ops[:, 4] = reads["length"]
         return ops
 
-    def _pull_converted(self, version: Version, layouts: Mapping[str, TensorLayout], e: _Entry) -> None:
+    def _pull_converted(self, version: Version, g: "_Group", e: _Entry) -> None:
         """Pull a buffer of another float dtype: chunks of the source bytes go through bounded
         staging, then one torch conversion per chunk writes the buffer in place."""
-        src_dtype = layouts[e.name].dtype
+        src_dtype = g.layouts[e.name].dtype
         isz = itemsize(src_dtype)
         cap = self._staging_cap or (64 << 20)
         sizes = e.box.sizes
@@ -493,9 +728,10 @@ class Store:
                       for i in range(0, sizes[0], per)]
         staging = self._conversion_staging(min(cap, e.box.numel * isz), e.tensor.device)
         for c in chunks:
-            rec = ShardRecord(e.name, src_dtype, e.global_shape, c, _contig(c.sizes), -1, 0, 0)
-            reads = self._plan(layouts, version, [rec])
-            ops = self._to_transport_ops(version, reads, np.asarray([staging.data_ptr()], dtype=np.int64))
+            rec = ShardRecord(e.name, src_dtype, e.global_shape, c, contiguous_strides(c.sizes), -1, 0, 0)
+            reads = self._plan(g, (rec,))
+            ops = self._to_transport_ops(g, self._bases(version, g), reads,
+                                         np.asarray([staging.data_ptr()], dtype=np.int64))
             if len(ops):
                 self.transport.get(ops, timeout=self.read_timeout)
             n = c.numel * isz
@@ -511,12 +747,6 @@ class Store:
             buf = self._alloc(max(nbytes, 1), device)
             self._conv_buf = buf
         return buf
-
-
-def _contig(sizes: Sequence[int]) -> tuple[int, ...]:
-    from .layout import contiguous_strides
-
-    return contiguous_strides(sizes)
 
 
 def _torchrun_session() -> str | None:

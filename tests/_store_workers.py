@@ -76,19 +76,33 @@ def local_tensors(spec: str, step: int, tp_rank: int, tp_size: int, *, strided: 
 
 
 def publisher_main(endpoint: str, ns: str, rank: int, world: int, tp: int, spec: str, transport: str,
-                   cmds: Any, out: Any, copy: bool = True) -> None:
+                   cmds: Any, out: Any, copy: bool = True, session: str = "pub") -> None:
     """A trainer rank: on ("put", step) publish that step; on ("exit",) leave."""
     import astate_store
     from astate_store.store import Store
 
     store = Store(ns, endpoint=endpoint, rank=rank, world_size=world, transport=transport,
-                  session_id=f"{ns}-pub", lease_ttl=3.0)
+                  session_id=f"{ns}-{session}", lease_ttl=3.0)
     tensors = local_tensors(spec, 0, rank % tp, tp, strided=not copy)
     out.put(("ready", rank, os.getpid()))
     while True:
         cmd = cmds.get()
         if cmd[0] == "exit":
             break
+        if cmd[0] == "checkpoint":
+            out.put(("checkpoint", rank, store.checkpoint(cmd[1], cmd[2])))
+            continue
+        if cmd[0] == "recover":
+            blank = {n: type(sh)(torch.zeros_like(sh.tensor), sh.offsets, sh.global_shape)
+                     for n, sh in tensors.items()}
+            try:
+                got = store.recover(blank, timeout=20, uri=cmd[1])
+                ok = got is not None and all(
+                    torch.equal(blank[n].tensor, local_tensors(spec, got, rank % tp, tp)[n].tensor) for n in blank)
+                out.put(("recovered", rank, got, ok))
+            except astate_store.AStateError as exc:
+                out.put(("error", rank, None, f"{type(exc).__name__}: {exc}"))
+            continue
         step = cmd[1]
         if not copy:
             store.retire()
@@ -124,3 +138,22 @@ def mutating_publisher(endpoint: str, ns: str, transport: str, steps: int, numel
     out.put(("done", steps))
     time.sleep(30)  # keep the memory alive for consumers until the test ends it
     store.close()
+
+
+def consumer_main(endpoint: str, ns: str, transport: str, step: int | None, serve: bool, out: Any,
+                  hold: float = 0.0) -> None:
+    """A rollout process holding the whole model: pull, check every byte, optionally re-serve."""
+    from astate_store.store import Store
+
+    bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
+    with Store(ns, endpoint=endpoint, transport=transport, lease_ttl=2.0) as store:
+        try:
+            got = store.get_into(bufs, step=step, timeout=30)
+        except Exception as exc:  # reported to the test, which asserts on it
+            out.put(("error", f"{type(exc).__name__}: {exc}"))
+            return
+        exact = all(torch.equal(b, value(n, tuple(b.shape), b.dtype, got)) for n, b in bufs.items())
+        if serve:
+            store.serve(got, bufs)
+        out.put(("got", got, exact, os.getpid()))
+        time.sleep(hold)

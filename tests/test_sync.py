@@ -28,8 +28,10 @@ class Group:
         self.ns, self.world = ns, world
         self.cmds = [CTX.Queue() for _ in range(world)]
         self.out = CTX.Queue()
+        session = uuid.uuid4().hex[:8]  # one id per group: a restarted group is a new session
         self.procs = [CTX.Process(target=publisher_main, daemon=True,
-                                  args=(endpoint, ns, r, world, tp, spec, transport, self.cmds[r], self.out, copy))
+                                  args=(endpoint, ns, r, world, tp, spec, transport, self.cmds[r], self.out, copy,
+                                        session))
                       for r in range(world)]
         for p in self.procs:
             p.start()
