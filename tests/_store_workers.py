@@ -157,3 +157,14 @@ def consumer_main(endpoint: str, ns: str, transport: str, step: int | None, serv
             store.serve(got, bufs)
         out.put(("got", got, exact, os.getpid()))
         time.sleep(hold)
+
+
+def device_publisher(endpoint: str, ns: str, device: str, numel: int, out: Any) -> None:
+    """Publishes one tensor of value step + index on ``device`` (snapshot staging on that device)."""
+    from astate_store.store import Store
+
+    with Store(ns, endpoint=endpoint, transport="auto", session_id=f"{ns}-dev") as store:
+        t = torch.arange(numel, dtype=torch.float32, device=device)
+        store.put(1, {"w": t})
+        out.put(("put", 1))
+        time.sleep(60)
