@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Hashable, Mapping, Sequence
@@ -35,6 +36,7 @@ from .errors import (
 from .etcd_server import shared_endpoint
 from .layout import (
     Box,
+    Shard,
     ShardRecord,
     TensorLike,
     TensorLayout,
@@ -70,6 +72,15 @@ class _Group:
 
 
 @dataclass(frozen=True)
+class _Conversion:
+    """A converted pull, ready to run: per chunk (transport ops into a staging half, the staging
+    view in the source dtype, the destination view)."""
+
+    name: str
+    chunks: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, eq=False)
 class _Entry:
     """One validated user tensor: the local piece and where it sits in the global tensor."""
 
@@ -92,6 +103,12 @@ def _validate(tensors: Mapping[str, TensorLike], what: str) -> list[_Entry]:
             raise LayoutError(f"tensor {name!r}: device {t.device} is not supported (cpu or cuda)")
         out.append(_Entry(name, t, box, gshape, dtype))
     return out
+
+
+def _fingerprint(v: TensorLike) -> tuple[object, ...]:
+    t = v.tensor if isinstance(v, Shard) else v
+    where = (v.offsets, v.global_shape) if isinstance(v, Shard) else None
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, where)
 
 
 def _storage_span(t: torch.Tensor) -> tuple[int, int]:
@@ -166,12 +183,15 @@ class Store:
         self._serving: list[tuple[int, str, str]] = []
         self._delivered: dict[int, set[int]] = {}
         self._async_ckpt: Any = None
+        self._dest_fp: object = None
+        self._dest_entries: list[_Entry] = []
+        self._fetcher: ThreadPoolExecutor | None = None
         self._reader_id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
         self._planner = planner.Planner()
         self._connected: dict[Hashable, str] = {}  # peer -> layout id its rkeys come from
         # Consumers spread over replicas and groups without talking to each other.
         self._rotation = zlib.crc32(self._reader_id.encode()) & 0xFFFF
-        self._ops_cache: OrderedDict[object, np.ndarray] = OrderedDict()
+        self._ops_cache: OrderedDict[object, tuple[np.ndarray, list[_Conversion]]] = OrderedDict()
         self._closed = False
         if affinity is False:
             affinity = AffinityConfig(enabled=False)
@@ -225,6 +245,8 @@ class Store:
         self._closed = True
         if self._async_ckpt is not None:
             self._async_ckpt.close()
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)
         self.catalog.close()
         if self._transport is not None:
             self._transport.close()
@@ -522,7 +544,7 @@ class Store:
             PeerUnreachable: a publisher died or did not answer within ``read_timeout``.
             TornReadError: the version kept being retired under the reader (too many retries).
         """
-        dests = _validate(buffers, "get_into(buffers)")
+        dests = self._dests(buffers)
         self._ensure_transport(dests[0].tensor.device)
         if self._serving:
             self.unserve()  # these buffers may be among the re-served ones: withdraw before writing
@@ -556,6 +578,19 @@ class Store:
                                     "can be read")
             want = s + 1
 
+    def _dests(self, buffers: Mapping[str, TensorLike]) -> list[_Entry]:
+        """Validated buffers; a steady-state call with the same tensors skips validation (a
+        fingerprint of names, addresses, shapes, strides and dtypes is far cheaper)."""
+        try:
+            fp = tuple((n, _fingerprint(v)) for n, v in buffers.items())
+        except (AttributeError, TypeError):
+            fp = None  # not tensors: let validation name the problem
+        if fp is not None and fp == self._dest_fp and self._dest_entries:
+            return self._dest_entries
+        dests = _validate(buffers, "get_into(buffers)")
+        self._dest_fp, self._dest_entries = fp, dests
+        return dests
+
     def _pull(self, version: Version, dests: list[_Entry]) -> None:
         groups = self._source_groups(version)
         # A source may have died without its lease expiring yet: retry on the other groups.
@@ -580,22 +615,40 @@ class Store:
             raise PeerUnreachable(
                 f"namespace {self.namespace!r}: step {version.step}: publisher ranks {sorted(version.missing)} "
                 "are gone (their leases expired) and no consumer re-serves the version")
+        # Steady state: same sources, same buffers, same staging slots -> the ready-made batch.
+        bases = tuple(p.base_offset for _r, p in sorted(version.pieces.items()))
+        key = (version.layout_key, version.missing, tuple(sorted(groups)), self._dest_fp, bases)
+        work = self._ops_cache.get(key)
+        if work is None:
+            work = self._build_pull(version, groups, dests)
+            self._ops_cache[key] = work
+            while len(self._ops_cache) > 8:
+                self._ops_cache.popitem(last=False)
+        else:
+            self._ops_cache.move_to_end(key)
+            self.stats["plan_hits"] += 1
+        ops, conversions = work
+        if len(ops):
+            self.transport.get(ops, timeout=self.read_timeout)  # every same-dtype read in one call
+        for conv in conversions:
+            self._run_conversion(conv)
+
+    def _build_pull(self, version: Version, groups: Mapping[str, "_Group"], dests: list[_Entry]
+                    ) -> tuple[np.ndarray, list["_Conversion"]]:
         assigned = self._assign(groups, dests)
-        batches = []
-        convert: list[tuple[_Group, _Entry]] = []
+        batches, conversions = [], []
         for gid, items in assigned.items():
             g = groups[gid]
-            same = [e for e in items if e.dtype == g.layouts[e.name].dtype]
-            convert += [(g, e) for e in items if e.dtype != g.layouts[e.name].dtype]
-            if same:
-                self._connect(g)
-                batches.append(self._same_dtype_ops(version, g, same))
-        ops = np.concatenate(batches) if len(batches) > 1 else (batches[0] if batches else None)
-        if ops is not None and len(ops):
-            self.transport.get(ops, timeout=self.read_timeout)  # every same-dtype read in one call
-        for g, e in convert:
             self._connect(g)
-            self._pull_converted(version, g, e)
+            bases = self._bases(version, g)
+            same = [e for e in items if e.dtype == g.layouts[e.name].dtype]
+            if same:
+                ptrs = np.asarray([e.tensor.data_ptr() for e in same], dtype=np.int64)
+                batches.append(self._to_transport_ops(g, bases, self._plan(g, self._dest_records(same)), ptrs))
+            conversions += [self._plan_conversion(g, bases, e) for e in items
+                            if e.dtype != g.layouts[e.name].dtype]
+        ops = np.concatenate(batches) if batches else np.empty((0, 5), dtype=np.int64)
+        return ops, conversions
 
     def _source_groups(self, version: Version) -> dict[str, "_Group"]:
         """The alternative sources of a version: the publishers (when all are alive) and each
@@ -675,22 +728,6 @@ class Store:
         self.stats["plans" if self._planner.misses != before else "plan_hits"] += 1
         return reads
 
-    def _same_dtype_ops(self, version: Version, g: "_Group", dests: list[_Entry]) -> np.ndarray:
-        ptrs = tuple(e.tensor.data_ptr() for e in dests)
-        recs = self._dest_records(dests)
-        bases = self._bases(version, g)
-        key = (g.key, recs, ptrs, tuple(sorted(bases.items())))
-        hit = self._ops_cache.get(key)
-        if hit is not None:
-            self._ops_cache.move_to_end(key)
-            self.stats["plan_hits"] += 1
-            return hit
-        ops = self._to_transport_ops(g, bases, self._plan(g, recs), np.asarray(ptrs, dtype=np.int64))
-        self._ops_cache[key] = ops
-        while len(self._ops_cache) > 8:
-            self._ops_cache.popitem(last=False)
-        return ops
-
     def _to_transport_ops(self, g: "_Group", bases: Mapping[int, int], reads: np.ndarray, dst_base: np.ndarray
                           ) -> np.ndarray:
         """Plan rows -> (peer index, region, remote offset, local address, length), vectorized."""
@@ -709,36 +746,53 @@ class Store:
         ops[:, 4] = reads["length"]
         return ops
 
-    def _pull_converted(self, version: Version, g: "_Group", e: _Entry) -> None:
-        """Pull a buffer of another float dtype: chunks of the source bytes go through bounded
-        staging, then one torch conversion per chunk writes the buffer in place."""
+    def _plan_conversion(self, g: "_Group", bases: Mapping[int, int], e: _Entry) -> "_Conversion":
+        """A buffer of another float dtype: its source bytes go through two staging halves of
+        ``staging_cap_bytes`` in chunks of whole rows; chunk k+1 is fetched while chunk k is
+        converted into the buffer in place."""
         src_dtype = g.layouts[e.name].dtype
         isz = itemsize(src_dtype)
-        cap = self._staging_cap or (64 << 20)
+        half = max(1, (self._staging_cap or (64 << 20)) // 2)
         sizes = e.box.sizes
         if not sizes:
-            chunks = [e.box]
+            boxes = [e.box]
         else:
             row = max(1, int(np.prod(sizes[1:], dtype=np.int64)) * isz)
-            if row > cap and len(sizes) > 1:
-                raise LayoutError(f"tensor {e.name!r}: one row of {row} bytes exceeds the staging cap {cap}; "
-                                  "raise staging_cap_bytes")
-            per = max(1, cap // row)
-            chunks = [Box((e.box.offsets[0] + i,) + e.box.offsets[1:], (min(per, sizes[0] - i),) + sizes[1:])
-                      for i in range(0, sizes[0], per)]
-        staging = self._conversion_staging(min(cap, e.box.numel * isz), e.tensor.device)
-        for c in chunks:
-            rec = ShardRecord(e.name, src_dtype, e.global_shape, c, contiguous_strides(c.sizes), -1, 0, 0)
-            reads = self._plan(g, (rec,))
-            ops = self._to_transport_ops(g, self._bases(version, g), reads,
-                                         np.asarray([staging.data_ptr()], dtype=np.int64))
-            if len(ops):
-                self.transport.get(ops, timeout=self.read_timeout)
-            n = c.numel * isz
-            src = staging[:n].view(torch_dtype(src_dtype)).view(c.sizes)
+            if row > half and len(sizes) > 1:
+                raise LayoutError(f"tensor {e.name!r}: one row of {row} bytes exceeds half the staging cap "
+                                  f"{self._staging_cap}; raise staging_cap_bytes")
+            per = max(1, half // row)
+            boxes = [Box((e.box.offsets[0] + i,) + e.box.offsets[1:], (min(per, sizes[0] - i),) + sizes[1:])
+                     for i in range(0, sizes[0], per)]
+        staging = self._conversion_staging(2 * min(half, e.box.numel * isz), e.tensor.device)
+        halves = (staging[: staging.numel() // 2], staging[staging.numel() // 2:])
+        recs = tuple(ShardRecord(e.name, src_dtype, e.global_shape, c, contiguous_strides(c.sizes), -1, i, 0)
+                     for i, c in enumerate(boxes))
+        reads = self._plan(g, recs)  # every chunk in one planning call
+        order = np.argsort(reads["dst_region"], kind="stable")
+        reads = reads[order]
+        cuts = np.searchsorted(reads["dst_region"], np.arange(len(boxes) + 1))
+        chunks = []
+        for i, c in enumerate(boxes):
+            buf = halves[i % 2]
+            ops = self._to_transport_ops(g, bases, reads[cuts[i]:cuts[i + 1]],
+                                         np.full(len(boxes), buf.data_ptr(), dtype=np.int64))
+            src = buf[: c.numel * isz].view(torch_dtype(src_dtype)).view(c.sizes)
             local = tuple(slice(o - b, o - b + s) for o, b, s in zip(c.offsets, e.box.offsets, c.sizes))
+            chunks.append((ops, src, e.tensor[local]))
+        return _Conversion(e.name, chunks)
+
+    def _run_conversion(self, conv: "_Conversion") -> None:
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="astate-fetch")
+        fetch = lambda ops: self.transport.get(ops, timeout=self.read_timeout) if len(ops) else None  # noqa: E731
+        pending = self._fetcher.submit(fetch, conv.chunks[0][0])
+        for k, (_ops, src, dst) in enumerate(conv.chunks):
+            pending.result()
+            if k + 1 < len(conv.chunks):  # the other half: free since chunk k-1 was converted
+                pending = self._fetcher.submit(fetch, conv.chunks[k + 1][0])
             with torch.no_grad():
-                e.tensor[local].copy_(src)
+                dst.copy_(src)
 
     def _conversion_staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self._conv_buf

@@ -5,6 +5,7 @@
  * background progress thread), endpoints from a remote worker address, memory
  * registration + packed rkeys, rkey unpack, and one batched get that runs a whole
  * plan with a bounded window of outstanding ucp_get_nbx requests, GIL released.
+ * Plus cma_read: the same-host fast path, rows as batched process_vm_readv.
  *
  * Objects and lifetimes
  *   Worker      owns ucp_context + ucp_worker + a mutex that serializes every UCX call
@@ -37,6 +38,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1457,6 +1459,141 @@ static PyTypeObject MemType = {
     .tp_getset = Mem_getset,
 };
 
+/* ---------------------------------------------------------------- same-host reads */
+
+/*
+ * cma_read(plan, threads=1, split_bytes=64 MiB): run rows (pid, remote_addr, local_addr,
+ * length) with process_vm_readv, up to CMA_IOV pairs per syscall, GIL released. Only the
+ * Python layer decides which rows may go here (same-node peer, host memory) and bounds-
+ * checks them. Consecutive rows of one pid share a syscall; a short return resumes inside
+ * the iovec where it stopped. With threads > 1 and more than split_bytes in total, the
+ * rows are cut into byte-balanced contiguous ranges, one per thread.
+ * Errors raise OSError(errno) with .pid and .row (first row of the failing batch).
+ */
+#define CMA_IOV 1024 /* IOV_MAX */
+#define CMA_MAX_THREADS 16
+
+typedef struct {
+    const uint64_t *rows;
+    size_t lo, hi;
+    int err;
+    size_t err_row;
+    uint64_t err_pid;
+} cma_job_t;
+
+static void *cma_job(void *arg)
+{
+    cma_job_t *j = arg;
+    struct iovec liov[CMA_IOV], riov[CMA_IOV];
+    size_t i = j->lo;
+    while (i < j->hi) {
+        const uint64_t pid = j->rows[4 * i];
+        const size_t first = i;
+        int k = 0;
+        for (; i < j->hi && k < CMA_IOV && j->rows[4 * i] == pid; i++) {
+            const uint64_t *r = j->rows + 4 * i;
+            if (r[3] == 0) continue;
+            riov[k].iov_base = (void *)(uintptr_t)r[1];
+            liov[k].iov_base = (void *)(uintptr_t)r[2];
+            riov[k].iov_len = liov[k].iov_len = (size_t)r[3];
+            k++;
+        }
+        int s = 0; /* first iovec pair not yet fully read */
+        while (s < k) {
+            ssize_t got = process_vm_readv((pid_t)pid, liov + s, (unsigned long)(k - s), riov + s,
+                                           (unsigned long)(k - s), 0);
+            if (got <= 0) {
+                if (got < 0 && errno == EINTR) continue;
+                j->err = got < 0 ? errno : EFAULT; /* 0 bytes with work left: no progress */
+                j->err_row = first;
+                j->err_pid = pid;
+                return NULL;
+            }
+            size_t g = (size_t)got;
+            while (s < k && g >= liov[s].iov_len) g -= liov[s++].iov_len;
+            if (g) { /* stopped inside pair s */
+                liov[s].iov_base = (char *)liov[s].iov_base + g;
+                riov[s].iov_base = (char *)riov[s].iov_base + g;
+                liov[s].iov_len -= g;
+                riov[s].iov_len -= g;
+            }
+        }
+    }
+    return NULL;
+}
+
+static PyObject *mod_cma_read(PyObject *m, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"plan", "threads", "split_bytes", NULL};
+    PyObject *plan_obj;
+    int threads = 1;
+    unsigned long long split = 64ull << 20;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|iK", kwlist, &plan_obj, &threads, &split)) return NULL;
+    Py_buffer pb;
+    if (PyObject_GetBuffer(plan_obj, &pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) != 0) return NULL;
+    const char *fmt = pb.format ? pb.format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+    if (pb.itemsize != 8 || strchr("qQlL", fmt[0]) == NULL || fmt[1] != 0 || pb.ndim != 2 || pb.shape[1] != 4) {
+        PyBuffer_Release(&pb);
+        PyErr_SetString(PyExc_ValueError,
+                        "plan must be a C-contiguous 2-D array of 64-bit integers with 4 columns "
+                        "(pid, remote_addr, local_addr, length)");
+        return NULL;
+    }
+    const uint64_t *rows = (const uint64_t *)pb.buf;
+    const size_t n = (size_t)pb.shape[0];
+    if (threads < 1) threads = 1;
+    if (threads > CMA_MAX_THREADS) threads = CMA_MAX_THREADS;
+    cma_job_t jobs[CMA_MAX_THREADS];
+    pthread_t tids[CMA_MAX_THREADS];
+    int started[CMA_MAX_THREADS] = {0};
+    int nj = 1;
+
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t total = 0;
+    if (threads > 1)
+        for (size_t i = 0; i < n; i++) total += rows[4 * i + 3];
+    if (threads > 1 && total > split) nj = threads;
+    /* byte-balanced contiguous ranges: job t ends where the running sum passes (t+1)/nj */
+    uint64_t acc = 0;
+    size_t i = 0;
+    for (int t = 0; t < nj; t++) {
+        jobs[t] = (cma_job_t){rows, i, n, 0, 0, 0};
+        if (t < nj - 1) {
+            const uint64_t want = total / (uint64_t)nj * (uint64_t)(t + 1);
+            while (i < n && acc < want) acc += rows[4 * i++ + 3];
+            jobs[t].hi = i;
+        }
+    }
+    for (int t = 1; t < nj; t++)
+        started[t] = pthread_create(&tids[t], NULL, cma_job, &jobs[t]) == 0;
+    for (int t = 1; t < nj; t++)
+        if (!started[t]) cma_job(&jobs[t]); /* could not start a thread: run it here */
+    cma_job(&jobs[0]);
+    for (int t = 1; t < nj; t++)
+        if (started[t]) pthread_join(tids[t], NULL);
+    Py_END_ALLOW_THREADS
+
+    PyBuffer_Release(&pb);
+    for (int t = 0; t < nj; t++) {
+        if (!jobs[t].err) continue;
+        PyObject *exc = PyObject_CallFunction(PyExc_OSError, "is", jobs[t].err, strerror(jobs[t].err));
+        if (exc == NULL) return NULL;
+        PyObject *pid = PyLong_FromUnsignedLongLong(jobs[t].err_pid);
+        PyObject *row = PyLong_FromSize_t(jobs[t].err_row);
+        if (pid && row) {
+            PyObject_SetAttrString(exc, "pid", pid);
+            PyObject_SetAttrString(exc, "row", row);
+        }
+        Py_XDECREF(pid);
+        Py_XDECREF(row);
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyObject *mod_status_string(PyObject *m, PyObject *arg)
@@ -1476,6 +1613,9 @@ static PyObject *mod_version(PyObject *m, PyObject *noargs)
 static PyMethodDef module_methods[] = {
     {"status_string", mod_status_string, METH_O, "status_string(status: int) -> str"},
     {"version", mod_version, METH_NOARGS, "version() -> (major, minor, release) of the loaded libucp"},
+    {"cma_read", (PyCFunction)(void (*)(void))mod_cma_read, METH_VARARGS | METH_KEYWORDS,
+     "cma_read(plan, threads=1, split_bytes=64<<20): rows (pid, remote, local, length) via batched "
+     "process_vm_readv, GIL released. Raises OSError (.pid, .row)."},
     {NULL}};
 
 static struct PyModuleDef moduledef = {

@@ -49,24 +49,32 @@ class RegionInfo:
     """What a consumer needs to read one registered region.
 
     A freed (unregistered) slot keeps its index with ``size == 0`` and ``rkey == b""``.
+    ``memory_type`` is ``"host"``, ``"cuda"`` or ``"unknown"``; the dict form carries the
+    key ``memory_type`` only when it is not ``"host"``. Only host regions may be read
+    with the same-host fast path (``process_vm_readv``).
     """
 
     base: int
     size: int
     rkey: bytes
+    memory_type: str = "host"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"base": self.base, "size": self.size, "rkey": self.rkey}
+        d: dict[str, Any] = {"base": self.base, "size": self.size, "rkey": self.rkey}
+        if self.memory_type != "host":
+            d["memory_type"] = self.memory_type
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RegionInfo":
         try:
             base, size, rkey = int(d["base"]), int(d["size"]), bytes(d["rkey"])
-        except (KeyError, TypeError, ValueError) as exc:
+            mtype = str(d.get("memory_type", "host"))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TransportError(f"malformed region entry {d!r}: {exc}") from exc
         if base < 0 or size < 0 or base + size > 2**64:
             raise TransportError(f"region entry out of range: base={base} size={size}")
-        return cls(base, size, rkey)
+        return cls(base, size, rkey, mtype)
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,7 @@ class PeerDescriptor:
     (hostname), ``node`` (an id equal for processes that can share memory: boot id and
     pid/ipc/mount namespaces), ``pid`` (int), ``shm`` (bool: the publisher's UCX
     context has shared-memory/CMA transports) and ``regions`` (list of
-    ``{"base", "size", "rkey"}``).
+    ``{"base", "size", "rkey"[, "memory_type"]}``).
     """
 
     kind: str
