@@ -1,8 +1,13 @@
-"""astate-store: versioned tensor state for RL weight synchronization."""
+"""astate-store: versioned tensor state for RL weight synchronization.
+
+``connect`` opens a namespace's :class:`Store`: ``put`` publishes a version, ``get_into`` pulls
+the newest committed one into preallocated buffers of any layout.
+"""
 
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .layout import Shard
+from .store import Store, connect
 
 __version__ = "0.1.0"
-__all__ = ["Shard", *_errors_all]
+__all__ = ["connect", "Store", "Shard", *_errors_all]

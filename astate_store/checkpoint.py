@@ -1294,40 +1294,66 @@ class AsyncCheckpointer:
     writes the buffer, the part manifest and, with ``commit=True``, calls :func:`try_commit`
     (``PartInfo.committed`` tells whether that completed the step).
 
+    Two call forms: bind the destination once, ``AsyncCheckpointer(uri, rank, world_size)`` then
+    ``save(step, shards)``; or share one checkpointer, ``AsyncCheckpointer()`` then
+    ``save(uri, step, rank, world_size, shards)``. Writes run one at a time, in call order.
+
     Memory is bounded: at most ``max_pending`` snapshots exist at once (``save`` blocks until the
     oldest write finishes when that many are in flight), and buffers are reused, so the host memory
-    held is ``max_pending`` x this rank's part size (plus alignment padding).
+    held is ``max_pending`` x the part size (plus alignment padding).
     """
 
-    def __init__(self, uri: URI, rank: int, world_size: int, *, max_pending: int = 1, commit: bool = True,
-                 attempt: str = "", checksum: Optional[str] = None, block_size: int = BLOCK_SIZE, fsync: bool = True):
-        if max_pending < 1:
-            raise CheckpointError(f"max_pending must be >= 1, got {max_pending}")
+    def __init__(self, uri: Optional[URI] = None, rank: Optional[int] = None, world_size: Optional[int] = None, *,
+                 max_pending: int = 1, commit: bool = True, attempt: str = "", checksum: Optional[str] = None,
+                 block_size: int = BLOCK_SIZE, fsync: bool = True):
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise CheckpointError(f"max_pending must be an int >= 1, got {max_pending!r}")
         self._algo = _algo(checksum)
         self.uri, self.rank, self.world_size = uri, rank, world_size
         self.max_pending, self.commit, self.attempt = max_pending, commit, attempt
         self.checksum, self.block_size, self.fsync = self._algo.name, _block_size_ok(block_size), fsync
-        self._loc = _resolve(uri)
+        self._loc = _resolve(uri) if uri is not None else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="astate-ckpt-write")
         self._pending: list[Future] = []
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self._closed = False
 
-    def save(self, step: int, shards: Sequence[tuple[ShardRecord, torch.Tensor]], *,
-             layouts: Optional[Mapping[str, TensorLayout]] = None) -> "Future[PartInfo]":
-        """Snapshot ``shards`` now and write them as this rank's part of ``step`` in the background.
+    def save(self, *args: Any, layouts: Optional[Mapping[str, TensorLayout]] = None,
+             attempt: Optional[str] = None) -> "Future[PartInfo]":
+        """``save(step, shards)`` or ``save(uri, step, rank, world_size, shards)``: snapshot ``shards``
+        now and write them as this rank's part of ``step`` in the background.
+
+        Args:
+            shards: as in :func:`write_part`; ``layouts``: as in :func:`write_part`.
+            attempt: run tag for this part and its commit (default: the constructor's).
 
         Raises (synchronously):
-            LayoutError: bad shards. CheckpointError: the checkpointer is closed or ``step`` committed.
-        Errors of the write itself are raised by ``future.result()``.
+            LayoutError: bad shards. CheckpointError: closed, or bad arguments.
+        Errors of the write itself (for example a step already committed) are raised by
+        ``future.result()``.
         """
         if self._closed:
             raise CheckpointError("AsyncCheckpointer is closed")
+        if len(args) == 2:
+            if self._loc is None or self.rank is None or self.world_size is None:
+                raise CheckpointError("save(step, shards) needs AsyncCheckpointer(uri, rank, world_size); or call "
+                                      "save(uri, step, rank, world_size, shards)")
+            uri, loc, rank, world = self.uri, self._loc, self.rank, self.world_size
+            step, shards = args
+        elif len(args) == 5:
+            uri, step, rank, world, shards = args
+            loc = _resolve(uri)
+        else:
+            raise CheckpointError("use save(step, shards) or save(uri, step, rank, world_size, shards)")
         step = _check_step(step)
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise CheckpointError(f"world_size must be a positive int, got {world!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise CheckpointError(f"rank must be an int in [0, {world}), got {rank!r}")
         items = _validate_shards(shards)
         if layouts is not None:
-            items = owned_shards(items, layouts, self.rank)
+            items = owned_shards(items, layouts, rank)
         self._drain(self.max_pending - 1)
         t0 = time.perf_counter()
         offsets, total = _file_layout(items)
@@ -1342,7 +1368,8 @@ class AsyncCheckpointer:
         if cuda:
             torch.cuda.synchronize()
         snap = time.perf_counter() - t0
-        fut = self._pool.submit(self._write, step, items, offsets, total, buf, snap)
+        job = (uri, loc, rank, world, self.attempt if attempt is None else str(attempt))
+        fut = self._pool.submit(self._write, job, step, items, offsets, total, buf, snap)
         with self._lock:
             self._pending.append(fut)
         return fut
@@ -1359,9 +1386,10 @@ class AsyncCheckpointer:
             return torch.empty(size, dtype=torch.uint8, pin_memory=True)
         return torch.from_numpy(np.empty(size, dtype=np.uint8))
 
-    def _write(self, step: int, items: list, offsets: list, total: int, buf: torch.Tensor, snap: float) -> PartInfo:
+    def _write(self, job: tuple, step: int, items: list, offsets: list, total: int, buf: torch.Tensor,
+               snap: float) -> PartInfo:
+        uri, loc, rank, world, attempt = job
         t0 = time.perf_counter()
-        loc = self._loc
         try:
             sdir = loc.step_dir(step)
             try:
@@ -1370,7 +1398,7 @@ class AsyncCheckpointer:
                                           "immutable")
                 loc.fs.create_dir(sdir, recursive=True)
                 flat = buf.numpy()
-                fname = f"rank-{self.rank:05d}-{uuid.uuid4().hex[:16]}.bin"
+                fname = f"rank-{rank:05d}-{uuid.uuid4().hex[:16]}.bin"
 
                 def chunks_of(i: int) -> Iterator[np.ndarray]:
                     a = offsets[i]
@@ -1381,17 +1409,17 @@ class AsyncCheckpointer:
                 sums = _write_data(loc, posixpath.join(sdir, fname), items, offsets, chunks_of,
                                    algo=self._algo, block_size=self.block_size, fsync=self.fsync)
                 _hook("data_written")
-                info = _write_part_manifest(loc, step, self.rank, self.world_size, self.attempt, fname, total,
-                                            [r for r, _ in items], offsets, sums, self.checksum, self.block_size,
+                info = _write_part_manifest(loc, step, rank, world, attempt, fname, total,
+                                            [r for r, _ in items], offsets, sums, self._algo.name, self.block_size,
                                             self.fsync)
             except (OSError, pa.ArrowException) as exc:
-                raise CheckpointError(f"step {step} rank {self.rank}: writing under {loc.uri} failed: {exc}") from exc
+                raise CheckpointError(f"step {step} rank {rank}: writing under {loc.uri} failed: {exc}") from exc
         finally:
             with self._lock:
                 self._free.append(buf)
-        committed = try_commit(self.uri, step, self.world_size, attempt=self.attempt if self.attempt else None,
+        committed = try_commit(uri, step, world, attempt=attempt if attempt else None,
                                fsync=self.fsync) if self.commit else None
-        return replace(info, seconds=snap + time.perf_counter() - t0, committed=committed)
+        return replace(info, uri=loc.uri, seconds=snap + time.perf_counter() - t0, committed=committed)
 
     def _drain(self, keep: int) -> None:
         while True:

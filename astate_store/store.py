@@ -14,7 +14,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Mapping
 
 import numpy as np
 import torch
@@ -22,8 +22,6 @@ import torch
 from . import codec, plan as planner
 from .catalog import Catalog, CheckpointEntry, Layout, Version
 from .errors import (
-    AStateError,
-    CatalogError,
     CheckpointError,
     CheckpointNotFound,
     LayoutError,
@@ -809,5 +807,3 @@ def _torchrun_session() -> str | None:
         return f"{run}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return None
 
-
-_ = (AStateError, CatalogError, WaitTimeout)

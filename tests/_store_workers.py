@@ -42,6 +42,9 @@ SPECS: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[int, in
         "norm": ((48,), torch.float32, lambda r, n: whole((48,))),                           # replicated
         "step_count": ((), torch.int64, lambda r, n: whole(())),
     },
+    "big": {  # 128 MiB: a pull takes long enough to be killed in the middle of it
+        "w": ((2048, 16384), torch.float32, lambda r, n: split((2048, 16384), 0, n, r)),
+    },
 }
 
 
@@ -168,3 +171,15 @@ def device_publisher(endpoint: str, ns: str, device: str, numel: int, out: Any) 
         store.put(1, {"w": t})
         out.put(("put", 1))
         time.sleep(60)
+
+
+def looping_consumer(endpoint: str, ns: str, out: Any) -> None:
+    """Pulls the 'big' model over and over, announcing each pull before it starts."""
+    from astate_store.store import Store
+
+    shape, dt, _ = SPECS["big"]["w"]
+    buf = torch.empty(shape, dtype=dt)
+    with Store(ns, endpoint=endpoint, transport="shm", lease_ttl=2.0) as store:
+        while True:
+            out.put("pulling")
+            store.get_into({"w": buf}, timeout=30)

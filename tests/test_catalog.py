@@ -244,7 +244,6 @@ def test_etcd_unreachable_raises_typed_error_without_hanging() -> None:
         lid = _publisher(cat, 0, 1)
         server.pause()
         try:
-            t0 = time.monotonic()
             with pytest.raises(CatalogUnavailable, match="unreachable"):
                 cat.put_piece(1, lid)
         finally:

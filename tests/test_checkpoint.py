@@ -457,6 +457,17 @@ def test_async_checkpointer_snapshots_then_writes(tmp_path: Path) -> None:
         bufs = consumer_buffers(0, 3)
         assert ck.restore(tmp_path, bufs, step=step) == step
         check(bufs, step)
+    # one shared checkpointer, destination per call (what Store.checkpoint(asynchronous=True) does)
+    shared = ck.AsyncCheckpointer(fsync=False)
+    other = tmp_path / "other"
+    futs = [shared.save(other, 5, r, 2, W.rank_shards(5, r, 2), attempt="run") for r in range(2)]
+    assert [f.result(timeout=60).committed for f in futs] == [False, True]
+    bufs = consumer_buffers(1, 2)
+    assert ck.restore(other, bufs) == 5
+    check(bufs, 5)
+    with pytest.raises(CheckpointError, match="needs AsyncCheckpointer"):
+        shared.save(6, [])
+    shared.close()
     a = ck.AsyncCheckpointer(tmp_path, 0, 1, fsync=False)
     fut = a.save(3, ck.local_shards(W.rank_tensors(3, 0, 1), rank=0))
     with pytest.raises(CheckpointError, match="already committed"):

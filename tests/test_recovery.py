@@ -15,7 +15,7 @@ import torch
 from astate_store import PeerUnreachable
 from astate_store.store import Store
 
-from ._store_workers import consumer_main
+from ._store_workers import SPECS, consumer_main, looping_consumer, value
 from .test_sync import Group, assert_exact, whole_buffers
 
 CTX = mp.get_context("spawn")
@@ -124,23 +124,25 @@ def test_no_source_and_no_checkpoint_is_a_typed_error(etcd: Any) -> None:
 
 def test_consumer_killed_during_pull_does_not_block_publisher(etcd: Any) -> None:
     ns = _ns()
-    g = Group(etcd.endpoint, ns, 2, 2, "shm")
+    g = Group(etcd.endpoint, ns, 2, 2, "shm", spec="big")
     try:
         g.put(1)
-        # A consumer registered as a reader of step 1 dies (SIGKILL) while holding that role.
-        with Store(ns, endpoint=etcd.endpoint, transport="shm", lease_ttl=2.0) as zombie_like:
-            zombie_like.catalog.begin_read(1, "dead-reader")
-            pid_reader = CTX.Process(target=time.sleep, args=(60,), daemon=True)
-            pid_reader.start()
-            os.kill(pid_reader.pid, signal.SIGKILL)
-            zombie_like.catalog.close(revoke=False)  # its lease now only expires
-        # Steps 2 and 3 reuse the slots: the retire of step 1 waits at most for the dead lease.
+        out = CTX.Queue()
+        victim = CTX.Process(target=looping_consumer, args=(etcd.endpoint, ns, out), daemon=True)
+        victim.start()
+        for _ in range(3):
+            assert out.get(timeout=60) == "pulling"
+        os.kill(victim.pid, signal.SIGKILL)  # in the middle of (or right before) a pull
+        victim.join(10)
+        # Steps 2 and 3 reuse both staging slots: retiring step 1 waits at most for the dead
+        # reader's lease (2 s), never forever.
         g.put(2)
         g.put(3)
-        rejoin, rout = _consumer(etcd, ns)
-        msg = rout.get(timeout=60)
-        assert msg[:3] == ("got", 3, True), msg
-        rejoin.join(30)
+        shape, dt, _ = SPECS["big"]["w"]
+        buf = torch.empty(shape, dtype=dt)
+        with Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+            assert cons.get_into({"w": buf}, timeout=30) == 3
+        assert torch.equal(buf, value("w", shape, dt, 3))
     finally:
         g.close()
 
