@@ -12,6 +12,7 @@ Key layout under ``/astate/<namespace>/`` (see README "etcd key layout"):
     layouts/replicas/<member>/<layout_id>      that consumer's layout record, on its lease
     latest                              counter: newest committed step (only moves forward)
     readers/<step>/<reader_id>          reader record, on the consumer's lease
+    consumers/<reader_id>               consumer record (pre-pack requests), on the consumer's lease
     retired/<step>/<rank>               retired record: no new readers; rank will reuse the memory
     torn/<step>/<rank>                  retired record: rank changed the memory with readers still on it
     checkpoints/<step>                  checkpoint record
@@ -108,6 +109,7 @@ class Layout:
     rank: int
     shards: tuple[ShardRecord, ...]
     transport: bytes
+    packed: tuple[tuple[str, ShardRecord], ...] = ()  # (consumer, contiguous copy) pre-packed for it
 
 
 @dataclass(frozen=True)
@@ -160,12 +162,15 @@ class CheckpointEntry:
     written_at: float
 
 
-def layout_id_of(epoch: int, rank: int, shards: Sequence[ShardRecord], transport: bytes) -> str:
+def layout_id_of(epoch: int, rank: int, shards: Sequence[ShardRecord], transport: bytes,
+                 packed: Sequence[tuple[str, ShardRecord]] = ()) -> str:
     h = hashlib.blake2b(digest_size=12)
     h.update(b"%d/%d/" % (epoch, rank))
     h.update(transport)
     for s in shards:
         h.update(repr(shard_to_wire(s)).encode())
+    for c, s in packed:
+        h.update(c.encode() + repr(shard_to_wire(s)).encode())
     return h.hexdigest()
 
 
@@ -377,18 +382,23 @@ class Catalog:
 
     # ---- publishing -----------------------------------------------------------------------
 
-    def write_layout(self, shards: Sequence[ShardRecord], transport: bytes) -> str:
-        """Store this rank's layout once (content-addressed); returns its id.
+    def write_layout(self, shards: Sequence[ShardRecord], transport: bytes,
+                     packed: Sequence[tuple[str, ShardRecord]] = ()) -> str:
+        """Store this rank's layout once (content-addressed); returns its id. ``packed`` lists
+        contiguous copies built for single consumers (pre-packing).
 
         Raises:
             StaleSessionError: this session was fenced or this rank's lease expired.
         """
         s = self._require_session()
-        lid = layout_id_of(s.epoch, s.rank, shards, transport)
+        lid = layout_id_of(s.epoch, s.rank, shards, transport, packed)
         if lid in self._written_layouts:
             return lid
-        value = codec.encode("layout", {"layout_id": lid, "epoch": s.epoch, "rank": s.rank,
-                                        "shards": [shard_to_wire(x) for x in shards], "transport": transport})
+        rec: dict[str, Any] = {"layout_id": lid, "epoch": s.epoch, "rank": s.rank,
+                               "shards": [shard_to_wire(x) for x in shards], "transport": transport}
+        if packed:
+            rec["packed"] = [{"consumer": c, "shard": shard_to_wire(x)} for c, x in packed]
+        value = codec.encode("layout", rec)
         ok, _ = self._txn("write layout", self._fence(),
                           [tx.Put(self.key("layouts", _n(s.epoch), _n(s.rank), lid), value, lease=s.lease_id)])
         if not ok:
@@ -656,8 +666,9 @@ class Catalog:
                     continue
                 rec = codec.decode("layout", r[0][0])
                 shards = tuple(shard_from_wire(d, rec["rank"]) for d in rec["shards"])
+                packed = tuple((p["consumer"], shard_from_wire(p["shard"], rec["rank"])) for p in rec.get("packed", ()))
                 self._layout_cache[rec["layout_id"]] = Layout(rec["layout_id"], rec["epoch"], rec["rank"],
-                                                              shards, rec["transport"])
+                                                              shards, rec["transport"], packed)
         layouts = {r: self._layout_cache[p.layout_id] for r, p in version.pieces.items()
                    if p.layout_id in self._layout_cache}
         rlayouts = {m: self._layout_cache[rp.layout_id] for m, rp in version.replicas.items()
@@ -665,6 +676,25 @@ class Catalog:
         missing = frozenset(r for r in version.pieces if r not in layouts)
         return Version(version.step, version.epoch, version.world_size, version.pieces, version.replicas,
                        layouts, rlayouts, missing)
+
+    # ---- pre-pack requests ----------------------------------------------------------------
+
+    def register_consumer(self, reader_id: str, packs: Sequence[tuple[int, str, Box]]) -> None:
+        """Ask publishers for contiguous copies of (rank, tensor, box) pieces (empty: none)."""
+        rec = codec.encode("consumer", {"reader_id": reader_id, "packs": [
+            {"rank": r, "name": n, "offsets": list(b.offsets), "sizes": list(b.sizes)} for r, n, b in packs]})
+        lease = self._reader_lease_id()
+        self._call("register consumer", lambda: self.client.put(self.key("consumers", reader_id), rec, lease=lease))
+
+    def pack_requests(self, rank: int) -> tuple[tuple[str, str, Box], ...]:
+        """(consumer, tensor, box) pieces the live consumers want this publisher rank to pre-pack."""
+        kvs = self._call("get consumers", lambda: list(self.client.get_prefix(self.key("consumers") + "/")))
+        out = []
+        for v, _ in kvs:
+            d = codec.decode("consumer", v)
+            out += [(d["reader_id"], p["name"], Box(tuple(p["offsets"]), tuple(p["sizes"])))
+                    for p in d["packs"] if p["rank"] == rank]
+        return tuple(sorted(out, key=lambda x: (x[0], x[1], x[2].offsets, x[2].sizes)))
 
     # ---- re-serving consumers (P2P fan-out) ----------------------------------------------
 

@@ -1218,9 +1218,9 @@ def restore(uri: URI, buffers: Mapping[str, TensorLike], *, step: Optional[int] 
     # Shard tables per file, for checksum lookups.
     cols = table.select(["name", "offsets", "file", "byte_offset", "length", "block_size"]).to_pydict()
     block = int(marker["block_size"])
-    ck = table.column("checksums").combine_chunks()
-    sums = ck.values.to_numpy(zero_copy_only=False).astype(np.uint64) if len(ck) else np.zeros(0, np.uint64)
-    sum_off = ck.offsets.to_numpy() if len(ck) else np.zeros(1, np.int64)
+    sumcol = table.column("checksums").combine_chunks()  # .values + absolute .offsets stay consistent
+    sums = sumcol.values.to_numpy(zero_copy_only=False).astype(np.uint64) if len(sumcol) else np.zeros(0, np.uint64)
+    sum_off = sumcol.offsets.to_numpy() if len(sumcol) else np.zeros(1, np.int64)
     per_file: dict[int, list[int]] = {}
     for r, fname in enumerate(cols["file"]):
         if cols["block_size"][r] != block:

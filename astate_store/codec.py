@@ -50,7 +50,7 @@ def schema_of(kind: str) -> dict[str, Any]:
         raise CodecError(f"unknown record kind {kind!r}; known: {sorted(_schemas())}") from None
 
 
-KINDS = ("session", "member", "layout", "piece", "commit", "reader", "retired", "replica", "ucx_descriptor",
+KINDS = ("session", "member", "layout", "piece", "commit", "reader", "retired", "replica", "consumer", "ucx_descriptor",
          "checkpoint")
 
 

@@ -33,6 +33,8 @@ class SlotEntry:
     global_shape: tuple[int, ...]
     box: Box
     offset: int  # byte offset of the shard inside a slot
+    source: int = -1  # pre-packed copy: index of the entry it is cut from (-1: a shard itself)
+    consumer: str = ""  # pre-packed copy: the consumer it is built for
 
     @property
     def nbytes(self) -> int:
@@ -66,14 +68,20 @@ class SnapshotPool:
         self.slot_step: list[int | None] = []
         self._next = 0
 
-    def configure(self, items: Sequence[tuple[str, str, tuple[int, ...], Box]]) -> bool:
-        """Lay out the slots for these (name, dtype, global_shape, box); True if the layout changed."""
-        sig = tuple(items)
+    def configure(self, items: Sequence[tuple[str, str, tuple[int, ...], Box]],
+                  packs: Sequence[tuple[str, int, Box]] = ()) -> bool:
+        """Lay out the slots for these (name, dtype, global_shape, box) shards, plus contiguous
+        copies ``packs`` = (consumer, shard index, box inside that shard); True if it changed."""
+        sig = (tuple(items), tuple(packs))
         if sig == self.signature:
             return False
         entries, off = [], 0
         for name, dtype, gshape, box in items:
             entries.append(SlotEntry(name, dtype, gshape, box, off))
+            off += -(-box.numel * itemsize(dtype) // ALIGN) * ALIGN
+        for consumer, idx, box in packs:
+            name, dtype, gshape, _ = items[idx]
+            entries.append(SlotEntry(name, dtype, gshape, box, off, idx, consumer))
             off += -(-box.numel * itemsize(dtype) // ALIGN) * ALIGN
         slot = max(off, ALIGN)
         depth = self.want_depth
@@ -107,9 +115,16 @@ class SnapshotPool:
         assert self.buffer is not None
         base = k * self.slot_size
         with torch.no_grad():
-            for e, t in zip(self.entries, tensors):
+            for i, e in enumerate(self.entries):
                 view = self.buffer[base + e.offset: base + e.offset + e.nbytes]
-                view.view(torch_dtype(e.dtype)).view(e.box.sizes).copy_(t)
+                dst = view.view(torch_dtype(e.dtype)).view(e.box.sizes)
+                if e.source < 0:
+                    dst.copy_(tensors[i])  # shard entries come first, in the order of tensors
+                else:
+                    src = self.entries[e.source]
+                    cut = tuple(slice(o - so, o - so + n)
+                                for o, so, n in zip(e.box.offsets, src.box.offsets, e.box.sizes))
+                    dst.copy_(tensors[e.source][cut])
         self.slot_step[k] = step
         self._next = (k + 1) % self.depth
 

@@ -67,6 +67,8 @@ class _Group:
     layouts: Mapping[str, TensorLayout]
     sources: Mapping[int, tuple[Hashable, int | None, Layout]]
     key: object
+    packed: tuple[ShardRecord, ...] = ()  # contiguous copies publishers built for this consumer
+    shards_key: object = None  # the shard layout alone (packed copies left out)
 
 
 @dataclass(frozen=True)
@@ -156,13 +158,16 @@ class Store:
         window: outstanding UCX requests per pull.
         affinity: NUMA/NIC affinity (:class:`~astate_store.topology.AffinityConfig`); None reads
             ``ASTATE_AFFINITY`` / ``ASTATE_NUMA_NODE``; False turns it off.
+        prepack: consumers ask publishers for contiguous copies of pieces they would otherwise read
+            as many small runs (the planner's cost model decides), and publishers build them in
+            their snapshot slots.
     """
 
     def __init__(self, namespace: str, *, endpoint: str, rank: int = 0, world_size: int = 1,
                  transport: str = "auto", session_id: str | None = None, retention: int = 4,
                  lease_ttl: float = 10.0, staging_depth: int = 2, staging_cap_bytes: int | None = None,
                  read_timeout: float = 120.0, retire_timeout: float = 30.0, window: int = 256,
-                 affinity: AffinityConfig | bool | None = None):
+                 affinity: AffinityConfig | bool | None = None, prepack: bool = True):
         self.namespace, self.rank, self.world_size = namespace, rank, world_size
         self.catalog = Catalog(endpoint, namespace, retention=retention, lease_ttl=lease_ttl)
         self._session_id = session_id or os.environ.get("ASTATE_SESSION_ID") or _torchrun_session()
@@ -191,11 +196,13 @@ class Store:
         self._rotation = zlib.crc32(self._reader_id.encode()) & 0xFFFF
         self._ops_cache: OrderedDict[object, tuple[np.ndarray, list[_Conversion]]] = OrderedDict()
         self._closed = False
+        self._prepack = prepack
+        self._pack_key: object = None
         if affinity is False:
             affinity = AffinityConfig(enabled=False)
         self._affinity_cfg = affinity if isinstance(affinity, AffinityConfig) else AffinityConfig.from_env()
         self.affinity: AffinityChoice | None = None
-        self.stats: dict[str, int] = {"plans": 0, "plan_hits": 0, "torn_retries": 0}
+        self.stats: dict[str, int] = {"plans": 0, "plan_hits": 0, "torn_retries": 0, "reads": 0}
 
     # ---- shared --------------------------------------------------------------------------
 
@@ -305,11 +312,18 @@ class Store:
                                       self.transport.register_tensor, self.transport.unregister)
             self._pool_device = device
         pool = self._pool
-        if pool.configure([(e.name, e.dtype, e.global_shape, e.box) for e in entries]) or self._layout_id is None:
+        items = [(e.name, e.dtype, e.global_shape, e.box) for e in entries]
+        packs = self._pack_requests(entries) if self._prepack else ()
+        if pool.signature != (tuple(items), tuple(packs)):
+            # The slots are laid out anew: every version still in them must be retired first.
+            for old_step in {x for x in pool.slot_step if x is not None}:
+                self.catalog.retire(old_step, timeout=self.retire_timeout)
+        if pool.configure(items, packs) or self._layout_id is None:
             assert pool.region is not None
-            shards = [ShardRecord(se.name, se.dtype, se.global_shape, se.box, contiguous_strides(se.box.sizes), self.rank,
-                                  pool.region, se.offset) for se in pool.entries]
-            self._publish_layout(shards)
+            recs = [(se, ShardRecord(se.name, se.dtype, se.global_shape, se.box, contiguous_strides(se.box.sizes),
+                                     self.rank, pool.region, se.offset)) for se in pool.entries]
+            self._publish_layout([r for se, r in recs if se.source < 0],
+                                 [(se.consumer, r) for se, r in recs if se.source >= 0])
         k, old = pool.next_slot()
         if old is not None:
             # The slot still holds an older version: readers of it must be done or will discard.
@@ -344,10 +358,20 @@ class Store:
         assert info.base <= addr and addr + nbytes <= info.base + info.size
         return region
 
-    def _publish_layout(self, shards: list[ShardRecord]) -> None:
+    def _pack_requests(self, entries: list[_Entry]) -> tuple[tuple[str, int, Box], ...]:
+        """Consumers' pre-pack requests this rank can serve: (consumer, shard index, box)."""
+        out = []
+        for consumer, name, box in self.catalog.pack_requests(self.rank):
+            for i, e in enumerate(entries):
+                if e.name == name and e.box.intersect(box) == box and box.numel:
+                    out.append((consumer, i, box))
+                    break
+        return tuple(out)
+
+    def _publish_layout(self, shards: list[ShardRecord], packed: list[tuple[str, ShardRecord]] = ()) -> None:
         desc = codec.encode("ucx_descriptor", self.transport.descriptor())
         old = self._layout_id
-        self._layout_id = self.catalog.write_layout(shards, desc)
+        self._layout_id = self.catalog.write_layout(shards, desc, packed)
         if old is not None and old != self._layout_id:
             log.info("rank %d: layout changed (%s -> %s)", self.rank, old, self._layout_id)
 
@@ -412,6 +436,8 @@ class Store:
             k = pool.slot_step.index(step)
             out = []
             for se in pool.entries:
+                if se.source >= 0:
+                    continue  # a pre-packed copy, not a shard
                 off = k * pool.slot_size + se.offset
                 t = pool.buffer[off: off + se.nbytes].view(torch_dtype(se.dtype)).view(se.box.sizes)
                 out.append((ShardRecord(se.name, se.dtype, se.global_shape, se.box, contiguous_strides(se.box.sizes),
@@ -626,6 +652,7 @@ class Store:
             self._ops_cache.move_to_end(key)
             self.stats["plan_hits"] += 1
         ops, conversions = work
+        self.stats["reads"] = len(ops) + sum(len(c[0]) for conv in conversions for c in conv.chunks)
         if len(ops):
             self.transport.get(ops, timeout=self.read_timeout)  # every same-dtype read in one call
         for conv in conversions:
@@ -658,8 +685,10 @@ class Store:
         groups: dict[str, _Group] = {}
         if not version.missing:
             src = {r: (("pub", version.layouts[r].epoch, r), r, version.layouts[r]) for r in version.layouts}
+            mine = tuple(rec for lay in version.layouts.values() for c, rec in lay.packed if c == self._reader_id)
             groups["pub"] = _Group("pub", group_layouts(s for lay in version.layouts.values() for s in lay.shards),
-                                   src, version.layout_key)
+                                   src, version.layout_key, mine,
+                                   tuple(version.layouts[r].shards for r in sorted(version.layouts)))
         by_group: dict[str, list[str]] = {}
         for m in sorted(version.replica_layouts):
             by_group.setdefault(version.replicas[m].group, []).append(m)
@@ -722,9 +751,26 @@ class Store:
 
     def _plan(self, g: "_Group", dests: tuple[ShardRecord, ...]) -> np.ndarray:
         before = self._planner.misses
-        reads = self._planner.plan_one(g.layouts, dests, rotation=self._rotation, key=(g.key, dests))
+        packed = {self._reader_id: g.packed} if g.packed else None
+        cp = self._planner.plan_consumer(g.layouts, dests, consumer=self._reader_id, rotation=self._rotation,
+                                         packed=packed, key=(g.key, dests))
         self.stats["plans" if self._planner.misses != before else "plan_hits"] += 1
-        return reads
+        if self._prepack and g.gid == "pub":
+            self._request_packs(g, dests, cp)
+        return cp.reads
+
+    def _request_packs(self, g: "_Group", dests: tuple[ShardRecord, ...], cp: Any) -> None:
+        """Tell the publishers which pieces this consumer wants pre-packed (only when the shard
+        layout or the buffers changed: a plan that already uses packed copies asks for nothing)."""
+        key = (g.shards_key, dests)
+        if key == self._pack_key:
+            return
+        items = cp.pack_items if not g.packed else self._planner.plan_consumer(
+            g.layouts, dests, consumer=self._reader_id, rotation=self._rotation).pack_items
+        self.catalog.register_consumer(self._reader_id, [(it.source.rank, it.source.name, it.box) for it in items])
+        self._pack_key = key
+        if items:
+            log.info("asked publishers to pre-pack %d strided pieces", len(items))
 
     def _to_transport_ops(self, g: "_Group", bases: Mapping[int, int], reads: np.ndarray, dst_base: np.ndarray
                           ) -> np.ndarray:
