@@ -679,20 +679,25 @@ class Catalog:
 
     # ---- pre-pack requests ----------------------------------------------------------------
 
-    def register_consumer(self, reader_id: str, packs: Sequence[tuple[int, str, Box]]) -> None:
-        """Ask publishers for contiguous copies of (rank, tensor, box) pieces (empty: none)."""
-        rec = codec.encode("consumer", {"reader_id": reader_id, "packs": [
-            {"rank": r, "name": n, "offsets": list(b.offsets), "sizes": list(b.sizes)} for r, n, b in packs]})
+    def register_consumer(self, reader_id: str, packs: Sequence[tuple[int, str, Box, str | None]]) -> None:
+        """Ask publishers for contiguous copies of (rank, tensor, box, dtype or None) pieces."""
+        wire = []
+        for r, n, b, dt in packs:
+            item: dict[str, Any] = {"rank": r, "name": n, "offsets": list(b.offsets), "sizes": list(b.sizes)}
+            if dt is not None:
+                item["dtype"] = dt
+            wire.append(item)
+        rec = codec.encode("consumer", {"reader_id": reader_id, "packs": wire})
         lease = self._reader_lease_id()
         self._call("register consumer", lambda: self.client.put(self.key("consumers", reader_id), rec, lease=lease))
 
-    def pack_requests(self, rank: int) -> tuple[tuple[str, str, Box], ...]:
-        """(consumer, tensor, box) pieces the live consumers want this publisher rank to pre-pack."""
+    def pack_requests(self, rank: int) -> tuple[tuple[str, str, Box, str | None], ...]:
+        """(consumer, tensor, box, dtype) pieces live consumers want this publisher rank to pre-pack."""
         kvs = self._call("get consumers", lambda: list(self.client.get_prefix(self.key("consumers") + "/")))
         out = []
         for v, _ in kvs:
             d = codec.decode("consumer", v)
-            out += [(d["reader_id"], p["name"], Box(tuple(p["offsets"]), tuple(p["sizes"])))
+            out += [(d["reader_id"], p["name"], Box(tuple(p["offsets"]), tuple(p["sizes"])), p.get("dtype"))
                     for p in d["packs"] if p["rank"] == rank]
         return tuple(sorted(out, key=lambda x: (x[0], x[1], x[2].offsets, x[2].sizes)))
 

@@ -69,9 +69,10 @@ class SnapshotPool:
         self._next = 0
 
     def configure(self, items: Sequence[tuple[str, str, tuple[int, ...], Box]],
-                  packs: Sequence[tuple[str, int, Box]] = ()) -> bool:
+                  packs: Sequence[tuple[str, int, Box, str | None]] = ()) -> bool:
         """Lay out the slots for these (name, dtype, global_shape, box) shards, plus contiguous
-        copies ``packs`` = (consumer, shard index, box inside that shard); True if it changed."""
+        copies ``packs`` = (consumer, shard index, box inside that shard, dtype to convert to or
+        None); True if it changed."""
         sig = (tuple(items), tuple(packs))
         if sig == self.signature:
             return False
@@ -79,8 +80,9 @@ class SnapshotPool:
         for name, dtype, gshape, box in items:
             entries.append(SlotEntry(name, dtype, gshape, box, off))
             off += -(-box.numel * itemsize(dtype) // ALIGN) * ALIGN
-        for consumer, idx, box in packs:
+        for consumer, idx, box, to in packs:
             name, dtype, gshape, _ = items[idx]
+            dtype = to or dtype
             entries.append(SlotEntry(name, dtype, gshape, box, off, idx, consumer))
             off += -(-box.numel * itemsize(dtype) // ALIGN) * ALIGN
         slot = max(off, ALIGN)

@@ -69,6 +69,7 @@ class _Group:
     key: object
     packed: tuple[ShardRecord, ...] = ()  # contiguous copies publishers built for this consumer
     shards_key: object = None  # the shard layout alone (packed copies left out)
+    converted: tuple[ShardRecord, ...] = ()  # copies built in another dtype (converted on the publisher)
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ class Store:
         self._closed = False
         self._prepack = prepack
         self._pack_key: object = None
+        self._packs_refused: tuple[object, ...] = ()
         if affinity is False:
             affinity = AffinityConfig(enabled=False)
         self._affinity_cfg = affinity if isinstance(affinity, AffinityConfig) else AffinityConfig.from_env()
@@ -314,11 +316,21 @@ class Store:
         pool = self._pool
         items = [(e.name, e.dtype, e.global_shape, e.box) for e in entries]
         packs = self._pack_requests(entries) if self._prepack else ()
+        if packs and packs == self._packs_refused:
+            packs = ()  # already known not to fit the staging cap
         if pool.signature != (tuple(items), tuple(packs)):
             # The slots are laid out anew: every version still in them must be retired first.
             for old_step in {x for x in pool.slot_step if x is not None}:
                 self.catalog.retire(old_step, timeout=self.retire_timeout)
-        if pool.configure(items, packs) or self._layout_id is None:
+        try:
+            changed = pool.configure(items, packs)
+        except LayoutError:
+            if not packs:
+                raise
+            log.warning("rank %d: consumers' pre-pack requests do not fit the staging cap; serving runs", self.rank)
+            self._packs_refused = packs
+            changed = pool.configure(items, ())
+        if changed or self._layout_id is None:
             assert pool.region is not None
             recs = [(se, ShardRecord(se.name, se.dtype, se.global_shape, se.box, contiguous_strides(se.box.sizes),
                                      self.rank, pool.region, se.offset)) for se in pool.entries]
@@ -358,13 +370,14 @@ class Store:
         assert info.base <= addr and addr + nbytes <= info.base + info.size
         return region
 
-    def _pack_requests(self, entries: list[_Entry]) -> tuple[tuple[str, int, Box], ...]:
-        """Consumers' pre-pack requests this rank can serve: (consumer, shard index, box)."""
+    def _pack_requests(self, entries: list[_Entry]) -> tuple[tuple[str, int, Box, str | None], ...]:
+        """Consumers' pre-pack requests this rank can serve: (consumer, shard index, box, dtype)."""
         out = []
-        for consumer, name, box in self.catalog.pack_requests(self.rank):
+        for consumer, name, box, dtype in self.catalog.pack_requests(self.rank):
             for i, e in enumerate(entries):
-                if e.name == name and e.box.intersect(box) == box and box.numel:
-                    out.append((consumer, i, box))
+                if e.name == name and e.box.intersect(box) == box and box.numel and (
+                        dtype is None or (is_floating(dtype) and is_floating(e.dtype))):
+                    out.append((consumer, i, box, None if dtype == e.dtype else dtype))
                     break
         return tuple(out)
 
@@ -653,6 +666,7 @@ class Store:
             self.stats["plan_hits"] += 1
         ops, conversions = work
         self.stats["reads"] = len(ops) + sum(len(c[0]) for conv in conversions for c in conv.chunks)
+        self.stats["local_conversions"] = len(conversions)
         if len(ops):
             self.transport.get(ops, timeout=self.read_timeout)  # every same-dtype read in one call
         for conv in conversions:
@@ -667,13 +681,33 @@ class Store:
             self._connect(g)
             bases = self._bases(version, g)
             same = [e for e in items if e.dtype == g.layouts[e.name].dtype]
+            convert = [e for e in items if e.dtype != g.layouts[e.name].dtype]
+            cp = None
             if same:
                 ptrs = np.asarray([e.tensor.data_ptr() for e in same], dtype=np.int64)
-                batches.append(self._to_transport_ops(g, bases, self._plan(g, self._dest_records(same)), ptrs))
-            conversions += [self._plan_conversion(g, bases, e) for e in items
-                            if e.dtype != g.layouts[e.name].dtype]
+                cp = self._plan(g, self._dest_records(same))
+                batches.append(self._to_transport_ops(g, bases, cp.reads, ptrs))
+            for e in convert:
+                ready = self._converted_layout(g, e)
+                if ready is not None:  # the publisher already converted this buffer's pieces
+                    cg = replace(g, layouts={e.name: ready}, packed=(), key=(g.key, "conv", e.name, e.dtype))
+                    reads = self._plan(cg, self._dest_records([e])).reads
+                    batches.append(self._to_transport_ops(cg, bases, reads,
+                                                          np.asarray([e.tensor.data_ptr()], dtype=np.int64)))
+                else:
+                    conversions.append(self._plan_conversion(g, bases, e))
+            if self._prepack and gid == "pub":
+                self._request_packs(g, same, cp, convert)
         ops = np.concatenate(batches) if batches else np.empty((0, 5), dtype=np.int64)
         return ops, conversions
+
+    def _converted_layout(self, g: "_Group", e: _Entry) -> TensorLayout | None:
+        """The publisher-converted copies of this buffer's pieces, if together they cover it."""
+        recs = tuple(r for r in g.converted if r.name == e.name and r.dtype == e.dtype
+                     and e.box.intersect(r.box) == r.box)
+        if not recs or sum(r.box.numel for r in recs) != e.box.numel:
+            return None
+        return TensorLayout(e.name, e.dtype, e.global_shape, recs)
 
     def _source_groups(self, version: Version) -> dict[str, "_Group"]:
         """The alternative sources of a version: the publishers (when all are alive) and each
@@ -685,10 +719,12 @@ class Store:
         groups: dict[str, _Group] = {}
         if not version.missing:
             src = {r: (("pub", version.layouts[r].epoch, r), r, version.layouts[r]) for r in version.layouts}
-            mine = tuple(rec for lay in version.layouts.values() for c, rec in lay.packed if c == self._reader_id)
-            groups["pub"] = _Group("pub", group_layouts(s for lay in version.layouts.values() for s in lay.shards),
-                                   src, version.layout_key, mine,
-                                   tuple(version.layouts[r].shards for r in sorted(version.layouts)))
+            layouts = group_layouts(s for lay in version.layouts.values() for s in lay.shards)
+            mine = [rec for lay in version.layouts.values() for c, rec in lay.packed if c == self._reader_id]
+            groups["pub"] = _Group("pub", layouts, src, version.layout_key,
+                                   tuple(r for r in mine if r.dtype == layouts[r.name].dtype),
+                                   tuple(version.layouts[r].shards for r in sorted(version.layouts)),
+                                   tuple(r for r in mine if r.dtype != layouts[r.name].dtype))
         by_group: dict[str, list[str]] = {}
         for m in sorted(version.replica_layouts):
             by_group.setdefault(version.replicas[m].group, []).append(m)
@@ -749,28 +785,38 @@ class Store:
         return tuple(ShardRecord(e.name, e.dtype, e.global_shape, e.box, tuple(e.tensor.stride()), -1, i, 0)
                      for i, e in enumerate(dests))
 
-    def _plan(self, g: "_Group", dests: tuple[ShardRecord, ...]) -> np.ndarray:
+    def _plan(self, g: "_Group", dests: tuple[ShardRecord, ...]) -> Any:
         before = self._planner.misses
         packed = {self._reader_id: g.packed} if g.packed else None
         cp = self._planner.plan_consumer(g.layouts, dests, consumer=self._reader_id, rotation=self._rotation,
                                          packed=packed, key=(g.key, dests))
         self.stats["plans" if self._planner.misses != before else "plan_hits"] += 1
-        if self._prepack and g.gid == "pub":
-            self._request_packs(g, dests, cp)
-        return cp.reads
+        return cp
 
-    def _request_packs(self, g: "_Group", dests: tuple[ShardRecord, ...], cp: Any) -> None:
-        """Tell the publishers which pieces this consumer wants pre-packed (only when the shard
-        layout or the buffers changed: a plan that already uses packed copies asks for nothing)."""
-        key = (g.shards_key, dests)
+    def _request_packs(self, g: "_Group", same: list[_Entry], cp: Any, convert: list[_Entry]) -> None:
+        """Tell the publishers which pieces to build for this consumer: contiguous copies of
+        strided pieces (the planner's cost model picks them) and converted copies of the pieces
+        of buffers in another float dtype. Sent only when the shard layout or the buffers change."""
+        dests = self._dest_records(same)
+        key = (g.shards_key, dests, self._dest_records(convert))
         if key == self._pack_key:
             return
-        items = cp.pack_items if not g.packed else self._planner.plan_consumer(
-            g.layouts, dests, consumer=self._reader_id, rotation=self._rotation).pack_items
-        self.catalog.register_consumer(self._reader_id, [(it.source.rank, it.source.name, it.box) for it in items])
+        items = [] if cp is None else (cp.pack_items if not g.packed else self._planner.plan_consumer(
+            g.layouts, dests, consumer=self._reader_id, rotation=self._rotation).pack_items)
+        packs: list[tuple[int, str, Box, str | None]] = [(it.source.rank, it.source.name, it.box, None)
+                                                         for it in items]
+        for e in convert:
+            by_box: dict[Box, list[int]] = {}
+            for s in g.layouts[e.name].shards:
+                by_box.setdefault(s.box, []).append(s.rank)
+            for box, ranks in sorted(by_box.items(), key=lambda kv: (kv[0].offsets, kv[0].sizes)):
+                piece = e.box.intersect(box)
+                if piece is not None:
+                    packs.append((sorted(ranks)[self._rotation % len(ranks)], e.name, piece, e.dtype))
+        self.catalog.register_consumer(self._reader_id, packs)
         self._pack_key = key
-        if items:
-            log.info("asked publishers to pre-pack %d strided pieces", len(items))
+        if packs:
+            log.info("asked publishers for %d pre-packed pieces", len(packs))
 
     def _to_transport_ops(self, g: "_Group", bases: Mapping[int, int], reads: np.ndarray, dst_base: np.ndarray
                           ) -> np.ndarray:
@@ -812,7 +858,7 @@ class Store:
         halves = (staging[: staging.numel() // 2], staging[staging.numel() // 2:])
         recs = tuple(ShardRecord(e.name, src_dtype, e.global_shape, c, contiguous_strides(c.sizes), -1, i, 0)
                      for i, c in enumerate(boxes))
-        reads = self._plan(g, recs)  # every chunk in one planning call
+        reads = self._plan(g, recs).reads  # every chunk in one planning call
         order = np.argsort(reads["dst_region"], kind="stable")
         reads = reads[order]
         cuts = np.searchsorted(reads["dst_region"], np.arange(len(boxes) + 1))

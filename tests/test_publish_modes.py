@@ -79,6 +79,25 @@ def test_float_conversion_on_pull(etcd: Any, mixed_group: Any) -> None:
         assert torch.equal(odd, expected("odd", 3).to(torch.float16))
 
 
+def test_publishers_convert_for_consumers_after_one_step(etcd: Any) -> None:
+    g = Group(etcd.endpoint, "pconv-" + uuid.uuid4().hex[:10], 2, 2, "shm")
+    try:
+        with Store(g.ns, endpoint=etcd.endpoint, transport="shm") as store:
+            emb = torch.zeros(64, 48, dtype=torch.bfloat16)                           # fp32 -> bf16
+            qkv = Shard(torch.zeros(96, 24, dtype=torch.float32), (0, 24), (96, 48))  # bf16 -> fp32
+            local = []
+            for step in (1, 2, 3):
+                g.put(step)
+                assert store.get_into({"emb": emb, "qkv": qkv}, step=step, timeout=30) == step
+                assert torch.equal(emb, expected("emb", step).to(torch.bfloat16))
+                assert torch.equal(qkv.tensor, expected("qkv", step)[:, 24:].to(torch.float32))
+                local.append(store.stats["local_conversions"])
+        # Step 1 converts here; it asks the publishers, whose next puts carry converted copies.
+        assert local[0] == 2 and local[-1] == 0
+    finally:
+        g.close()
+
+
 def test_conversion_through_a_cap_far_smaller_than_the_model(etcd: Any, mixed_group: Any) -> None:
     # 64x48 fp32 source = 12 KiB through 1 KiB of staging (5 rows at a time).
     with Store(mixed_group.ns, endpoint=etcd.endpoint, transport="shm", staging_cap_bytes=1024) as store:
