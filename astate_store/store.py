@@ -11,7 +11,7 @@ import os
 import time
 import uuid
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Hashable, Mapping
@@ -469,10 +469,10 @@ class Store:
 
         Args:
             asynchronous: snapshot the shards and write in a background thread; returns a
-                ``concurrent.futures.Future`` of the part info instead of waiting.
+                ``concurrent.futures.Future`` of the same result instead of waiting.
 
         Returns:
-            True if the checkpoint is complete after this call (or the Future, when asynchronous).
+            True if the checkpoint is complete after this call (it is then in the catalog).
 
         Raises:
             CheckpointError: the step is not committed, or this rank no longer holds it.
@@ -497,9 +497,18 @@ class Store:
         if asynchronous:
             if self._async_ckpt is None:
                 self._async_ckpt = ckpt.AsyncCheckpointer()
-            fut = self._async_ckpt.save(uri, step, self.rank, self.world_size, shards, attempt=s.session_id)
-            fut.add_done_callback(lambda f: f.exception() is None and finish())
-            return fut
+            part = self._async_ckpt.save(uri, step, self.rank, self.world_size, shards, attempt=s.session_id)
+            done: Future[bool] = Future()
+
+            def chain(f: Future[Any]) -> None:
+                try:
+                    f.result()
+                    done.set_result(finish())
+                except BaseException as exc:  # delivered to the caller through the future
+                    done.set_exception(exc)
+
+            part.add_done_callback(chain)
+            return done
         ckpt.write_part(uri, step, self.rank, self.world_size, shards, attempt=s.session_id)
         return finish()
 

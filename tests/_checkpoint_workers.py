@@ -12,25 +12,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ._store_workers import split, whole  # noqa: F401  (shared split helpers)
+
 BoxT = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def split(shape: Sequence[int], dim: int, parts: int, index: int, uneven: bool = False) -> BoxT:
-    """Box ``index`` of ``parts`` along ``dim``; uneven gives the first part one extra row."""
-    shape = tuple(shape)
-    n = shape[dim]
-    if uneven:
-        cuts = [0] + [min(n, (n // parts) * (i + 1) + 1) for i in range(parts - 1)] + [n]
-    else:
-        cuts = [n * i // parts for i in range(parts + 1)]
-    offs = [0] * len(shape)
-    sizes = list(shape)
-    offs[dim], sizes[dim] = cuts[index], cuts[index + 1] - cuts[index]
-    return tuple(offs), tuple(sizes)
-
-
-def whole(shape: Sequence[int]) -> BoxT:
-    return (0,) * len(shape), tuple(shape)
 
 
 # name -> (global shape, dtype, publisher box for (rank, world), consumer box for (index, consumers))

@@ -168,3 +168,18 @@ def test_rollout_rejoins_and_pulls_newest(etcd: Any) -> None:
         assert torch.is_tensor(bufs["emb"])
     finally:
         g.close()
+
+
+def test_asynchronous_checkpoint_through_the_store(etcd: Any, tmp_path: Any) -> None:
+    ns, uri = _ns(), str(tmp_path / "async")
+    w = torch.arange(1 << 16, dtype=torch.float32)
+    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub:
+        pub.put(1, {"w": w})
+        fut = pub.checkpoint(1, uri, asynchronous=True)
+        w.add_(1)  # training goes on while the checkpoint is written: the snapshot is what counts
+        pub.put(2, {"w": w})
+        assert fut.result(timeout=60) is True
+        assert [c.step for c in pub.catalog.checkpoints()] == [1]
+        back = torch.zeros(1 << 16)
+        assert pub.restore({"w": back}) == 1
+        assert torch.equal(back, torch.arange(1 << 16, dtype=torch.float32))
