@@ -60,9 +60,9 @@ def find_etcd_binary() -> str:
     )
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -81,12 +81,16 @@ class EmbeddedEtcd:
         binary: etcd executable (default: :func:`find_etcd_binary`).
         data_dir: where etcd keeps its data (default: a new temp dir, removed on stop).
         start_timeout: seconds to wait for ``/health``.
+        host: address to bind (loopback by default; a test host's address inside a network
+            namespace made for multi-host tests).
 
     Raises:
         CatalogUnavailable: etcd did not become healthy in time.
     """
 
-    def __init__(self, binary: str | None = None, data_dir: str | None = None, start_timeout: float = 20.0):
+    def __init__(self, binary: str | None = None, data_dir: str | None = None, start_timeout: float = 20.0,
+                 host: str = "127.0.0.1"):
+        self.host = host
         self.binary = binary or find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="astate-etcd-")
@@ -98,8 +102,8 @@ class EmbeddedEtcd:
     def start(self) -> "EmbeddedEtcd":
         last = ""
         for _attempt in range(3):  # a free port can be taken between probe and bind
-            self.client_port, peer = _free_port(), _free_port()
-            c, p = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{peer}"
+            self.client_port, peer = _free_port(self.host), _free_port(self.host)
+            c, p = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{peer}"
             cmd = [
                 self.binary, "--name", "astate", "--data-dir", os.path.join(self.data_dir, "data"),
                 "--listen-client-urls", c, "--advertise-client-urls", c,
@@ -111,7 +115,7 @@ class EmbeddedEtcd:
                 # Own process group: a Ctrl-C to the caller's group is not what stops etcd.
                 self.proc = subprocess.Popen(cmd, stdout=logf, stderr=logf, stdin=subprocess.DEVNULL,
                                              start_new_session=True)
-            self.endpoint = f"127.0.0.1:{self.client_port}"
+            self.endpoint = f"{self.host}:{self.client_port}"
             deadline = time.monotonic() + self.start_timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 if _healthy(self.endpoint, 0.5):
