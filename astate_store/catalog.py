@@ -150,7 +150,7 @@ class Version:
     def layout_key(self) -> tuple[object, ...]:
         """Identifies the source layout: unchanged key means the cached plan still holds."""
         return (tuple(self.pieces[r].layout_id for r in sorted(self.pieces)),
-                tuple((m, self.replicas[m].layout_id) for m in sorted(self.replica_layouts)))
+                tuple((m, self.replicas[m].group, self.replicas[m].layout_id) for m in sorted(self.replica_layouts)))
 
 
 @dataclass(frozen=True)
@@ -522,7 +522,9 @@ class Catalog:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            latest, rev = self._get_counter("latest")
+            resp = self._call("get latest", lambda: self.client.get_response(self.key("latest")))
+            latest = codec.decode_counter(resp.kvs[0].value) if resp.kvs else None
+            rev = int(resp.header.revision)
             if latest is not None and (min_step is None or latest >= min_step):
                 return latest
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -531,8 +533,7 @@ class Catalog:
                 raise WaitTimeout(
                     f"namespace {self.namespace!r}: {want} was not committed within {timeout}s "
                     f"(latest is {latest})")
-            _, hdr_rev = self._get_prefix_rev(self.key("latest"))
-            self._wait_change(self.key("latest"), remaining, start_revision=max(rev, hdr_rev) + 1)
+            self._wait_change(self.key("latest"), remaining, start_revision=rev + 1)
 
     def _get_prefix_rev(self, prefix: str) -> tuple[list[tuple[bytes, Any]], int]:
         """Range read plus the store revision it saw (so a watch can start right after it)."""
@@ -569,7 +570,8 @@ class Catalog:
 
     def _reader_lease_id(self) -> int:
         with self._lock:
-            if self._reader_lease is None:
+            lost = any(k.lost for k in self._keepalives if k.lease_id == self._reader_lease)
+            if self._reader_lease is None or lost:
                 self._reader_lease = self._new_lease()
             return self._reader_lease
 
@@ -593,7 +595,11 @@ class Catalog:
         ])
         if not ok:
             raise VersionNotFound(f"namespace {self.namespace!r}: step {step} is not committed or was retired")
-        return self._parse_version(step, resp[1])
+        try:
+            return self._parse_version(step, resp[1])
+        except BaseException:
+            self.end_read(step, reader_id)
+            raise
 
     def end_read(self, step: int, reader_id: str) -> bool:
         """Unregister; True when no publisher changed the memory of ``step`` while this reader
@@ -604,6 +610,8 @@ class Catalog:
         ok, _ = self._txn(f"end read {step}", [
             tx.Version(vkey + "/commit") > 0,
             tx.Version(torn, _range_end(torn.encode())) == 0,
+            # A reader whose lease expired was not waited for: its bytes may be torn.
+            tx.Version(rkey) > 0,
         ], [tx.Delete(rkey)], [tx.Delete(rkey)])
         return bool(ok)
 

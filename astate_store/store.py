@@ -179,7 +179,8 @@ class Store:
         self._pool: SnapshotPool | None = None
         self._pool_device: torch.device | None = None
         self._conv_buf: torch.Tensor | None = None
-        self._layout_id: str | None = None
+        self._stage_lid: str | None = None  # layout of the snapshot slots
+        self._inplace_lid: str | None = None  # layout of tensors published in place
         self._layout_sig: object = None
         self._zero_copy_live: list[int] = []
         self._registered: dict[tuple[int, int], int] = {}
@@ -330,19 +331,19 @@ class Store:
             log.warning("rank %d: consumers' pre-pack requests do not fit the staging cap; serving runs", self.rank)
             self._packs_refused = packs
             changed = pool.configure(items, ())
-        if changed or self._layout_id is None:
+        if changed or self._stage_lid is None:
             assert pool.region is not None
             recs = [(se, ShardRecord(se.name, se.dtype, se.global_shape, se.box, contiguous_strides(se.box.sizes),
                                      self.rank, pool.region, se.offset)) for se in pool.entries]
-            self._publish_layout([r for se, r in recs if se.source < 0],
-                                 [(se.consumer, r) for se, r in recs if se.source >= 0])
+            self._stage_lid = self._publish_layout([r for se, r in recs if se.source < 0],
+                                                   [(se.consumer, r) for se, r in recs if se.source >= 0])
         k, old = pool.next_slot()
         if old is not None:
             # The slot still holds an older version: readers of it must be done or will discard.
             self.catalog.retire(old, timeout=self.retire_timeout)
         pool.fill(k, [e.tensor for e in entries], step)
-        assert self._layout_id is not None
-        return self._layout_id, k * pool.slot_size
+        _sync_device(device)  # a CUDA copy is asynchronous: the slot must hold step's bytes before commit
+        return self._stage_lid, k * pool.slot_size
 
     def _register_in_place(self, entries: list[_Entry]) -> str:
         shards = []
@@ -352,11 +353,12 @@ class Store:
             shards.append(ShardRecord(e.name, e.dtype, e.global_shape, e.box, tuple(e.tensor.stride()), self.rank,
                                       region, addr - self.transport.region(region).base))
         sig = tuple(shards)
-        if sig != self._layout_sig or self._layout_id is None:
-            self._publish_layout(shards)
+        if sig != self._layout_sig or self._inplace_lid is None:
+            self._inplace_lid = self._publish_layout(shards)
             self._layout_sig = sig
-        assert self._layout_id is not None
-        return self._layout_id
+        for d in {e.tensor.device for e in entries}:
+            _sync_device(d)  # kernels still writing the tensors must finish before the commit
+        return self._inplace_lid
 
     def _in_place_region(self, t: torch.Tensor, addr: int, nbytes: int) -> int:
         """The registered region holding a tensor's storage, registered once per storage."""
@@ -381,12 +383,12 @@ class Store:
                     break
         return tuple(out)
 
-    def _publish_layout(self, shards: list[ShardRecord], packed: list[tuple[str, ShardRecord]] = ()) -> None:
+    def _publish_layout(self, shards: list[ShardRecord], packed: list[tuple[str, ShardRecord]] = ()) -> str:
         desc = codec.encode("ucx_descriptor", self.transport.descriptor())
-        old = self._layout_id
-        self._layout_id = self.catalog.write_layout(shards, desc, packed)
-        if old is not None and old != self._layout_id:
-            log.info("rank %d: layout changed (%s -> %s)", self.rank, old, self._layout_id)
+        lid = self.catalog.write_layout(shards, desc, packed)
+        log.info("rank %d: publishing layout %s (%d shards, %d pre-packed copies)", self.rank, lid, len(shards),
+                 len(packed))
+        return lid
 
     def retire(self, timeout: float | None = None) -> int:
         """Before changing tensors published with ``copy=False``: mark those versions retired and
@@ -644,10 +646,15 @@ class Store:
         if "pub" in groups and len(groups) > 1:
             tries += [{k: v for k, v in groups.items() if k != "pub"}, {"pub": groups["pub"]}]
         for i, gs in enumerate(tries):
+            if i and not all(any(e.name in g.layouts for g in gs.values()) for e in dests):
+                continue  # these sources cannot serve every buffer
             try:
                 self._pull_from(version, gs, dests)
                 return
-            except PeerUnreachable:
+            except TransportError:
+                # Endpoints of a failed read may be closed: connect and plan afresh next time.
+                self._connected.clear()
+                self._ops_cache.clear()
                 if i == len(tries) - 1:
                     raise
                 log.info("step %d: a source failed; retrying with other sources", version.step)
@@ -892,6 +899,7 @@ class Store:
                 pending = self._fetcher.submit(fetch, conv.chunks[k + 1][0])
             with torch.no_grad():
                 dst.copy_(src)
+            _sync_device(dst.device)  # the next fetch into this half must not overtake the copy
 
     def _conversion_staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self._conv_buf
@@ -900,6 +908,11 @@ class Store:
             buf = self._alloc(max(nbytes, 1), device)
             self._conv_buf = buf
         return buf
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _torchrun_session() -> str | None:

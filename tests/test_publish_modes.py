@@ -138,3 +138,17 @@ def test_snapshot_staging_cap(etcd: Any) -> None:
         assert one._pool is not None and one._pool.depth == 1 and one._pool.nbytes <= 20000
 
 
+
+
+def test_mixing_snapshot_and_zero_copy_puts(etcd: Any) -> None:
+    ns = "mix-" + uuid.uuid4().hex[:10]
+    live = torch.zeros(4096)
+    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
+            Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+        buf = torch.empty(4096)
+        for step, copy in enumerate([False, True, False, True, False], start=1):
+            pub.retire()
+            live.fill_(float(step))
+            pub.put(step, {"w": live}, copy=copy)
+            assert cons.get_into({"w": buf}, step=step, timeout=30) == step
+            assert bool((buf == float(step)).all()), f"step {step} (copy={copy}) delivered other bytes"
