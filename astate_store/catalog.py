@@ -12,6 +12,7 @@ Key layout under ``/astate/<namespace>/`` (see README "etcd key layout"):
     layouts/replicas/<member>/<layout_id>      that consumer's layout record, on its lease
     latest                              counter: newest committed step (only moves forward)
     readers/<step>/<reader_id>          reader record, on the consumer's lease
+    delivered/<step>/<reader_id>        reader record: that consumer finished a good read of the step
     consumers/<reader_id>               consumer record (pre-pack requests), on the consumer's lease
     retired/<step>/<rank>               retired record: no new readers; rank will reuse the memory
     torn/<step>/<rank>                  retired record: rank changed the memory with readers still on it
@@ -466,6 +467,8 @@ class Catalog:
                 tx.Delete(self.key("readers", _n(old)) + "/", _range_end(self.key("readers", _n(old), "").encode())),
                 tx.Delete(self.key("retired", _n(old)) + "/", _range_end(self.key("retired", _n(old), "").encode())),
                 tx.Delete(self.key("torn", _n(old)) + "/", _range_end(self.key("torn", _n(old), "").encode())),
+                tx.Delete(self.key("delivered", _n(old)) + "/",
+                          _range_end(self.key("delivered", _n(old), "").encode())),
             ])
 
     def committed_steps(self) -> list[int]:
@@ -612,8 +615,29 @@ class Catalog:
             tx.Version(torn, _range_end(torn.encode())) == 0,
             # A reader whose lease expired was not waited for: its bytes may be torn.
             tx.Version(rkey) > 0,
-        ], [tx.Delete(rkey)], [tx.Delete(rkey)])
+        ], [tx.Delete(rkey), tx.Put(self.key("delivered", _n(step), reader_id), b"", lease=self._reader_lease_id())],
+            [tx.Delete(rkey)])
         return bool(ok)
+
+    def wait_delivered(self, step: int, consumers: set[str], timeout: float) -> set[str]:
+        """Wait (bounded) until each of ``consumers`` finished a good read of ``step``; returns
+        those that did not (dead consumers' ids vanish with their lease and are not waited for)."""
+        pre = self.key("delivered", _n(step)) + "/"
+        deadline = time.monotonic() + timeout
+        while True:
+            kvs, rev = self._get_prefix_rev(pre)
+            done = {m.key.decode().rsplit("/", 1)[1] for _v, m in kvs}
+            missing = (consumers & self.consumer_ids()) - done
+            remaining = deadline - time.monotonic()
+            if not missing or remaining <= 0:
+                return missing
+            self._wait_change(pre, remaining, prefix=True, start_revision=rev + 1)
+
+    def consumer_ids(self) -> set[str]:
+        """Live consumers (each registers on its first pull)."""
+        pre = self.key("consumers") + "/"
+        kvs = self._call("list consumers", lambda: list(self.client.get_prefix(pre, keys_only=True)))
+        return {m.key.decode()[len(pre):] for _v, m in kvs}
 
     def read_version(self, step: int) -> Version:
         """Commit and pieces of a committed step, in one round trip (no reader registration).

@@ -18,12 +18,16 @@ import torch
 from .errors import LayoutError
 from .layout import Box, itemsize, torch_dtype
 
-__all__ = ["SlotEntry", "SnapshotPool", "ALIGN"]
+__all__ = ["SlotEntry", "SnapshotPool", "StagingCapExceeded", "ALIGN"]
 
 log = logging.getLogger("astate_store.staging")
 
 # Cache-line aligned shards: copies and remote reads never straddle a shared line.
 ALIGN = 256
+
+
+class StagingCapExceeded(LayoutError):
+    """One snapshot slot alone would be larger than the staging cap."""
 
 
 @dataclass(frozen=True)
@@ -89,9 +93,9 @@ class SnapshotPool:
         depth = self.want_depth
         if self.cap_bytes is not None:
             if slot > self.cap_bytes:
-                raise LayoutError(
+                raise StagingCapExceeded(
                     f"snapshot of this rank's {len(entries)} tensors needs {slot} bytes of staging, above the "
-                    f"cap of {self.cap_bytes} bytes; raise staging_cap_bytes or publish with copy=False")
+                    f"cap of {self.cap_bytes} bytes")
             depth = max(1, min(depth, self.cap_bytes // slot))
             if depth < self.want_depth:
                 log.warning("staging cap %d bytes allows %d of %d snapshot slots; puts will wait for readers",

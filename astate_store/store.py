@@ -46,7 +46,7 @@ from .layout import (
     local_box,
     torch_dtype,
 )
-from .staging import SnapshotPool
+from .staging import SnapshotPool, StagingCapExceeded
 from .topology import AffinityChoice, AffinityConfig, affinity_for, alloc_on_node, apply_env, pinned
 from .transport import UcxTransport
 
@@ -153,7 +153,9 @@ class Store:
         lease_ttl: seconds after which a silent process counts as dead.
         staging_depth: snapshot slots (versions live at once) of the publisher's pool.
         staging_cap_bytes: the most staging memory this store may use, for snapshots and for
-            dtype conversion on pull (chunks are pipelined through it).
+            dtype conversion on pull (chunks are pipelined through it). A snapshot larger than the
+            cap is streamed from the tensors themselves: ``put`` then returns once the live
+            consumers have pulled it.
         read_timeout: seconds one batched pull may take before ``PeerUnreachable``.
         retire_timeout: seconds a publisher waits for readers before reusing memory.
         window: outstanding UCX requests per pull.
@@ -200,6 +202,7 @@ class Store:
         self._closed = False
         self._prepack = prepack
         self._pack_key: object = None
+        self._consumer_known = False
         self._packs_refused: tuple[object, ...] = ()
         if affinity is False:
             affinity = AffinityConfig(enabled=False)
@@ -292,7 +295,10 @@ class Store:
         if self.catalog.session is None:
             self.catalog.open_session(rank=self.rank, world_size=self.world_size, session_id=self._session_id)
         if copy:
-            lid, base = self._stage(step, entries)
+            try:
+                lid, base = self._stage(step, entries)
+            except StagingCapExceeded as exc:
+                return self._put_streamed(step, entries, exc)
         else:
             lid, base = self._register_in_place(entries), 0
             if self._zero_copy_live:
@@ -344,6 +350,21 @@ class Store:
         pool.fill(k, [e.tensor for e in entries], step)
         _sync_device(device)  # a CUDA copy is asynchronous: the slot must hold step's bytes before commit
         return self._stage_lid, k * pool.slot_size
+
+    def _put_streamed(self, step: int, entries: list[_Entry], why: Exception) -> bool:
+        """A snapshot larger than the staging cap: publish the tensors in place and return only
+        once every live consumer has pulled this step (then retire it), so the caller may still
+        change its tensors as soon as ``put`` returns; no staging memory is used."""
+        log.warning("rank %d: %s; streaming step %d from the tensors themselves (put waits for consumers)",
+                    self.rank, why, step)
+        consumers = self.catalog.consumer_ids() - {self._reader_id}
+        committed = self.catalog.put_piece(step, self._register_in_place(entries), 0)
+        late = self.catalog.wait_delivered(step, consumers, timeout=self.retire_timeout)
+        if late:
+            log.warning("rank %d: %d consumers did not pull step %d within %.0fs", self.rank, len(late), step,
+                        self.retire_timeout)
+        self.catalog.retire(step, timeout=self.retire_timeout)
+        return committed
 
     def _register_in_place(self, entries: list[_Entry]) -> str:
         shards = []
@@ -594,6 +615,10 @@ class Store:
         """
         dests = self._dests(buffers)
         self._ensure_transport(dests[0].tensor.device)
+        if not self._consumer_known:
+            # Publishers that stream oversized snapshots wait for known consumers.
+            self.catalog.register_consumer(self._reader_id, [])
+            self._consumer_known = True
         if self._serving:
             self.unserve()  # these buffers may be among the re-served ones: withdraw before writing
         deadline = None if timeout is None else time.monotonic() + timeout

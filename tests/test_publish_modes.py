@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -123,9 +125,6 @@ def test_conversions_that_lose_meaning_are_rejected(etcd: Any, mixed_group: Any)
 def test_snapshot_staging_cap(etcd: Any) -> None:
     ns = "cap-" + uuid.uuid4().hex[:10]
     tensors = {"w": torch.arange(4096, dtype=torch.float32)}  # 16 KiB
-    with Store(ns, endpoint=etcd.endpoint, transport="shm", staging_cap_bytes=8192) as small:
-        with pytest.raises(LayoutError, match="above the cap of 8192 bytes"):
-            small.put(1, tensors)
     # Room for one slot only: every put retires the previous version first, and still syncs.
     with Store(ns, endpoint=etcd.endpoint, transport="shm", staging_cap_bytes=20000) as one, \
             Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
@@ -138,6 +137,29 @@ def test_snapshot_staging_cap(etcd: Any) -> None:
         assert one._pool is not None and one._pool.depth == 1 and one._pool.nbytes <= 20000
 
 
+def test_snapshot_larger_than_the_cap_streams_to_consumers(etcd: Any) -> None:
+    ns = "stream-" + uuid.uuid4().hex[:10]
+    w = torch.zeros(1 << 16)  # 256 KiB through a 16 KiB cap
+    got: list[tuple[int, bool]] = []
+    with Store(ns, endpoint=etcd.endpoint, transport="shm", staging_cap_bytes=16384) as pub, \
+            Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+        buf = torch.empty(1 << 16)
+
+        def pull() -> None:
+            for step in (1, 2, 3):
+                s = cons.get_into({"w": buf}, step=step, timeout=60)
+                got.append((s, bool((buf == float(s)).all())))
+
+        t = threading.Thread(target=pull)
+        t.start()
+        while not cons._consumer_known:
+            time.sleep(0.01)
+        for step in (1, 2, 3):
+            w.fill_(float(step))
+            pub.put(step, {"w": w})  # returns once the consumer has pulled: w may change right away
+        t.join(60)
+        assert got == [(1, True), (2, True), (3, True)]
+        assert pub._pool is None or pub._pool.nbytes <= 16384  # no staging beyond the cap
 
 
 def test_mixing_snapshot_and_zero_copy_puts(etcd: Any) -> None:
