@@ -48,10 +48,12 @@ def test_zero_copy_publisher_mutating_never_yields_torn_versions(etcd: Any, tran
                     assert bool((b == float(got)).all()), f"torn: {name} mixes steps, reported {got}"
                 seen.append(got)
             discarded = store.stats["torn_retries"]
-        assert seen == sorted(seen) and len(set(seen)) > 5
+        assert seen and seen == sorted(seen)
         if retire_timeout == 0.0:
             # Reads overlapped mutations: they were detected and discarded, never returned.
             assert discarded + refused > 0
+        else:
+            assert len(set(seen)) > 5
         print(f"{len(seen)} verified pulls, {discarded} reads discarded, {refused} refusals")
     finally:
         p.kill()
