@@ -407,11 +407,6 @@ class Catalog:
         self._written_layouts[lid] = value
         return lid
 
-    def drop_layout(self, layout_id: str) -> None:
-        s = self._require_session()
-        self._written_layouts.pop(layout_id, None)
-        self._call("delete layout", lambda: self.client.delete(self.key("layouts", _n(s.epoch), _n(s.rank), layout_id)))
-
     def put_piece(self, step: int, layout_id: str, base_offset: int = 0) -> bool:
         """Write this rank's piece of ``step`` and try to commit; returns True if the version
         is committed (by this or another rank's transaction).
@@ -783,9 +778,6 @@ class Catalog:
         return sorted(out, key=lambda e: e.step)
 
     # ---- lifetime -------------------------------------------------------------------------
-
-    def lease_lost(self) -> bool:
-        return any(k.lost for k in self._keepalives)
 
     def close(self, *, revoke: bool = True) -> None:
         """Stop keep-alives and revoke leases (members, layouts and readers vanish at once)."""

@@ -1486,8 +1486,6 @@ class Planner:
         self.misses = 0
         self._cache: OrderedDict = OrderedDict()
         self._memo = _Memo()
-        #: free-form cache for callers that derive inputs per version (e.g. grouped layouts)
-        self.memo: dict = {}
 
     def _lookup(self, key: Any, build: Any) -> Any:
         got = self._cache.get(key)

@@ -182,7 +182,7 @@ class Store:
         self._registered: dict[tuple[int, int], int] = {}
         self._zero_copy_entries: list[_Entry] = []
         self._serving: list[tuple[int, str, str]] = []
-        self._delivered: dict[int, set[int]] = {}
+        self._delivered_step: int | None = None
         self._async_ckpt: Any = None
         self._dest_fp: object = None
         self._dest_seen: list[tuple[str, object, int, int]] | None = None
@@ -193,6 +193,7 @@ class Store:
         self._connected: dict[Hashable, str] = {}  # peer -> layout id its rkeys come from
         # Consumers spread over replicas and groups without talking to each other.
         self._rotation = zlib.crc32(self._reader_id.encode()) & 0xFFFF
+        self._groups_cache: OrderedDict[object, dict[str, _Group]] = OrderedDict()
         self._ops_cache: OrderedDict[object, tuple[np.ndarray, list[_Conversion]]] = OrderedDict()
         self._closed = False
         self._prepack = prepack
@@ -433,7 +434,7 @@ class Store:
             LayoutError: the buffers were not all filled with ``step`` by this store.
         """
         entries = _validate(buffers, "serve(buffers)")
-        delivered = self._delivered.get(step, set())
+        delivered = {e.tensor.data_ptr() for e in self._dest_entries} if step == self._delivered_step else set()
         for e in entries:
             if e.tensor.data_ptr() not in delivered:
                 raise LayoutError(f"tensor {e.name!r}: serve() of step {step} needs buffers that get_into "
@@ -635,7 +636,7 @@ class Store:
                 self.catalog.end_read(s, self._reader_id)
                 raise
             if self.catalog.end_read(s, self._reader_id):
-                self._delivered = {s: {e.tensor.data_ptr() for e in dests}}
+                self._delivered_step = s  # the buffers in self._dest_entries hold step s
                 return s
             torn += 1
             self.stats["torn_retries"] += 1
@@ -757,9 +758,10 @@ class Store:
         """The alternative sources of a version: the publishers (when all are alive) and each
         re-serving group, with the tensors each can serve whole."""
         key = ("groups", version.layout_key, version.missing)
-        hit = self._planner.memo.get(key)
+        hit = self._groups_cache.get(key)
         if hit is not None:
-            return hit  # type: ignore[no-any-return]
+            self._groups_cache.move_to_end(key)
+            return hit
         groups: dict[str, _Group] = {}
         if not version.missing:
             src = {r: (("pub", version.layouts[r].epoch, r), r, version.layouts[r]) for r in version.layouts}
@@ -790,7 +792,9 @@ class Store:
             if layouts:
                 groups["g:" + gname] = _Group("g:" + gname, layouts, src,
                                               tuple((m, version.replica_layouts[m].layout_id) for m in members))
-        self._planner.memo[key] = groups
+        self._groups_cache[key] = groups
+        while len(self._groups_cache) > 8:  # re-serving consumers come and go: keep it bounded
+            self._groups_cache.popitem(last=False)
         return groups
 
     def _assign(self, groups: Mapping[str, "_Group"], dests: list[_Entry]) -> dict[str, list[_Entry]]:
