@@ -9,7 +9,6 @@ __all__ = [
     "CatalogError",
     "CatalogUnavailable",
     "StaleSessionError",
-    "CommitConflict",
     "VersionNotFound",
     "WaitTimeout",
     "PlanError",
@@ -44,10 +43,6 @@ class CatalogUnavailable(CatalogError):
 
 class StaleSessionError(CatalogError):
     """A write from a session that a newer session of the namespace has fenced."""
-
-
-class CommitConflict(CatalogError):
-    """A version's pieces disagree (for example, a rank wrote twice with different layouts)."""
 
 
 class VersionNotFound(CatalogError, KeyError):

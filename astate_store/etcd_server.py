@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from .errors import CatalogUnavailable
+from .process import pid_alive
 
 __all__ = ["EmbeddedEtcd", "find_etcd_binary", "shared_endpoint", "ENV_ENDPOINT"]
 
@@ -168,16 +169,6 @@ def _rendezvous_file() -> Path:
     return base / "embedded-etcd.json"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def shared_endpoint() -> str:
     """The endpoint of this host's embedded etcd: ``$ASTATE_ETCD``, a live one another
     process started, or a new one owned (and stopped at exit) by this process."""
@@ -192,7 +183,7 @@ def shared_endpoint() -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             info = json.loads(path.read_text())
-            if _pid_alive(int(info["pid"])) and _healthy(info["endpoint"]):
+            if pid_alive(int(info["pid"])) and _healthy(info["endpoint"]):
                 log.info("reusing embedded etcd at %s (pid %s)", info["endpoint"], info["pid"])
                 return str(info["endpoint"])
         except (OSError, ValueError, KeyError):

@@ -32,6 +32,10 @@ __all__ = [
     "TensorLike",
     "contiguous_strides",
     "local_box",
+    "Entry",
+    "validate_tensors",
+    "MAX_STEP",
+    "check_step",
     "merge_tensor_layout",
 ]
 
@@ -299,6 +303,59 @@ def local_box(name: str, value: TensorLike) -> tuple[torch.Tensor, Box, tuple[in
         raise LayoutError(f"tensor {name!r}: negative strides {tensor.stride()} are not supported")
     _check_non_overlapping(name, tuple(tensor.shape), tensor.stride())
     return tensor, box, global_shape, dtype
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """One validated user tensor: the local piece and where it sits in the global tensor."""
+
+    name: str
+    tensor: torch.Tensor
+    box: Box
+    global_shape: tuple[int, ...]
+    dtype: str
+
+    def record(self, rank: int, region: int = 0, byte_offset: int = 0, *, strides: Sequence[int] | None = None
+               ) -> ShardRecord:
+        """This entry as a shard of ``rank`` at ``byte_offset`` in ``region``; ``strides`` default to
+        the tensor's own (pass ``contiguous_strides`` for a packed copy of it)."""
+        st = tuple(self.tensor.stride()) if strides is None else tuple(strides)
+        return ShardRecord(self.name, self.dtype, self.global_shape, self.box, st, rank, region, byte_offset)
+
+
+def validate_tensors(tensors: Mapping[str, TensorLike], what: str) -> list[Entry]:
+    """Every entry of a user mapping checked (name, dtype, box, memory, device), sorted by name.
+
+    Raises:
+        LayoutError: not a mapping, empty, or an entry that fails :func:`local_box` or sits on a
+            device other than cpu/cuda; the message names ``what`` or the tensor.
+    """
+    if not isinstance(tensors, Mapping):
+        raise LayoutError(f"{what} must map names to tensors or Shards, got {type(tensors).__name__}")
+    if not tensors:
+        raise LayoutError(f"{what} is empty")
+    out = []
+    for name in sorted(tensors):
+        t, box, gshape, dtype = local_box(name, tensors[name])
+        if t.device.type not in ("cpu", "cuda"):
+            raise LayoutError(f"tensor {name!r}: device {t.device} is not supported (cpu or cuda)")
+        out.append(Entry(name, t, box, gshape, dtype))
+    return out
+
+
+# Steps are 20-digit zero-padded in etcd keys, counters and checkpoint paths, and the commit
+# transaction compares against ``step + 1``, which must still fit in 20 digits.
+MAX_STEP = 10**19 - 1
+
+
+def check_step(step: object, error: type[Exception] = LayoutError) -> int:
+    """``step`` as an int in [0, MAX_STEP]; else ``error`` (the caller's typed error)."""
+    if isinstance(step, bool) or not hasattr(step, "__index__"):
+        raise error(f"step must be an int in [0, 1e19), got {step!r}")
+    value = int(step.__index__())  # type: ignore[attr-defined]
+    if not 0 <= value <= MAX_STEP:
+        raise error(f"step must be an int in [0, 1e19), got {step!r}")
+    return value
 
 
 def merge_tensor_layout(name: str, shards: Iterable[ShardRecord]) -> TensorLayout:

@@ -62,6 +62,7 @@ from typing import Any, Hashable, Literal, Mapping
 import numpy as np
 
 from ..errors import PeerUnreachable, TransportError
+from ..process import pid_alive
 from .base import OP_COLUMNS, PeerDescriptor, RegionInfo, Transport
 
 __all__ = ["UcxTransport", "native", "MODES"]
@@ -158,16 +159,6 @@ def _is_peer_status(nat: Any, status: int) -> bool:
     return (nat.ERR_LAST_ENDPOINT_FAILURE <= status <= nat.ERR_FIRST_ENDPOINT_FAILURE) or (
         nat.ERR_LAST_LINK_FAILURE <= status <= nat.ERR_FIRST_LINK_FAILURE
     )
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def _typed(exc: BaseException, message: str, *, peer_gone: bool = False) -> TransportError:
@@ -803,7 +794,7 @@ class UcxTransport(Transport):
         with self._lock:
             p = self._peers.get(key)
         gone = bool(ep.failed)
-        if p is not None and p.desc.pid and self._same_node(p.desc) and not _pid_alive(p.desc.pid):
+        if p is not None and p.desc.pid and self._same_node(p.desc) and not pid_alive(p.desc.pid):
             gone = True
         who = f"peer {key!r}" + (f" (pid {p.desc.pid} on {p.desc.host})" if p is not None else "")
         if ep.failed and ep.error and ep.error not in str(exc):
