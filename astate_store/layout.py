@@ -36,6 +36,7 @@ __all__ = [
     "validate_tensors",
     "MAX_STEP",
     "check_step",
+    "check_fit",
     "merge_tensor_layout",
 ]
 
@@ -341,6 +342,21 @@ def validate_tensors(tensors: Mapping[str, TensorLike], what: str) -> list[Entry
             raise LayoutError(f"tensor {name!r}: device {t.device} is not supported (cpu or cuda)")
         out.append(Entry(name, t, box, gshape, dtype))
     return out
+
+
+def check_fit(e: Entry, saved: TensorLayout, source: str) -> None:
+    """A buffer can take this tensor: same global shape, and the same dtype or a float -> float
+    conversion. ``source`` names where the tensor comes from in the message.
+
+    Raises:
+        LayoutError: naming the tensor, both sides and ``source``.
+    """
+    if saved.global_shape != e.global_shape:
+        raise LayoutError(f"tensor {e.name!r}: buffer expects global shape {e.global_shape}, {source} has "
+                          f"global shape {saved.global_shape}")
+    if e.dtype != saved.dtype and not (is_floating(e.dtype) and is_floating(saved.dtype)):
+        raise LayoutError(f"tensor {e.name!r}: buffer dtype {e.dtype} does not match {source}'s dtype "
+                          f"{saved.dtype}, and {saved.dtype} -> {e.dtype} is not a float conversion")
 
 
 # Steps are 20-digit zero-padded in etcd keys, counters and checkpoint paths, and the commit

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from .errors import LayoutError
-from .layout import Box, itemsize, torch_dtype
+from .layout import Box, ShardRecord, contiguous_strides, itemsize, torch_dtype
 
 __all__ = ["SlotEntry", "SnapshotPool", "StagingCapExceeded", "ALIGN"]
 
@@ -43,6 +43,11 @@ class SlotEntry:
     @property
     def nbytes(self) -> int:
         return self.box.numel * itemsize(self.dtype)
+
+    def record(self, rank: int, region: int, byte_offset: int) -> ShardRecord:
+        """This entry as a contiguous shard of ``rank`` at ``byte_offset`` in ``region``."""
+        return ShardRecord(self.name, self.dtype, self.global_shape, self.box, contiguous_strides(self.box.sizes),
+                           rank, region, byte_offset)
 
 
 class SnapshotPool:

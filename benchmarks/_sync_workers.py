@@ -241,7 +241,7 @@ class _Rollout:
 
     def get(self, step: int, barrier: Any) -> dict[str, Any]:
         # Time only the pull of a version that is already committed and visible.
-        self.store.catalog.wait_for(step, timeout=120)
+        self.store.wait(step, timeout=120)
         if barrier is not None:
             barrier.wait(120)
         self.get_s, self.get_rows, self.get_calls, self.gc_s = 0.0, 0, 0, 0.0

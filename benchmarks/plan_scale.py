@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 from astate_store.layout import Box, ShardRecord, TensorLayout, contiguous_strides, itemsize  # noqa: E402
-from astate_store.plan import CostModel, Placement, Planner, Topology, plan_consumer, plan_global  # noqa: E402
+from astate_store.plan import CostModel, Fabric, Placement, Planner, plan_consumer, plan_global  # noqa: E402
 
 BLOCK = 128
 
@@ -269,7 +269,7 @@ def build(args):
         src = {r: Placement(f"t{r // gph}", numa=(r % gph) * 2 // gph, nic=f"rail{r % gph}")
                for r in range(args.trainer_gpus)}
         con = {c: Placement(f"r{c // gph}", numa=(c % gph) * 2 // gph, nic=f"rail{c % gph}") for c in requests}
-        topo = Topology(src, con)
+        topo = Fabric(src, con)
     return specs, layouts, requests, topo, dp
 
 

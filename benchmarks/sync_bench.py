@@ -5,7 +5,7 @@ row-parallel on dim 1, norms replicated) ``put``s a ~2 GiB fp32 GPT-like model e
 rollout groups pull each committed step with ``get_into`` into preallocated buffers.
 
 Timing: the driver waits until the trainers' put has committed; each rollout process then waits
-until the commit is visible to it (``catalog.wait_for``), the rollout processes of a group pass a
+until the commit is visible to it (``Store.wait``), the rollout processes of a group pass a
 barrier, and ``get_into`` is timed. A group's time is (last end - first start) over its processes,
 its bytes the bytes delivered into all its buffers. The first step of a case (connect + plan) is
 reported apart as ``first_step_seconds``; ``seconds``/``gbps`` are the median of the later steps.

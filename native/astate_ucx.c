@@ -561,18 +561,6 @@ static PyObject *Worker_close(WorkerObject *self, PyObject *noargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *Worker_progress(WorkerObject *self, PyObject *noargs)
-{
-    if (check_open(self)) return NULL;
-    unsigned n = 0;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&self->lock);
-    if (!self->closed) n = ucp_worker_progress(self->worker);
-    pthread_mutex_unlock(&self->lock);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLong(n);
-}
-
 static PyObject *Worker_get_address(WorkerObject *self, void *c)
 {
     if (self->address == NULL) Py_RETURN_NONE;
@@ -1108,7 +1096,6 @@ static PyMethodDef Worker_methods[] = {
     {"close", (PyCFunction)Worker_close, METH_NOARGS,
      "close(): close endpoints (rkeys first), unmap memory, stop the progress thread, destroy worker "
      "and context. Idempotent."},
-    {"progress", (PyCFunction)Worker_progress, METH_NOARGS, "progress() -> int: one ucp_worker_progress."},
     {"info", (PyCFunction)Worker_info, METH_NOARGS, "info() -> str: ucp context + worker description."},
     {"connect", (PyCFunction)(void (*)(void))Worker_connect, METH_VARARGS | METH_KEYWORDS,
      "connect(address: bytes, peer_error_handling: bool = True) -> Endpoint"},

@@ -18,10 +18,10 @@ def publish(endpoint: str, ns: str, rank: int, world: int, steps: list[int], ses
             barrier: object, results: object) -> None:
     """One publisher rank: join the session, then write its piece of every step."""
     cat = Catalog(endpoint, ns)
-    cat.open_session(rank=rank, world_size=world, session_id=session_id)
-    lid = cat.write_layout([row_shard(rank, world)], b"rank%d" % rank)
+    cat.sessions.open(rank=rank, world_size=world, session_id=session_id)
+    lid = cat.versions.write_layout([row_shard(rank, world)], b"rank%d" % rank)
     barrier.wait()  # type: ignore[attr-defined]
-    committed = [cat.put_piece(s, lid) for s in steps]
+    committed = [cat.versions.put_piece(s, lid) for s in steps]
     results.put((rank, committed))  # type: ignore[attr-defined]
     cat.close()
 
@@ -29,7 +29,7 @@ def publish(endpoint: str, ns: str, rank: int, world: int, steps: list[int], ses
 def hold_session(endpoint: str, ns: str, ttl: float, ready: object) -> None:
     """Open a session with a short lease, report, then wait to be SIGKILLed."""
     cat = Catalog(endpoint, ns, lease_ttl=ttl)
-    cat.open_session(rank=0, world_size=2)
+    cat.sessions.open(rank=0, world_size=2)
     ready.put(os.getpid())  # type: ignore[attr-defined]
     while True:
         time.sleep(1)
@@ -38,13 +38,13 @@ def hold_session(endpoint: str, ns: str, ttl: float, ready: object) -> None:
 def commit_racer(endpoint: str, ns: str, epoch_steps: list[int], session_id: str, rank: int, world: int,
                  barrier: object, results: object) -> None:
     cat = Catalog(endpoint, ns)
-    cat.open_session(rank=rank, world_size=world, session_id=session_id)
-    lid = cat.write_layout([row_shard(rank, world)], b"x")
+    cat.sessions.open(rank=rank, world_size=world, session_id=session_id)
+    lid = cat.versions.write_layout([row_shard(rank, world)], b"x")
     barrier.wait()  # type: ignore[attr-defined]
     seen = []
     for s in epoch_steps:
-        cat.put_piece(s, lid)
-        seen.append(cat.latest())
+        cat.versions.put_piece(s, lid)
+        seen.append(cat.versions.latest())
     results.put(seen)  # type: ignore[attr-defined]
     cat.close()
 

@@ -107,6 +107,8 @@ def publisher_main(endpoint: str, ns: str, rank: int, world: int, tp: int, spec:
                 out.put(("error", rank, None, f"{type(exc).__name__}: {exc}"))
             continue
         step = cmd[1]
+        if cmd[0] == "die_in_put":
+            _die_before_piece(store, rank, step, out)
         if not copy:
             store.retire()
         new = local_tensors(spec, step, rank % tp, tp)
@@ -120,6 +122,20 @@ def publisher_main(endpoint: str, ns: str, rank: int, world: int, tp: int, spec:
     store.close()
     out.put(("bye", rank))
     time.sleep(0.1)
+
+
+def _die_before_piece(store: Any, rank: int, step: int, out: Any) -> None:
+    """Make the next put SIGKILL this process in its middle: after its snapshot is copied and
+    its layout published, just before its piece of ``step`` reaches etcd."""
+    import signal
+
+    def die(*_a: Any, **_k: Any) -> bool:
+        out.put(("dying", rank, step))
+        time.sleep(0.2)  # let the queue's feeder thread deliver the message
+        os.kill(os.getpid(), signal.SIGKILL)
+        return False  # not reached
+
+    store.catalog.versions.put_piece = die
 
 
 def mutating_publisher(endpoint: str, ns: str, transport: str, steps: int, numel: int, ntensors: int,

@@ -39,5 +39,8 @@ def test_pull_between_devices(etcd: Any, src: str, dst: str) -> None:
 def test_snapshot_staging_lives_on_the_device(etcd: Any) -> None:
     with Store("cuda-" + uuid.uuid4().hex[:8], endpoint=etcd.endpoint, transport="auto") as store:
         store.put(1, {"w": torch.ones(1024, device="cuda")})
-        assert store._pool is not None and store._pool.buffer is not None
-        assert store._pool.buffer.device.type == "cuda"
+        assert store.staging.device is not None and store.staging.device.startswith("cuda")
+        assert store.staging.snapshot_bytes >= 1024 * 4
+        buf = torch.zeros(1024, device="cuda")
+        assert store.get_into({"w": buf}, timeout=60) == 1  # the device staging is what consumers read
+        assert torch.equal(buf, torch.ones(1024, device="cuda"))

@@ -19,9 +19,9 @@ from astate_store.plan import (
     DTYPE_CODES,
     READ_DTYPE,
     CostModel,
+    Fabric,
     Placement,
     Planner,
-    Topology,
     execute_reads,
     plan_consumer,
     plan_global,
@@ -540,9 +540,9 @@ def test_not_everyone_reads_rank_zero_and_order_staggered():
 def test_topology_prefers_same_host_then_rail():
     shape = (16, 16)
     lay = _replicated("w", shape, [Box((0, 0), shape)], 3)  # ranks 0, 1, 2
-    topo = Topology(sources={0: Placement("h0", nic="r0"), 1: Placement("h1", nic="r1"), 2: Placement("h2", nic="r0")},
-                    consumers={"a": Placement("h1", nic="r0"), "b": Placement("h9", nic="r0"),
-                               "c": Placement("h9", nic="r5")})
+    topo = Fabric(sources={0: Placement("h0", nic="r0"), 1: Placement("h1", nic="r1"), 2: Placement("h2", nic="r0")},
+                  consumers={"a": Placement("h1", nic="r0"), "b": Placement("h9", nic="r0"),
+                             "c": Placement("h9", nic="r5")})
     req = (_dest("w", "bfloat16", shape, Box((0, 0), shape)),)
     gp = plan_global({"w": lay}, {"a": req, "b": req, "c": req}, topology=topo)
     assert set(gp.reads("a")["src_rank"].tolist()) == {1}  # same host wins over same rail
@@ -576,8 +576,9 @@ def test_cache_hits_and_misses():
     cp1 = pl.plan_consumer({"w": lay}, reqs[0], consumer=0, rotation=1)
     cp2 = pl.plan_consumer({"w": lay}, reqs[0], consumer=0, rotation=1)
     assert cp1 is cp2 and pl.hits == 4
-    r1 = pl.plan_one({"w": lay}, reqs[0], key=("v2", reqs[0]))
-    r2 = pl.plan_one({"w": lay}, reqs[0], key=("v2", reqs[0]))
+    # the data path's call: a consumer plan under a caller key, its reads reused on a hit
+    r1 = pl.plan_consumer({"w": lay}, reqs[0], key=("v2", reqs[0])).reads
+    r2 = pl.plan_consumer({"w": lay}, reqs[0], key=("v2", reqs[0])).reads
     assert r1 is r2 and r1.dtype == READ_DTYPE and pl.hits == 5 and pl.misses == 5
 
 
@@ -642,7 +643,7 @@ def test_topology_greedy_many_replicas_and_balance():
     src = {r: Placement(f"h{r % 10}", nic=f"rail{r % 7}") for r in range(R)}
     cons = {c: Placement(f"h{c % 5}", nic=f"rail{c % 7}") for c in range(40)}
     req = (_dest("w", "bfloat16", shape, Box((0, 0), shape)),)
-    gp = plan_global({"w": lay}, {c: req for c in cons}, topology=Topology(src, cons))
+    gp = plan_global({"w": lay}, {c: req for c in cons}, topology=Fabric(src, cons))
     loads = gp.src_bytes()
     for c, pl in cons.items():
         rk = set(gp.reads(c)["src_rank"].tolist())

@@ -111,7 +111,7 @@ def test_conversion_through_a_cap_far_smaller_than_the_model(etcd: Any, mixed_gr
         assert torch.equal(emb, expected("emb", 3).to(torch.bfloat16))
         store.get_into({"emb": col}, timeout=30)
         assert torch.equal(col.tensor, expected("emb", 3)[:, 28:].to(torch.float16))
-        assert store._conv_buf is not None and store._conv_buf.numel() <= 1024
+        assert 0 < store.staging.conversion_bytes <= 1024
 
 
 def test_conversions_that_lose_meaning_are_rejected(etcd: Any, mixed_group: Any) -> None:
@@ -136,7 +136,7 @@ def test_snapshot_staging_cap(etcd: Any) -> None:
             one.put(step, tensors)
             assert cons.get_into({"w": buf}, step=step, timeout=30) == step
             assert torch.equal(buf, tensors["w"])
-        assert one._pool is not None and one._pool.depth == 1 and one._pool.nbytes <= 20000
+        assert one.staging.snapshot_slots == 1 and 0 < one.staging.snapshot_bytes <= 20000
 
 
 def test_snapshot_larger_than_the_cap_streams_to_consumers(etcd: Any) -> None:
@@ -154,14 +154,17 @@ def test_snapshot_larger_than_the_cap_streams_to_consumers(etcd: Any) -> None:
 
         t = threading.Thread(target=pull)
         t.start()
-        while not cons._consumer_known:
+        deadline = time.monotonic() + 60
+        while cons.consumer_id not in pub.catalog.consumers.ids():  # the consumer registered in etcd
+            assert time.monotonic() < deadline, "the consumer never registered"
             time.sleep(0.01)
         for step in (1, 2, 3):
             w.fill_(float(step))
             pub.put(step, {"w": w})  # returns once the consumer has pulled: w may change right away
         t.join(60)
         assert got == [(1, True), (2, True), (3, True)]
-        assert pub._pool is None or pub._pool.nbytes <= 16384  # no staging beyond the cap
+        assert pub.stats["streamed_puts"] == 3  # every put streamed: the snapshot did not fit the cap
+        assert pub.staging.snapshot_bytes <= 16384  # no staging beyond the cap
 
 
 def test_mixing_snapshot_and_zero_copy_puts(etcd: Any) -> None:

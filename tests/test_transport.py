@@ -64,7 +64,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[UcxTransport, Peer, s
     peer = Peer(mode)
     t = UcxTransport(mode, direct=direct)
     t.connect("pub", peer.descriptor)
-    assert t._peers["pub"].direct is (mode == "shm" and direct)  # the probe decided the path
+    assert t.peer_info("pub").direct is (mode == "shm" and direct)  # the probe decided the path
     yield t, peer, mode
     t.close()
     peer.stop()
@@ -150,9 +150,9 @@ def test_bounds_error_before_any_byte_moves(pair: tuple[UcxTransport, Peer, str]
 def test_descriptor_msgpack_and_connect_cache(pair: tuple[UcxTransport, Peer, str]) -> None:
     t, peer, mode = pair
     wire = msgpack.unpackb(msgpack.packb(peer.descriptor), raw=False)
-    before = t._peers["pub"].ep
+    before = t.peer_info("pub").endpoint_id
     assert t.connect("pub", wire) == t.peer_index("pub")
-    assert t._peers["pub"].ep is before  # same worker address: endpoint reused
+    assert t.peer_info("pub").endpoint_id == before  # same worker address: endpoint reused
     info = t.endpoint_info("pub")
     assert ("cma" if mode == "shm" else "tcp") in info
     # the publisher frees region 1 and adds region 3: indices stay, region 1 reads fail
@@ -160,7 +160,7 @@ def test_descriptor_msgpack_and_connect_cache(pair: tuple[UcxTransport, Peer, st
     assert desc["regions"][1]["size"] == 0 and desc["regions"][1]["rkey"] == b""
     desc = peer.call("register", 12345)
     t.connect("pub", desc)
-    assert t._peers["pub"].ep is before
+    assert t.peer_info("pub").endpoint_id == before
     p = t.peer_index("pub")
     dst = torch.zeros(12345, dtype=torch.uint8)
     with pytest.raises(TransportError, match="unregistered"):
@@ -249,7 +249,7 @@ def test_dead_peer_raises_instead_of_hanging(mode: str, direct: bool) -> None:
     try:
         with UcxTransport(mode, direct=direct) as t:
             t.connect("p", peer.descriptor)
-            assert t._peers["p"].direct is (mode == "shm" and direct)
+            assert t.peer_info("p").direct is (mode == "shm" and direct)
             dst = torch.zeros(1 << 20, dtype=torch.uint8)
             ops = ops_for([(t.peer_index("p"), 0, 0, dst.data_ptr(), 1 << 20)])
             t.get(ops, timeout=30)
@@ -278,7 +278,7 @@ def test_mixed_peers_direct_and_ucx_in_one_plan() -> None:
     try:
         with UcxTransport("auto") as t:
             pa, pb = t.connect("a", a.descriptor), t.connect("b", b.descriptor)
-            assert t._peers["a"].direct is True and t._peers["b"].direct is False
+            assert t.peer_info("a").direct is True and t.peer_info("b").direct is False
             n_ops, piece = 4000, 200
             rng = np.random.default_rng(3)
             dst = torch.zeros(n_ops * piece, dtype=torch.uint8)
@@ -315,20 +315,20 @@ def test_direct_refused_falls_back_to_ucx(monkeypatch: pytest.MonkeyPatch) -> No
         with UcxTransport("shm") as t:
             monkeypatch.setattr(nat, "cma_read", _raising(errno.EPERM))  # e.g. yama ptrace_scope
             t.connect("p", peer.descriptor)
-            assert t._peers["p"].direct is False  # probe refused: UCX only
+            assert t.peer_info("p").direct is False  # probe refused: UCX only
         with UcxTransport("shm") as t:
             monkeypatch.setattr(nat, "cma_read", real)
             t.connect("p", peer.descriptor)
-            assert t._peers["p"].direct is True
+            assert t.peer_info("p").direct is True
             dst = torch.zeros(1 << 20, dtype=torch.uint8)
             ops = ops_for([(t.peer_index("p"), 0, 0, dst.data_ptr(), 1 << 20)])
             monkeypatch.setattr(nat, "cma_read", _raising(errno.EFAULT))
             t.get(ops, timeout=30)  # whole plan through UCX; the peer stays direct
-            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0)) and t._peers["p"].direct
+            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0)) and t.peer_info("p").direct
             dst.zero_()
             monkeypatch.setattr(nat, "cma_read", _raising(errno.EPERM))
             t.get(ops, timeout=30)  # refused at get time: UCX, and UCX from now on
-            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0)) and t._peers["p"].direct is False
+            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0)) and t.peer_info("p").direct is False
     finally:
         peer.stop()
 
@@ -340,7 +340,7 @@ def test_shm_direct_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         x = torch.arange(64, dtype=torch.uint8)
         t.register_tensor(x)
         t.connect("me", t.descriptor())
-        assert t._peers["me"].direct is False
+        assert t.peer_info("me").direct is False
     monkeypatch.delenv("ASTATE_SHM_DIRECT")
     with UcxTransport("shm") as t:
         assert t.direct and not UcxTransport("shm", direct=False).direct
@@ -416,6 +416,26 @@ def test_loopback_register_idempotent_and_unregister(loop: UcxTransport) -> None
         loop.get(ops_for([(loop.peer_index("me"), i, 0, y.data_ptr(), 4)]))
 
 
+def test_peer_info_endpoint_id_changes_exactly_with_a_new_endpoint(loop: UcxTransport) -> None:
+    loop.register_tensor(torch.zeros(64, dtype=torch.uint8))
+    loop.connect("me", loop.descriptor())
+    first = loop.peer_info("me")
+    assert not first.peer_error_handling and first.direct is True  # shm, same process
+    loop.connect("me", loop.descriptor())
+    assert loop.peer_info("me") == first  # cached: same endpoint, same decisions
+    with UcxTransport("shm") as other:  # a new worker address under the same key
+        other.register_tensor(torch.zeros(64, dtype=torch.uint8))
+        loop.connect("me", other.descriptor())
+        moved = loop.peer_info("me")
+        assert moved.index == first.index and moved.endpoint_id != first.endpoint_id
+        loop.disconnect("me")
+    with pytest.raises(KeyError):
+        loop.peer_info("me")
+    loop.connect("me", loop.descriptor())
+    again = loop.peer_info("me")
+    assert again.index != first.index and again.endpoint_id not in (first.endpoint_id, moved.endpoint_id)
+
+
 def test_non_host_regions_never_use_direct_path(loop: UcxTransport) -> None:
     x = torch.arange(256, dtype=torch.uint8)
     h = loop.register_tensor(x)
@@ -423,8 +443,8 @@ def test_non_host_regions_never_use_direct_path(loop: UcxTransport) -> None:
     d = loop.descriptor()
     assert "memory_type" not in d["regions"][h] and d["regions"][u]["memory_type"] == "unknown"
     loop.connect("me", d)
-    assert loop._peers["me"].direct is True
-    assert loop._snapshot().direct.tolist() == [True, False]
+    assert loop.peer_info("me").direct is True
+    assert loop.peer_info("me").direct_regions == (True, False)
     y = torch.zeros(256, dtype=torch.uint8)
     p = loop.peer_index("me")
     loop.get(ops_for([(p, h, 0, y.data_ptr(), 128), (p, u, 0, y.data_ptr() + 128, 128)]))
@@ -438,7 +458,7 @@ def test_direct_two_threads_big_plan() -> None:
         src = torch.from_numpy(pattern(n, 5))
         r = t.register_tensor(src)
         t.connect("me", t.descriptor())
-        assert t._peers["me"].direct is True
+        assert t.peer_info("me").direct is True
         p = t.peer_index("me")
         dst = torch.zeros(n, dtype=torch.uint8)
         t.get(ops_for([(p, r, 0, dst.data_ptr(), n)]))  # one row, cut into 8 pieces
@@ -532,7 +552,7 @@ def test_forked_child_cannot_use_parents_worker(loop: UcxTransport) -> None:
 
 
 def test_mode_config_respects_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = UcxTransport._effective_config
+    cfg = UcxTransport.effective_config
     monkeypatch.delenv("UCX_TLS", raising=False)
     monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
     monkeypatch.delenv("UCX_TCP_RX_SEG_SIZE", raising=False)

@@ -2,6 +2,12 @@
 
 ``Transport`` (base.py) is the interface; ``UcxTransport`` (ucx.py) the UCX backend
 over the ``astate_store._ucx`` extension. See ``base`` for the plan format.
+
+Modules of the UCX backend, by role: ``ucx`` (the coordinator), ``config`` (mode ->
+UCX settings), ``binding`` (loading the extension, typing its errors), ``regions``
+(local registrations), ``peers`` (endpoints, rkeys, the snapshot ``get`` reads),
+``rows`` (plan checks and translation), ``same_host`` (the ``process_vm_readv`` path),
+``ucx_get`` (the batched UCX read).
 """
 
 from .base import (
@@ -16,7 +22,7 @@ from .base import (
     Transport,
     make_ops,
 )
-from .ucx import MODES, UcxTransport
+from .ucx import MODES, PeerInfo, UcxTransport
 
 __all__ = [
     "OP_COLUMNS",
@@ -27,6 +33,7 @@ __all__ = [
     "OP_REGION",
     "MODES",
     "PeerDescriptor",
+    "PeerInfo",
     "RegionInfo",
     "Transport",
     "UcxTransport",

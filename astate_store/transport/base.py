@@ -141,7 +141,11 @@ def make_ops(n: int) -> np.ndarray:
 
 
 class Transport(ABC):
-    """One process's data-path endpoint (publisher and consumer at once)."""
+    """One process's data-path endpoint (publisher and consumer at once).
+
+    The contract the store is typed against: everything it calls on a transport is
+    declared here. Backends add their own extras (e.g. ``UcxTransport.peer_info``).
+    """
 
     kind: str = "abstract"
 
@@ -190,6 +194,11 @@ class Transport(ABC):
     @abstractmethod
     def peer_index(self, peer: Hashable) -> int:
         """Index of a connected peer for plan column ``OP_PEER`` (KeyError if unknown)."""
+
+    @property
+    @abstractmethod
+    def peers(self) -> list[Hashable]:
+        """Keys of the connected peers (a copy)."""
 
     @abstractmethod
     def get(self, ops: np.ndarray, *, timeout: float | None = None) -> None:

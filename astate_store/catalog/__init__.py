@@ -1,0 +1,111 @@
+"""The control plane in etcd: sessions, layouts, versions, commits, readers.
+
+:class:`Catalog` composes one object per role over a shared :class:`EtcdClient`:
+
+    client       EtcdClient        keys, retries, transactions, leases, watches
+    sessions     Sessions          publisher sessions and the epoch fence
+    versions     Versions          layouts, pieces, commits, retention, reading commits
+    readers      Readers           reader registration, retire/torn, delivery
+    consumers    Consumers         consumer records (pre-pack requests; who is alive)
+    replicas     Replicas          consumers re-serving a version (P2P fan-out)
+    checkpoints  CheckpointIndex   the checkpoint index
+
+Key layout under ``/astate/<namespace>/`` (see README "etcd key layout"):
+
+    epoch                               counter: the newest session's epoch (fencing token)
+    session                             session record, on rank 0's lease
+    members/<epoch>/<rank>              member record, on that rank's lease
+    layouts/<epoch>/<rank>/<layout_id>  layout record (shards + transport), on the rank's lease
+    versions/<step>/pieces/<epoch>/<rank>  piece record
+    versions/<step>/commit              commit record
+    versions/<step>/replicas/<group>/<member>  replica record (a consumer re-serving), on its lease
+    layouts/replicas/<member>/<layout_id>      that consumer's layout record, on its lease
+    latest                              counter: newest committed step (only moves forward)
+    readers/<step>/<reader_id>          reader record, on the consumer's lease
+    delivered/<step>/<reader_id>        reader record: that consumer finished a good read of the step
+    consumers/<reader_id>               consumer record (pre-pack requests), on the consumer's lease
+    retired/<step>/<rank>               retired record: no new readers; rank will reuse the memory
+    torn/<step>/<rank>                  retired record: rank changed the memory with readers still on it
+    checkpoints/<step>                  checkpoint record
+
+Steps and epochs are 20-digit zero-padded in keys and in the two counters, so lexical
+order is numeric order and etcd can compare counters inside transactions.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import CatalogError
+from .checkpoints import CheckpointIndex
+from .client import EtcdClient
+from .consumers import Consumers
+from .readers import Readers
+from .records import (
+    CheckpointEntry,
+    Layout,
+    Piece,
+    Replica,
+    Session,
+    Version,
+    layout_id_of,
+    shard_from_wire,
+    shard_to_wire,
+)
+from .replicas import Replicas
+from .sessions import Sessions
+from .versions import Versions
+
+__all__ = ["Catalog", "Session", "Piece", "Layout", "Replica", "Version", "CheckpointEntry", "shard_to_wire",
+           "shard_from_wire", "layout_id_of", "EtcdClient"]
+
+# The namespace becomes a key path segment: no '/' (it would reach into another namespace's keys).
+_NS_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+class Catalog:
+    """One namespace's control plane in etcd.
+
+    Args:
+        endpoint: ``host:port`` (comma-separated for several etcd members).
+        namespace: the versioned state, e.g. ``"policy"``; namespaces never see each other's keys.
+        retention: committed versions whose metadata is kept (older ones are deleted after each commit).
+        lease_ttl: seconds without keep-alive after which a rank (or reader) is considered dead.
+        op_timeout: seconds for one etcd request.
+        retry_deadline: seconds of retries with backoff before :class:`CatalogUnavailable`.
+
+    Raises:
+        CatalogError: a bad namespace, or retention < 1.
+    """
+
+    def __init__(self, endpoint: str, namespace: str, *, retention: int = 4, lease_ttl: float = 10.0,
+                 op_timeout: float = 5.0, retry_deadline: float = 15.0):
+        if not isinstance(namespace, str) or not _NS_RE.match(namespace):
+            raise CatalogError(f"bad namespace {namespace!r}: use 1-128 characters from [A-Za-z0-9_.-]")
+        if retention < 1:
+            raise CatalogError(f"retention must be >= 1, got {retention}")
+        self.endpoint, self.namespace, self.retention, self.lease_ttl = endpoint, namespace, retention, lease_ttl
+        self.client = EtcdClient(endpoint, namespace, lease_ttl=lease_ttl, op_timeout=op_timeout,
+                                 retry_deadline=retry_deadline)
+        self.sessions = Sessions(self.client)
+        self.versions = Versions(self.client, self.sessions, retention)
+        self.consumers = Consumers(self.client)
+        self.readers = Readers(self.client, self.sessions, consumers=self.consumers)
+        self.replicas = Replicas(self.client, self.readers)
+        self.checkpoints = CheckpointIndex(self.client)
+
+    @property
+    def session(self) -> Session | None:
+        """This process's publisher session, or None when none is open."""
+        return self.sessions.current
+
+    def close(self, *, revoke: bool = True) -> None:
+        """Stop keep-alives and revoke leases (members, layouts and readers vanish at once)."""
+        self.client.close(revoke=revoke)
+        self.sessions.clear()
+
+    def __enter__(self) -> "Catalog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

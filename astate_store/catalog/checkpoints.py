@@ -1,0 +1,36 @@
+"""The checkpoint index: which complete checkpoints exist (``checkpoints/<step>``) and where.
+
+Only the index lives here; writing and restoring checkpoints is :mod:`astate_store.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from .. import codec
+from .client import EtcdClient
+from .records import CheckpointEntry, pad20
+
+__all__ = ["CheckpointIndex"]
+
+
+class CheckpointIndex:
+    """The ``checkpoints/`` records of one namespace (not on any lease: they outlive the writers)."""
+
+    def __init__(self, client: EtcdClient):
+        self.client = client
+
+    def record(self, entry: CheckpointEntry) -> None:
+        """Add (or replace) the entry of ``entry.step``."""
+        value = codec.encode("checkpoint", {"step": entry.step, "uri": entry.uri, "world_size": entry.world_size,
+                                            "bytes": entry.bytes, "written_at": entry.written_at})
+        key = self.client.key("checkpoints", pad20(entry.step))
+        self.client.call("record checkpoint", lambda: self.client.raw.put(key, value))
+
+    def list(self) -> list[CheckpointEntry]:
+        """Known complete checkpoints, oldest first."""
+        pre = self.client.key("checkpoints") + "/"
+        kvs = self.client.call("list checkpoints", lambda: list(self.client.raw.get_prefix(pre)))
+        out = []
+        for v, _ in kvs:
+            d = codec.decode("checkpoint", v)
+            out.append(CheckpointEntry(d["step"], d["uri"], d["world_size"], d["bytes"], d["written_at"]))
+        return sorted(out, key=lambda e: e.step)

@@ -1,0 +1,102 @@
+"""What the publisher, consumer, serving and recovery roles of one store share.
+
+One ``StoreContext`` per ``Store``: the namespace's catalog, the options, this process's
+consumer identity, the counters behind ``Store.stats``, and the transport — created lazily,
+near the device of the first tensors it will move (NUMA node, NICs, progress-thread CPUs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .catalog import Catalog
+from .topology import AffinityChoice, AffinityConfig, affinity_for, alloc_on_node, apply_env, pinned
+from .transport import Transport, UcxTransport
+
+__all__ = ["StoreOptions", "StoreContext", "sync_device"]
+
+log = logging.getLogger("astate_store")
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """The tunables of a store; see :class:`astate_store.Store` for what each one means."""
+
+    transport: str = "auto"
+    staging_depth: int = 2
+    staging_cap_bytes: int | None = None
+    read_timeout: float = 120.0
+    retire_timeout: float = 30.0
+    window: int = 256
+    prepack: bool = True
+
+
+TransportFactory = Callable[[str, int], Transport]
+
+
+def _ucx(mode: str, window: int) -> Transport:
+    return UcxTransport(mode=mode, window=window)  # type: ignore[arg-type]
+
+
+class StoreContext:
+    """The state every role of one store reads: catalog, options, identity, stats, transport."""
+
+    def __init__(self, namespace: str, catalog: Catalog, options: StoreOptions, *, rank: int, world_size: int,
+                 session_id: str | None, affinity: AffinityConfig, transport_factory: TransportFactory = _ucx):
+        self.namespace, self.catalog, self.options = namespace, catalog, options
+        self.rank, self.world_size, self.session_id = rank, world_size, session_id
+        self.reader_id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        # Consumers spread over replicas and groups without talking to each other.
+        self.rotation = zlib.crc32(self.reader_id.encode()) & 0xFFFF
+        self.stats: dict[str, int] = {"plans": 0, "plan_hits": 0, "torn_retries": 0, "reads": 0,
+                                      "local_conversions": 0, "streamed_puts": 0}
+        self.affinity: AffinityChoice | None = None
+        self._affinity_cfg = affinity
+        self._factory = transport_factory
+        self._transport: Transport | None = None
+
+    @property
+    def transport(self) -> Transport:
+        return self.ensure_transport(None)
+
+    def ensure_transport(self, device: torch.device | None) -> Transport:
+        """Create the transport near the buffers' device: NIC choice via UCX_NET_DEVICES (unless
+        the user set it) and the progress thread pinned to the local NUMA node (threads inherit
+        the creating thread's CPU mask)."""
+        if self._transport is None:
+            self.affinity = affinity_for(device, self._affinity_cfg)
+            apply_env(self.affinity)
+            with pinned(self.affinity.cpus):
+                self._transport = self._factory(self.options.transport, self.options.window)
+        return self._transport
+
+    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Staging memory: on the GPU for CUDA tensors, else on this store's NUMA node."""
+        if device.type == "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        node = self.affinity.numa_node if self.affinity is not None else None
+        return alloc_on_node(nbytes, node)
+
+    def ensure_session(self) -> None:
+        """Open (rank 0) or join (rank > 0) the publisher session on first use."""
+        if self.catalog.session is None:
+            self.catalog.sessions.open(rank=self.rank, world_size=self.world_size, session_id=self.session_id)
+
+    def close_transport(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued kernels: a CUDA copy is asynchronous, and its bytes must be
+    in place before a commit publishes them or a transfer reuses the memory."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -1,0 +1,110 @@
+"""Plan results: ``GlobalPlan`` keeps every consumer's reads compact (a piece table plus run
+templates) with exact counts and byte totals; ``ConsumerPlan`` is one consumer's materialized
+reads and pack items. Per-consumer reads and pack items are built on demand and cached."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional
+
+import numpy as np
+
+from .contracts import PackItem
+from .materialize import _materialize
+from .packing import _build_pack_items
+from .util import _NoGC
+
+
+class ConsumerPlan:
+    """One consumer's reads (materialized) and the pack items it would benefit from."""
+
+    def __init__(self, consumer: Hashable, tensors: tuple, reads: np.ndarray, pack_items: tuple,
+                 src_bytes: dict, nbytes: int):
+        self.consumer = consumer
+        self.tensors = tensors
+        self.reads = reads
+        self.pack_items = pack_items
+        self.src_bytes = src_bytes
+        self.nbytes = nbytes
+
+    @property
+    def read_count(self) -> int:
+        return len(self.reads)
+
+    def __repr__(self) -> str:
+        return (f"ConsumerPlan(consumer={self.consumer!r}, reads={len(self.reads)}, bytes={self.nbytes}, "
+                f"pack_items={len(self.pack_items)})")
+
+
+class GlobalPlan:
+    """The plan of every consumer; reads are materialized per consumer on demand.
+
+    Public attributes: ``consumers`` (sorted ids), ``tensors`` (names, indexed by the reads'
+    ``tensor``), ``balance``, ``stale_packed`` (packed entries that matched no piece). The
+    ``_``-prefixed tables are set by ``planner._assemble``.
+    """
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+        self._reads_cache: dict[int, np.ndarray] = {}
+        self._pack_cache: Optional[dict] = None
+
+    def __repr__(self) -> str:
+        return (f"GlobalPlan(consumers={len(self.consumers)}, tensors={len(self.tensors)}, "
+                f"reads={self.total_reads}, bytes={self.total_bytes}, balance={self.balance!r})")
+
+    # -- summary ---------------------------------------------------------------------------
+    @property
+    def total_reads(self) -> int:
+        return int(self._read_counts.sum())
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self._dst_bytes.sum())
+
+    def read_count(self, consumer: Hashable) -> int:
+        return int(self._read_counts[self._cindex[consumer]])
+
+    def read_counts(self) -> dict:
+        return {c: int(n) for c, n in zip(self.consumers, self._read_counts.tolist())}
+
+    def src_bytes(self) -> dict:
+        """Bytes read from each publisher rank (packed copies count on their rank)."""
+        return {int(r): int(b) for r, b in zip(self._src_ranks.tolist(), self._src_rank_bytes.tolist())}
+
+    def dst_bytes(self) -> dict:
+        """Source bytes read by each consumer."""
+        return {c: int(b) for c, b in zip(self.consumers, self._dst_bytes.tolist())}
+
+    def src_link_bytes(self) -> np.ndarray:
+        """Bytes read over each source link (index = link id: a rank, or a shared (host, NIC))."""
+        return self._link_bytes.copy()
+
+    # -- per consumer ----------------------------------------------------------------------
+    def reads(self, consumer: Hashable) -> np.ndarray:
+        c = self._cindex[consumer]
+        r = self._reads_cache.get(c)
+        if r is None:
+            r = _materialize(self, c)
+            self._reads_cache[c] = r
+        return r
+
+    def consumer(self, consumer: Hashable) -> ConsumerPlan:
+        c = self._cindex[consumer]
+        items = tuple(it for its in self.pack_items().values() for it in its if consumer in it.consumers)
+        s, e = self._cstart[c], self._cstart[c + 1]
+        pis = self._perm[s:e]
+        rk = self._rec_rank[self._pi_src[pis]]
+        by = self._pi_bytes[pis]
+        ur, inv = np.unique(rk, return_inverse=True)
+        sb = np.bincount(inv.reshape(-1), weights=by, minlength=len(ur)) if len(ur) else np.zeros(0)
+        src_bytes = {int(a): int(b) for a, b in zip(ur.tolist(), sb.tolist())}
+        return ConsumerPlan(consumer, self.tensors, self.reads(consumer), items, src_bytes,
+                            int(self._dst_bytes[c]))
+
+    def pack_items(self) -> dict[int, list[PackItem]]:
+        """Per publisher rank, the pieces worth pre-packing (deduplicated; ``consumers`` lists
+        who reads each)."""
+        if self._pack_cache is None:
+            with _NoGC():
+                self._pack_cache = _build_pack_items(self)
+        return self._pack_cache

@@ -1,0 +1,201 @@
+"""The publishing side of a store: ``put`` and ``retire``.
+
+put: tensors -> layout (validated entries) -> memory peers will read (a snapshot slot, the
+tensors in place, or a stream of them) -> catalog (layout record once, then this step's piece;
+the rank whose piece completes the version commits it).
+
+Readers and publishers follow the retire protocol (README "Zero-copy publishing"): memory that
+a committed version points to is retired — no new readers, registered ones waited for (bounded)
+or marked torn — before it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Sequence
+
+import torch
+
+from . import codec
+from .context import StoreContext, sync_device
+from .errors import CheckpointError, LayoutError
+from .layout import Entry, ShardRecord, TensorLike, torch_dtype, validate_tensors
+from .prepack import servable
+from .registry import Registry
+from .staging import SnapshotPool, StagingCapExceeded
+
+__all__ = ["Publisher"]
+
+log = logging.getLogger("astate_store")
+
+
+class Publisher:
+    """One rank's publishing state: the snapshot pool, in-place registrations, live steps."""
+
+    def __init__(self, ctx: StoreContext, registry: Registry):
+        self.ctx, self.registry = ctx, registry
+        self._pool: SnapshotPool | None = None
+        self._pool_device: torch.device | None = None
+        self._stage_lid: str | None = None  # layout of the snapshot slots
+        self._inplace_lid: str | None = None  # layout of tensors published in place
+        self._inplace_sig: object = None
+        self._zero_copy_live: list[int] = []  # steps published in place and not retired yet
+        self._zero_copy_entries: list[Entry] = []
+        self._packs_refused: tuple[object, ...] = ()
+
+    def begin(self, tensors: Mapping[str, TensorLike], what: str) -> list[Entry]:
+        """Validate a publishing call's tensors, then make sure a transport (near their device)
+        and the publisher session exist: nothing is created for bad input."""
+        entries = validate_tensors(tensors, what)
+        self.ctx.ensure_transport(entries[0].tensor.device)
+        self.ctx.ensure_session()
+        return entries
+
+    def put(self, step: int, entries: list[Entry], *, copy: bool) -> bool:
+        """Publish this rank's piece of ``step``; True when this put completed the version."""
+        if copy:
+            try:
+                lid, base = self._stage(step, entries)
+            except StagingCapExceeded as exc:
+                return self._put_streamed(step, entries, exc)
+        else:
+            lid, base = self._in_place(entries), 0
+            if self._zero_copy_live:
+                log.warning("put(copy=False) of step %d while steps %s were not retired: call store.retire() "
+                            "before changing published tensors", step, self._zero_copy_live)
+            self._zero_copy_live.append(step)
+            self._zero_copy_entries = entries
+        return self.ctx.catalog.versions.put_piece(step, lid, base)
+
+    # ---- snapshots ------------------------------------------------------------------------
+
+    def _pool_for(self, entries: Sequence[Entry]) -> SnapshotPool:
+        devices = {e.tensor.device for e in entries}
+        if len(devices) > 1:
+            raise LayoutError(f"put(copy=True): tensors are on several devices {sorted(map(str, devices))}; "
+                              "one snapshot pool per store serves one device")
+        device = devices.pop()
+        if self._pool is None or self._pool_device != device:
+            tr, opts = self.ctx.transport, self.ctx.options
+            self._pool = SnapshotPool(opts.staging_depth, opts.staging_cap_bytes,
+                                      lambda n: self.ctx.alloc(n, device), tr.register_tensor, tr.unregister)
+            self._pool_device = device
+        return self._pool
+
+    def _configure(self, pool: SnapshotPool, entries: Sequence[Entry]) -> bool:
+        """Lay out the slots for these entries and the pre-packed copies consumers asked for;
+        True when the layout changed (it must then be published anew)."""
+        items = [(e.name, e.dtype, e.global_shape, e.box) for e in entries]
+        packs = self._pack_requests(entries) if self.ctx.options.prepack else ()
+        if packs and packs == self._packs_refused:
+            packs = ()  # already known not to fit the staging cap
+        if pool.signature != (tuple(items), tuple(packs)):
+            # The slots are laid out anew: every version still in them must be retired first.
+            for old_step in {x for x in pool.slot_step if x is not None}:
+                self.ctx.catalog.readers.retire(old_step, timeout=self.ctx.options.retire_timeout)
+        try:
+            return pool.configure(items, packs)
+        except LayoutError:
+            if not packs:
+                raise
+            log.warning("rank %d: consumers' pre-pack requests do not fit the staging cap; serving runs",
+                        self.ctx.rank)
+            self._packs_refused = packs
+            return pool.configure(items, ())
+
+    def _stage(self, step: int, entries: list[Entry]) -> tuple[str, int]:
+        """Snapshot the entries into the next slot; returns (layout id, the slot's base offset)."""
+        pool = self._pool_for(entries)
+        if self._configure(pool, entries) or self._stage_lid is None:
+            assert pool.region is not None
+            recs = [(se, se.record(self.ctx.rank, pool.region, se.offset)) for se in pool.entries]
+            self._stage_lid = self._publish_layout([r for se, r in recs if se.source < 0],
+                                                   [(se.consumer, r) for se, r in recs if se.source >= 0])
+        k, old = pool.next_slot()
+        if old is not None:
+            # The slot still holds an older version: readers of it must be done or will discard.
+            self.ctx.catalog.readers.retire(old, timeout=self.ctx.options.retire_timeout)
+        pool.fill(k, [e.tensor for e in entries], step)
+        sync_device(entries[0].tensor.device)  # the slot must hold step's bytes before the commit
+        return self._stage_lid, k * pool.slot_size
+
+    def _put_streamed(self, step: int, entries: list[Entry], why: Exception) -> bool:
+        """A snapshot larger than the staging cap: publish the tensors in place and return only
+        once every live consumer has pulled this step (then retire it), so the caller may still
+        change its tensors as soon as ``put`` returns; no staging memory is used."""
+        cat, timeout = self.ctx.catalog, self.ctx.options.retire_timeout
+        log.warning("rank %d: %s; streaming step %d from the tensors themselves (put waits for consumers)",
+                    self.ctx.rank, why, step)
+        consumers = cat.consumers.ids() - {self.ctx.reader_id}
+        committed = cat.versions.put_piece(step, self._in_place(entries), 0)
+        late = cat.readers.wait_delivered(step, consumers, timeout=timeout)
+        if late:
+            log.warning("rank %d: %d consumers did not pull step %d within %.0fs", self.ctx.rank, len(late), step,
+                        timeout)
+        cat.readers.retire(step, timeout=timeout)
+        self.ctx.stats["streamed_puts"] += 1
+        return committed
+
+    # ---- in place -------------------------------------------------------------------------
+
+    def _in_place(self, entries: list[Entry]) -> str:
+        """Register the entries' storages (once) and publish their layout when it changed."""
+        shards = self.registry.records(entries, self.ctx.rank)
+        sig = tuple(shards)
+        if sig != self._inplace_sig or self._inplace_lid is None:
+            self._inplace_lid = self._publish_layout(shards)
+            self._inplace_sig = sig
+        for d in {e.tensor.device for e in entries}:
+            sync_device(d)  # kernels still writing the tensors must finish before the commit
+        return self._inplace_lid
+
+    def _pack_requests(self, entries: Sequence[Entry]) -> tuple[tuple[str, int, object, str | None], ...]:
+        return servable(self.ctx.catalog.consumers.pack_requests(self.ctx.rank), entries)
+
+    def _publish_layout(self, shards: list[ShardRecord], packed: Sequence[tuple[str, ShardRecord]] = ()) -> str:
+        desc = codec.encode("ucx_descriptor", self.ctx.transport.descriptor())
+        lid = self.ctx.catalog.versions.write_layout(shards, desc, packed)
+        log.info("rank %d: publishing layout %s (%d shards, %d pre-packed copies)", self.ctx.rank, lid,
+                 len(shards), len(packed))
+        return lid
+
+    # ---- retire and held state ------------------------------------------------------------
+
+    def retire(self, timeout: float | None = None) -> int:
+        """Retire every step published in place; returns readers that had not finished."""
+        t = self.ctx.options.retire_timeout if timeout is None else timeout
+        left = sum(self.ctx.catalog.readers.retire(s, timeout=t) for s in self._zero_copy_live)
+        self._zero_copy_live.clear()
+        return left
+
+    def held(self, step: int) -> list[tuple[ShardRecord, torch.Tensor]]:
+        """This rank's shards of ``step`` as (record, tensor) while it still holds them.
+
+        Raises:
+            CheckpointError: the step's memory was reused (or never published here).
+        """
+        pool = self._pool
+        if pool is not None and step in pool.slot_step and pool.buffer is not None:
+            base = pool.slot_step.index(step) * pool.slot_size
+            out = []
+            for se in pool.entries:
+                if se.source >= 0:
+                    continue  # a pre-packed copy, not a shard
+                t = pool.buffer[base + se.offset: base + se.offset + se.nbytes]
+                out.append((se.record(self.ctx.rank, 0, 0), t.view(torch_dtype(se.dtype)).view(se.box.sizes)))
+            return out
+        if step in self._zero_copy_live and self._zero_copy_entries:
+            return [(e.record(self.ctx.rank), e.tensor) for e in self._zero_copy_entries]
+        raise CheckpointError(f"rank {self.ctx.rank} no longer holds step {step} (its staging slot was reused); "
+                              "checkpoint a step right after putting it")
+
+    @property
+    def staging(self) -> tuple[int, int, str | None]:
+        """(bytes, slots, device) of the snapshot pool; (0, 0, None) before the first snapshot."""
+        pool = self._pool
+        if pool is None:
+            return 0, 0, None
+        return pool.nbytes, pool.depth, str(self._pool_device)
+
+    def close(self) -> None:
+        self._pool = None

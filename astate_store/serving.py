@@ -1,0 +1,64 @@
+"""Re-serving (P2P fan-out): a consumer offers the buffers it just pulled as an extra source.
+
+The buffers' storages are registered in place (the same registry as zero-copy publishing),
+and the catalog lists them as a replica of the step, on the consumer's lease. Before the
+buffers change (the next ``get_into``), the offer is withdrawn and its readers waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Mapping
+
+from . import codec
+from .context import StoreContext
+from .errors import LayoutError
+from .layout import Entry, TensorLike, validate_tensors
+from .registry import Registry
+
+__all__ = ["Serving"]
+
+log = logging.getLogger("astate_store")
+
+
+class Serving:
+    """The steps this process re-serves, as (step, group, layout id)."""
+
+    def __init__(self, ctx: StoreContext, registry: Registry, delivered: Callable[[], tuple[int | None, list[Entry]]]):
+        self.ctx, self.registry = ctx, registry
+        self._delivered = delivered  # (step, entries) the consumer last filled
+        self._offers: list[tuple[int, str, str]] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._offers)
+
+    def serve(self, step: int, buffers: Mapping[str, TensorLike], group: str | None) -> None:
+        """Offer ``buffers`` as a source of ``step``; see ``Store.serve``.
+
+        Raises:
+            LayoutError: a buffer that this store's last ``get_into`` did not fill with ``step``.
+        """
+        entries = validate_tensors(buffers, "serve(buffers)")
+        got, filled = self._delivered()
+        delivered = {e.tensor.data_ptr() for e in filled} if step == got else set()
+        for e in entries:
+            if e.tensor.data_ptr() not in delivered:
+                raise LayoutError(f"tensor {e.name!r}: serve() of step {step} needs buffers that get_into "
+                                  "filled with that step")
+        # Rank 0: a group's members are numbered by the consumer when it plans against them.
+        shards = self.registry.records(entries, 0)
+        desc = codec.encode("ucx_descriptor", self.ctx.transport.descriptor())
+        grp = group or f"solo-{self.ctx.reader_id}"
+        lid = self.ctx.catalog.replicas.add(step, grp, self.ctx.reader_id, shards, desc)
+        self._offers.append((step, grp, lid))
+        log.info("re-serving step %d as %s/%s (%d tensors)", step, grp, self.ctx.reader_id, len(shards))
+
+    def withdraw(self) -> int:
+        """Withdraw every offer; returns readers that had not finished within the wait."""
+        left = 0
+        for step, grp, lid in self._offers:
+            left += self.ctx.catalog.replicas.remove(step, grp, self.ctx.reader_id, lid,
+                                                     timeout=self.ctx.options.retire_timeout)
+        self._offers.clear()
+        return left

@@ -1,0 +1,152 @@
+"""Source selection: which sets of peers can serve a committed version, and which one serves
+each buffer. Pure (no etcd, no transport): it works on the catalog's ``Version`` records.
+
+A *source group* holds whole tensors: the publishers of the version (when all are alive), or
+one group of re-serving consumers. Each buffer is read from exactly one group, chosen per
+consumer by a stable rotation so that independent consumers spread over the groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Hashable, Mapping, Sequence
+
+import numpy as np
+
+from .catalog import Layout, Version
+from .errors import LayoutError
+from .layout import Entry, ShardRecord, TensorLayout, check_fit, group_layouts, merge_tensor_layout
+
+__all__ = ["PUBLISHERS", "SourceGroup", "source_groups", "assign", "failover_order", "bases", "dest_records",
+           "converted_layout", "to_transport_ops"]
+
+PUBLISHERS = "pub"  # the group id of the version's publisher ranks
+
+
+@dataclass(frozen=True)
+class SourceGroup:
+    """One set of sources that together hold whole tensors: the publishers, or a re-serving group.
+    ``sources`` maps the planner's source id to (transport peer key, publisher rank or None, layout);
+    a publisher's base offset (its staging slot) changes every step and is looked up per version."""
+
+    gid: str
+    layouts: Mapping[str, TensorLayout]
+    sources: Mapping[int, tuple[Hashable, int | None, Layout]]
+    key: object
+    packed: tuple[ShardRecord, ...] = ()  # contiguous copies publishers built for this consumer
+    shards_key: object = None  # the shard layout alone (packed copies left out)
+    converted: tuple[ShardRecord, ...] = ()  # copies built in another dtype (converted on the publisher)
+
+
+def _publisher_group(version: Version, reader_id: str) -> SourceGroup:
+    src = {r: (("pub", version.layouts[r].epoch, r), r, version.layouts[r]) for r in version.layouts}
+    layouts = group_layouts(s for lay in version.layouts.values() for s in lay.shards)
+    mine = [rec for lay in version.layouts.values() for c, rec in lay.packed if c == reader_id]
+    return SourceGroup(PUBLISHERS, layouts, src, version.layout_key,
+                       tuple(r for r in mine if r.dtype == layouts[r.name].dtype),
+                       tuple(version.layouts[r].shards for r in sorted(version.layouts)),
+                       tuple(r for r in mine if r.dtype != layouts[r.name].dtype))
+
+
+def _replica_group(version: Version, name: str, members: Sequence[str]) -> SourceGroup | None:
+    """A re-serving group, with the tensors its members hold whole between them."""
+    src, by_name = {}, {}
+    for i, m in enumerate(members):
+        lay = version.replica_layouts[m]
+        src[i] = (("replica", m), None, lay)
+        for s in lay.shards:
+            by_name.setdefault(s.name, []).append(replace(s, rank=i))
+    layouts = {}
+    for n, recs in sorted(by_name.items()):
+        try:
+            layouts[n] = merge_tensor_layout(n, recs)
+        except LayoutError:
+            continue  # the group holds only part of this tensor: not a source of it
+    if not layouts:
+        return None
+    return SourceGroup("g:" + name, layouts, src, tuple((m, version.replica_layouts[m].layout_id) for m in members))
+
+
+def source_groups(version: Version, reader_id: str) -> dict[str, SourceGroup]:
+    """The alternative sources of a version (with its layouts resolved): the publishers, when
+    all are alive, and each re-serving group."""
+    groups: dict[str, SourceGroup] = {}
+    if not version.missing:
+        groups[PUBLISHERS] = _publisher_group(version, reader_id)
+    by_group: dict[str, list[str]] = {}
+    for m in sorted(version.replica_layouts):
+        by_group.setdefault(version.replicas[m].group, []).append(m)
+    for name, members in sorted(by_group.items()):
+        g = _replica_group(version, name, members)
+        if g is not None:
+            groups[g.gid] = g
+    return groups
+
+
+def assign(groups: Mapping[str, SourceGroup], dests: Sequence[Entry], rotation: int) -> dict[str, list[Entry]]:
+    """One source group per buffer: every buffer is checked to fit first (before any byte moves),
+    then consumers spread over the groups that hold the tensor, deterministically per consumer.
+
+    Raises:
+        LayoutError: a name no group publishes, or a global shape / dtype that does not fit.
+    """
+    out: dict[str, list[Entry]] = {}
+    order = sorted(groups)
+    for i, e in enumerate(dests):
+        cands = [g for g in order if e.name in groups[g].layouts]
+        if not cands:
+            names = sorted({n for g in groups.values() for n in g.layouts})
+            raise LayoutError(f"tensor {e.name!r} is not in step's published tensors ({', '.join(names[:8])}"
+                              f"{', ...' if len(names) > 8 else ''})")
+        check_fit(e, groups[cands[0]].layouts[e.name], "the published tensor")
+        out.setdefault(cands[(rotation + i) % len(cands)], []).append(e)
+    return out
+
+
+def failover_order(groups: Mapping[str, SourceGroup], dests: Sequence[Entry]) -> list[dict[str, SourceGroup]]:
+    """The group sets to try in turn: all of them, then without the publishers, then the
+    publishers alone; sets that cannot serve every buffer are left out."""
+    tries = [dict(groups)]
+    if PUBLISHERS in groups and len(groups) > 1:
+        tries += [{k: v for k, v in groups.items() if k != PUBLISHERS}, {PUBLISHERS: groups[PUBLISHERS]}]
+    return [gs for i, gs in enumerate(tries)
+            if i == 0 or all(any(e.name in g.layouts for g in gs.values()) for e in dests)]
+
+
+def bases(version: Version, g: SourceGroup) -> dict[int, int]:
+    """Per source id, the byte offset of this step's bytes in its regions (a publisher's
+    staging slot; 0 for in-place and re-served memory)."""
+    return {sid: (0 if r is None else version.pieces[r].base_offset) for sid, (_p, r, _l) in g.sources.items()}
+
+
+def dest_records(dests: Sequence[Entry]) -> tuple[ShardRecord, ...]:
+    """Buffers as the planner's destination records: buffer i is region i of rank -1."""
+    return tuple(e.record(-1, i, 0) for i, e in enumerate(dests))
+
+
+def converted_layout(g: SourceGroup, e: Entry) -> TensorLayout | None:
+    """The publisher-converted copies of this buffer's pieces, if together they cover it."""
+    recs = tuple(r for r in g.converted if r.name == e.name and r.dtype == e.dtype
+                 and e.box.intersect(r.box) == r.box)
+    if not recs or sum(r.box.numel for r in recs) != e.box.numel:
+        return None
+    return TensorLayout(e.name, e.dtype, e.global_shape, recs)
+
+
+def to_transport_ops(g: SourceGroup, peer_index: Callable[[Hashable], int], base: Mapping[int, int],
+                     reads: np.ndarray, dst_base: np.ndarray) -> np.ndarray:
+    """Plan rows -> (peer index, region, remote offset, local address, length), vectorized."""
+    n = max(g.sources) + 1
+    peer_idx = np.full(n, -1, dtype=np.int64)
+    base_arr = np.zeros(n, dtype=np.int64)
+    for sid, (peer, _r, _lay) in g.sources.items():
+        peer_idx[sid] = peer_index(peer)
+        base_arr[sid] = base[sid]
+    src = reads["src_rank"].astype(np.int64)
+    ops = np.empty((len(reads), 5), dtype=np.int64)
+    ops[:, 0] = peer_idx[src]
+    ops[:, 1] = reads["src_region"]
+    ops[:, 2] = reads["src_offset"] + base_arr[src]
+    ops[:, 3] = dst_base[reads["dst_region"]] + reads["dst_offset"]
+    ops[:, 4] = reads["length"]
+    return ops

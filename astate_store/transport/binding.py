@@ -1,0 +1,80 @@
+"""The ``astate_store._ucx`` extension: loading it, and turning its errors into ours.
+
+Every other transport module reaches the extension through :func:`native` (never a
+plain import) so that ``libucx.load_library()`` has run first, and tests can patch
+attributes of the one module object it returns (e.g. ``cma_read``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ..errors import PeerUnreachable, TransportError
+
+__all__ = ["native", "typed_error", "is_peer_status"]
+
+_native_mod: Any = None
+_native_lock = threading.Lock()
+
+
+def native() -> Any:
+    """The ``astate_store._ucx`` extension, loaded after ``libucx.load_library()``.
+
+    ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true`` makes the loader prefer a system UCX.
+    """
+    global _native_mod
+    if _native_mod is None:
+        with _native_lock:
+            if _native_mod is None:
+                _native_mod = _load()
+    return _native_mod
+
+
+def _load() -> Any:
+    try:
+        import libucx
+
+        libucx.load_library()
+    except ImportError:  # a system UCX found through the rpath / ld.so
+        pass
+    try:
+        from .. import _ucx
+    except ImportError as exc:
+        raise TransportError(
+            f"the UCX extension astate_store._ucx is not built or cannot load: {exc} "
+            "(build it with `pip install --no-build-isolation -e .`)"
+        ) from exc
+    return _ucx
+
+
+def is_peer_status(nat: Any, status: int) -> bool:
+    """Whether a UCX status means the peer (not this process) is the problem."""
+    if status in (
+        nat.ERR_UNREACHABLE,
+        nat.ERR_CONNECTION_RESET,
+        nat.ERR_TIMED_OUT,
+        nat.ERR_REJECTED,
+        nat.ERR_NOT_CONNECTED,
+        nat.ERR_CANCELED,
+        nat.ERR_ENDPOINT_TIMEOUT,
+    ):
+        return True
+    return (nat.ERR_LAST_ENDPOINT_FAILURE <= status <= nat.ERR_FIRST_ENDPOINT_FAILURE) or (
+        nat.ERR_LAST_LINK_FAILURE <= status <= nat.ERR_FIRST_LINK_FAILURE
+    )
+
+
+def typed_error(exc: BaseException, message: str, *, peer_gone: bool = False) -> TransportError:
+    """``message: exc`` as PeerUnreachable (peer status or ``peer_gone``) or TransportError.
+
+    The raw UCX status stays on the error (``status``, ``status_text``) so callers can
+    tell UCX's reasons apart without parsing the message.
+    """
+    nat = native()
+    status = int(getattr(exc, "status", 0) or 0)
+    cls = PeerUnreachable if (peer_gone or (status and is_peer_status(nat, status))) else TransportError
+    err = cls(f"{message}: {exc}")
+    err.status = status  # type: ignore[attr-defined]
+    err.status_text = getattr(exc, "status_text", None)  # type: ignore[attr-defined]
+    return err

@@ -1,0 +1,247 @@
+"""Connected peers: endpoints, unpacked remote keys, and the flat tables ``get`` reads.
+
+``get`` must not take the transport lock per row, nor walk Python objects per row, so
+it works on a :class:`PeerSnapshot`: every connected peer's endpoint, regions and keys
+flattened into numpy arrays, built once after a change and reused by every plan until
+the next ``connect``/``disconnect`` (or a peer leaving the same-host path) drops it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import numpy as np
+
+from .base import PeerDescriptor, RegionInfo
+from .binding import native, typed_error
+
+__all__ = ["Peer", "PeerInfo", "PeerSnapshot", "PeerTable", "open_endpoint"]
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A read-only account of one connected peer, from ``UcxTransport.peer_info``.
+
+    ``index``: its plan index (``peer_index``). ``endpoint_id``: identifies the UCX
+    endpoint in use; it changes exactly when ``connect`` creates a new endpoint (new
+    worker address, or the old one failed/closed), so equal ids mean "reused".
+    ``peer_error_handling``: the endpoint's error mode (True: PEER, i.e. tcp; False:
+    NONE, i.e. shared memory). ``direct``: whether reads of this peer's host regions
+    use ``process_vm_readv`` (None: not decided yet, the peer has no host region to
+    probe). ``direct_regions``: per region of its descriptor, whether rows may take
+    that path.
+    """
+
+    index: int
+    endpoint_id: int
+    peer_error_handling: bool
+    direct: bool | None
+    direct_regions: tuple[bool, ...]
+
+
+@dataclass
+class Peer:
+    """The mutable state of one connected peer (owned by the :class:`PeerTable`)."""
+
+    key: Hashable
+    index: int
+    desc: PeerDescriptor
+    ep: Any
+    endpoint_id: int
+    rkeys: list[Any] = field(default_factory=list)  # per region: RemoteKey or None
+    direct: bool | None = None  # process_vm_readv path: None = not probed yet, False = UCX only
+    pidfd: int = -1  # pidfd of desc.pid while direct
+
+    def needs_new_endpoint(self, d: PeerDescriptor) -> bool:
+        """Whether ``d`` cannot be served by the current endpoint."""
+        return self.desc.worker_address != d.worker_address or self.ep.failed or self.ep.closed
+
+    def region_direct(self, r: RegionInfo) -> bool:
+        """Rows of region ``r`` may use process_vm_readv (only host memory can)."""
+        return bool(self.direct) and r.memory_type == "host"
+
+    def adopt(self, d: PeerDescriptor, prev_regions: tuple[RegionInfo, ...]) -> None:
+        """Take descriptor ``d``: (re)unpack only the rkeys of regions that changed.
+
+        Regions equal to ``prev_regions`` keep their key; on a UCX failure the keys
+        unpacked so far are destroyed and the peer keeps its old keys.
+        """
+        nat = native()
+        new_rkeys: list[Any] = []
+        try:
+            for i, r in enumerate(d.regions):
+                if i < len(prev_regions) and prev_regions[i] == r and i < len(self.rkeys):
+                    new_rkeys.append(self.rkeys[i])
+                    continue
+                new_rkeys.append(self.ep.unpack_rkey(r.rkey) if r.size > 0 and r.rkey else None)
+        except nat.UcxError as exc:
+            for rk in new_rkeys:
+                if rk is not None and rk not in self.rkeys:
+                    rk.destroy()
+            raise typed_error(exc, f"unpacking rkeys of peer {self.key!r}") from exc
+        kept = {id(rk) for rk in new_rkeys if rk is not None}
+        for rk in self.rkeys:
+            if rk is not None and id(rk) not in kept:
+                rk.destroy()
+        self.rkeys = new_rkeys
+        self.desc = d
+
+    def info(self) -> PeerInfo:
+        return PeerInfo(
+            index=self.index,
+            endpoint_id=self.endpoint_id,
+            peer_error_handling=bool(self.ep.peer_error_handling),
+            direct=self.direct,
+            direct_regions=tuple(self.region_direct(r) for r, _ in zip(self.desc.regions, self.rkeys)),
+        )
+
+
+@dataclass(frozen=True)
+class PeerSnapshot:
+    """Snapshot of the connected peers, flattened for vectorized plan translation.
+
+    Arrays "per peer index" are indexed by plan column ``OP_PEER``; "per flat region"
+    by ``reg_off[peer] + region``.
+    """
+
+    ep_pos: np.ndarray  # int64 per peer index: position in `eps`, -1 if disconnected
+    reg_off: np.ndarray  # uint64 per peer index: first flat region
+    reg_n: np.ndarray  # uint64 per peer index: number of regions
+    base: np.ndarray  # uint64 per flat region
+    size: np.ndarray  # uint64 per flat region
+    rkey_pos: np.ndarray  # int64 per flat region: position in `rkeys`, -1 if none
+    eps: list[Any]
+    rkeys: list[Any]
+    keys: list[Hashable]  # peer key per peer index (None if disconnected)
+    pid: np.ndarray  # uint64 per peer index: pid for the direct path, 0 = UCX only
+    direct: np.ndarray  # bool per flat region: rows may use process_vm_readv
+    n_direct: int  # peers on the direct path
+
+
+def open_endpoint(worker: Any, d: PeerDescriptor, *, peer_mode: bool, timeout: float, where: str) -> Any:
+    """A UCX endpoint to ``d``'s worker, flushed (so it is known to be up) within ``timeout``.
+
+    Any failure counts as the peer's (PeerUnreachable): the address came from it.
+    """
+    nat = native()
+    try:
+        ep = worker.connect(d.worker_address, peer_error_handling=peer_mode)
+    except nat.UcxError as exc:
+        raise typed_error(exc, f"connecting to {where}", peer_gone=True) from exc
+    try:
+        ep.flush(timeout)
+    except nat.UcxError as exc:
+        ep.close()
+        raise typed_error(exc, f"connecting to {where}", peer_gone=True) from exc
+    return ep
+
+
+class PeerTable:
+    """Peers by key. Peer indices are never reused, except by a reconnect of the same key.
+
+    Not locked itself: ``UcxTransport`` calls every method under its own lock (``get``
+    only takes the lock to fetch the snapshot).
+    """
+
+    def __init__(self) -> None:
+        self._peers: dict[Hashable, Peer] = {}
+        self._next_index = 0
+        self._next_endpoint_id = 0
+        self._snapshot: PeerSnapshot | None = None
+
+    def get(self, key: Hashable) -> Peer | None:
+        return self._peers.get(key)
+
+    def require(self, key: Hashable) -> Peer:
+        """The peer, or KeyError naming it."""
+        try:
+            return self._peers[key]
+        except KeyError:
+            raise KeyError(f"peer {key!r} is not connected") from None
+
+    def keys(self) -> list[Hashable]:
+        return list(self._peers)
+
+    def values(self) -> list[Peer]:
+        return list(self._peers.values())
+
+    def add(self, key: Hashable, d: PeerDescriptor, ep: Any, index: int | None) -> Peer:
+        """Record a new endpoint for ``key``: at ``index`` (a reconnect) or a fresh index.
+
+        Leaves the snapshot alone: the caller invalidates it once the peer's keys are in.
+        """
+        if index is None:
+            index = self._next_index
+            self._next_index += 1
+        p = Peer(key, index, d, ep, self._next_endpoint_id)
+        self._next_endpoint_id += 1
+        self._peers[key] = p
+        return p
+
+    def remove(self, p: Peer) -> None:
+        """Destroy the peer's keys (before its endpoint, as UCX wants) and close its endpoint."""
+        for rk in p.rkeys:
+            if rk is not None:
+                rk.destroy()
+        p.rkeys = []
+        p.ep.close()
+        self._peers.pop(p.key, None)
+        self._snapshot = None
+
+    def invalidate(self) -> None:
+        """Drop the snapshot: the next ``snapshot()`` rebuilds it."""
+        self._snapshot = None
+
+    def snapshot(self) -> PeerSnapshot:
+        """The flat tables for ``get`` (cached until ``invalidate``)."""
+        s = self._snapshot
+        if s is not None:
+            return s
+        n = self._next_index
+        ep_pos = np.full(n, -1, dtype=np.int64)
+        reg_off = np.zeros(n, dtype=np.uint64)
+        reg_n = np.zeros(n, dtype=np.uint64)
+        keys: list[Hashable] = [None] * n
+        eps: list[Any] = []
+        rkeys: list[Any] = []
+        base: list[int] = []
+        size: list[int] = []
+        rkey_pos: list[int] = []
+        pid = np.zeros(n, dtype=np.uint64)
+        direct: list[bool] = []
+        n_direct = 0
+        for p in self._peers.values():
+            if p.direct:
+                pid[p.index] = p.desc.pid
+                n_direct += 1
+            ep_pos[p.index] = len(eps)
+            eps.append(p.ep)
+            keys[p.index] = p.key
+            reg_off[p.index] = len(base)
+            reg_n[p.index] = len(p.desc.regions)
+            for r, rk in zip(p.desc.regions, p.rkeys):
+                base.append(r.base)
+                size.append(r.size if rk is not None else 0)  # unregistered: every read is out of bounds
+                direct.append(p.region_direct(r))
+                if rk is None:
+                    rkey_pos.append(-1)
+                else:
+                    rkey_pos.append(len(rkeys))
+                    rkeys.append(rk)
+        s = PeerSnapshot(
+            ep_pos,
+            reg_off,
+            reg_n,
+            np.array(base, dtype=np.uint64),
+            np.array(size, dtype=np.uint64),
+            np.array(rkey_pos, dtype=np.int64),
+            eps,
+            rkeys,
+            keys,
+            pid,
+            np.array(direct, dtype=bool),
+            n_direct,
+        )
+        self._snapshot = s
+        return s

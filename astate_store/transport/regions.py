@@ -1,0 +1,151 @@
+"""This process's registered memory: the regions it publishes, and where reads land.
+
+A region serves twice: peers read it (its ``RegionInfo`` goes into the descriptor), and
+local reads whose destination lies inside one pass its memory handle to UCX (so UCX
+need not register the destination itself) and, when it is not host memory, stay off
+the ``process_vm_readv`` path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import TransportError
+from .base import RegionInfo
+from .binding import native, typed_error
+
+__all__ = ["LocalRegion", "LocalSnapshot", "LocalRegions"]
+
+_MEMORY_TYPES = ("host", "cuda", "unknown")
+
+
+@dataclass
+class LocalRegion:
+    """One registration slot; a freed slot keeps its index with ``memh is None``."""
+
+    info: RegionInfo
+    memh: Any = None  # _ucx.MemHandle or None (freed / empty)
+    keepalive: Any = None  # torch storage kept alive while registered
+    memory_type: str = "host"
+
+
+@dataclass(frozen=True)
+class LocalSnapshot:
+    """The live local regions sorted by base, for vectorized lookups during ``get``."""
+
+    base: np.ndarray  # uint64, sorted
+    end: np.ndarray  # uint64
+    memhs: list[Any]
+    device: np.ndarray  # bool: not host memory (never a process_vm_readv destination)
+
+    def containing(self, local: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per row: index of the registered local region holding [local, +length), and whether one does."""
+        j = np.searchsorted(self.base, local, side="right").astype(np.int64) - 1
+        jj = np.maximum(j, 0)
+        return jj, (j >= 0) & (local + length <= self.end[jj])
+
+
+class LocalRegions:
+    """The registration table: indices are stable and never reused.
+
+    Not locked itself: ``UcxTransport`` calls every method under its own lock.
+    """
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+        self._slots: list[LocalRegion] = []
+        self._by_range: dict[tuple[int, int], int] = {}  # live (base, nbytes) -> index
+        self._snapshot: LocalSnapshot | None = None  # cached until the table changes
+
+    @staticmethod
+    def memory_type_code(address: int, nbytes: int, memory_type: str) -> int:
+        """Check a registration request (before any lock); the extension's memory type constant."""
+        if address < 0 or nbytes < 0:
+            raise TransportError(f"bad region address=0x{address:x} nbytes={nbytes}")
+        nat = native()
+        codes = dict(zip(_MEMORY_TYPES, (nat.MEMORY_TYPE_HOST, nat.MEMORY_TYPE_CUDA, nat.MEMORY_TYPE_UNKNOWN)))
+        mt = codes.get(memory_type)
+        if mt is None:
+            raise ValueError(f"memory_type must be 'host', 'cuda' or 'unknown', got {memory_type!r}")
+        return mt
+
+    def add(self, address: int, nbytes: int, mt: int, memory_type: str, keepalive: Any) -> int:
+        """Register ``[address, +nbytes)`` (idempotent per range); its region index."""
+        key = (address, nbytes)
+        idx = self._by_range.get(key)
+        if idx is not None:
+            reg = self._slots[idx]
+            if keepalive is not None and reg.keepalive is None:
+                reg.keepalive = keepalive
+            return idx
+        memh = None
+        rkey = b""
+        if nbytes > 0:  # an empty region gets a slot but no UCX registration
+            if address == 0:
+                raise TransportError(f"cannot register {nbytes} bytes at address 0")
+            try:
+                memh = self._worker.mem_map(address, nbytes, mt)
+            except native().UcxError as exc:
+                raise typed_error(exc, f"registering {nbytes} bytes at 0x{address:x} ({memory_type})") from exc
+            rkey = memh.rkey()
+        idx = len(self._slots)
+        self._slots.append(LocalRegion(RegionInfo(address, nbytes, rkey, memory_type), memh, keepalive, memory_type))
+        self._by_range[key] = idx
+        self._snapshot = None
+        return idx
+
+    def remove(self, region: int) -> None:
+        """Free a slot: unmap it, drop the keepalive, keep the index (size 0, empty rkey)."""
+        if not 0 <= region < len(self._slots):
+            raise TransportError(f"no region {region} (have {len(self._slots)})")
+        reg = self._slots[region]
+        if reg.memh is None and reg.info.size == 0 and reg.keepalive is None:
+            return  # already free
+        key = (reg.info.base, reg.info.size)
+        if self._by_range.get(key) == region:
+            del self._by_range[key]
+        if reg.memh is not None:
+            reg.memh.unmap()
+        self._slots[region] = LocalRegion(RegionInfo(reg.info.base, 0, b""))
+        self._snapshot = None
+
+    def info(self, region: int) -> RegionInfo:
+        """Slot ``region`` (IndexError if there is none)."""
+        return self._slots[region].info
+
+    def infos(self) -> tuple[RegionInfo, ...]:
+        """Every slot in index order, freed ones included: the descriptor's ``regions``."""
+        return tuple(r.info for r in self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def snapshot(self) -> LocalSnapshot:
+        """The live regions for ``get`` (cached; rebuilt after a change)."""
+        s = self._snapshot
+        if s is not None:
+            return s
+        live = sorted(
+            ((r.info.base, r.info.size, r.memh, r.memory_type) for r in self._slots if r.memh is not None),
+            key=lambda x: x[0],
+        )
+        s = LocalSnapshot(
+            np.array([x[0] for x in live], dtype=np.uint64),
+            np.array([x[0] + x[1] for x in live], dtype=np.uint64),
+            [x[2] for x in live],
+            np.array([x[3] != "host" for x in live], dtype=bool),
+        )
+        self._snapshot = s
+        return s
+
+    def clear(self) -> None:
+        """Unmap everything (at transport close)."""
+        for r in self._slots:
+            if r.memh is not None:
+                r.memh.unmap()
+        self._slots = []
+        self._by_range.clear()
+        self._snapshot = None

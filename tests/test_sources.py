@@ -1,0 +1,84 @@
+"""Source selection without etcd: which groups can serve a version and which serves each buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from astate_store.catalog import Layout, Piece, Replica, Version
+from astate_store.errors import LayoutError
+from astate_store.layout import Box, Shard, ShardRecord, contiguous_strides, validate_tensors
+from astate_store.sources import PUBLISHERS, assign, bases, failover_order, source_groups
+
+SHAPE = (8, 4)
+
+
+def _rec(name: str, rank: int, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> ShardRecord:
+    return ShardRecord(name, "float32", SHAPE, Box(offsets, sizes), contiguous_strides(sizes), rank, 0, 0)
+
+
+def _layout(lid: str, rank: int, *recs: ShardRecord) -> Layout:
+    return Layout(lid, 1, rank, recs, b"")
+
+
+def _version(*, missing: frozenset[int] = frozenset(), replicas: dict[str, tuple[str, Layout]] | None = None
+             ) -> Version:
+    """Two publisher ranks split "w" by rows; both hold "b" whole (replicated). Optional
+    re-serving consumers: member -> (group, layout)."""
+    lays = {0: _layout("L0", 0, _rec("w", 0, (0, 0), (4, 4)), _rec("b", 0, (0, 0), SHAPE)),
+            1: _layout("L1", 1, _rec("w", 1, (4, 0), (4, 4)), _rec("b", 1, (0, 0), SHAPE))}
+    pieces = {r: Piece(7, 1, r, 2, lays[r].layout_id, 4096 * r) for r in lays}
+    replicas = replicas or {}
+    return Version(7, 1, 2, pieces,
+                   {m: Replica(7, grp, m, lay.layout_id) for m, (grp, lay) in replicas.items()},
+                   {r: lay for r, lay in lays.items() if r not in missing},
+                   {m: lay for m, (_g, lay) in replicas.items()}, missing)
+
+
+def _bufs(**tensors: object) -> list:
+    return validate_tensors(tensors, "buffers")  # type: ignore[arg-type]
+
+
+def test_publishers_are_one_group_with_every_tensor_whole() -> None:
+    groups = source_groups(_version(), "me")
+    assert set(groups) == {PUBLISHERS}
+    g = groups[PUBLISHERS]
+    assert set(g.layouts) == {"w", "b"}
+    assert sorted(s.rank for s in g.layouts["w"].shards) == [0, 1]
+    assert sorted(s.rank for s in g.layouts["b"].shards) == [0, 1]  # replicas of one box
+    assert bases(_version(), g) == {0: 0, 1: 4096}  # each rank's staging slot of this step
+
+
+def test_a_dead_publisher_leaves_only_reserving_groups() -> None:
+    solo = _layout("R1", 0, _rec("w", 0, (0, 0), SHAPE))
+    half = _layout("R2", 0, _rec("b", 0, (0, 0), (4, 4)))  # only part of "b": not a source of it
+    v = _version(missing=frozenset({1}), replicas={"c1": ("solo", solo), "c2": ("part", half)})
+    groups = source_groups(v, "me")
+    assert set(groups) == {"g:solo"}
+    assert set(groups["g:solo"].layouts) == {"w"}
+    assert bases(v, groups["g:solo"]) == {0: 0}  # re-served memory has no staging slot
+
+
+def test_assign_spreads_consumers_and_checks_fit_first() -> None:
+    solo = _layout("R1", 0, _rec("w", 0, (0, 0), SHAPE), _rec("b", 0, (0, 0), SHAPE))
+    groups = source_groups(_version(replicas={"c1": ("solo", solo)}), "me")
+    assert set(groups) == {PUBLISHERS, "g:solo"}
+    dests = _bufs(w=torch.zeros(SHAPE))
+    chosen = {next(iter(assign(groups, dests, rotation))) for rotation in range(4)}
+    assert chosen == {PUBLISHERS, "g:solo"}  # consumers with other rotations use other groups
+    with pytest.raises(LayoutError, match=r"'w'.*global shape"):
+        assign(groups, _bufs(w=Shard(torch.zeros(2, 4), (0, 0), (9, 4))), 0)
+    with pytest.raises(LayoutError, match=r"'w'.*not a float conversion"):
+        assign(groups, _bufs(w=torch.zeros(SHAPE, dtype=torch.int32)), 0)
+    with pytest.raises(LayoutError, match=r"'nope' is not in"):
+        assign(groups, _bufs(nope=torch.zeros(SHAPE)), 0)
+
+
+def test_failover_tries_other_groups_then_the_publishers_alone() -> None:
+    solo = _layout("R1", 0, _rec("w", 0, (0, 0), SHAPE))
+    groups = source_groups(_version(replicas={"c1": ("solo", solo)}), "me")
+    only_w = failover_order(groups, _bufs(w=torch.zeros(SHAPE)))
+    assert [sorted(gs) for gs in only_w] == [["g:solo", PUBLISHERS], ["g:solo"], [PUBLISHERS]]
+    # "b" has no re-serving source: the replicas-only set cannot serve this pull and is skipped.
+    with_b = failover_order(groups, _bufs(w=torch.zeros(SHAPE), b=torch.zeros(SHAPE)))
+    assert [sorted(gs) for gs in with_b] == [["g:solo", PUBLISHERS], [PUBLISHERS]]
