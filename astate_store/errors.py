@@ -8,7 +8,9 @@ __all__ = [
     "CodecError",
     "CatalogError",
     "CatalogUnavailable",
+    "CatalogRejected",
     "StaleSessionError",
+    "StaleStepError",
     "VersionNotFound",
     "WaitTimeout",
     "PlanError",
@@ -18,6 +20,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFound",
     "CheckpointCorrupted",
+    "RecoveryError",
 ]
 
 
@@ -39,6 +42,14 @@ class CatalogError(AStateError):
 
 class CatalogUnavailable(CatalogError):
     """etcd could not be reached within the retry budget."""
+
+
+class CatalogRejected(CatalogError):
+    """etcd answered and refused the request (too large, not permitted, invalid): retrying cannot help."""
+
+
+class StaleStepError(CatalogError):
+    """A put of a step that can never commit: a newer step is already committed."""
 
 
 class StaleSessionError(CatalogError):
@@ -79,3 +90,18 @@ class CheckpointNotFound(CheckpointError):
 
 class CheckpointCorrupted(CheckpointError):
     """A shard file is missing, short, or fails its checksum."""
+
+
+class RecoveryError(AStateError):
+    """The ranks of a recovering publisher session found no step they can all recover, or a rank
+    could not fetch the agreed one; every rank of the session raises the same error, before any
+    of them republishes. ``step``: the step that could not be recovered (None if unknown);
+    ``failures``: rank -> why it failed (or that it did not report in time)."""
+
+    def __init__(self, message: str, *, step: int | None = None, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.step = step
+        self.failures = dict(failures or {})
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep step and failures across processes (pickle)
+        return (type(self), self.args, {"step": self.step, "failures": self.failures})

@@ -9,9 +9,13 @@ consumer's buffer index space, ``region`` the buffer).
 
 from __future__ import annotations
 
+import gc
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
+from itertools import chain, compress, repeat
+from operator import and_, attrgetter, eq, gt
 from typing import Iterable, Mapping, Sequence, Union
 
 import torch
@@ -266,44 +270,123 @@ def _check_non_overlapping(name: str, sizes: Sequence[int], strides: Sequence[in
         span += stride * (size - 1)
 
 
+# One match for the common case of ``validate_name`` (a str of allowed characters and length, no
+# ".." segment); anything it rejects goes through ``validate_name`` for the verdict and the message.
+_NAME_SEG = r"(?!\.\.(?:/|\Z))[A-Za-z0-9_.\-]+"
+_NAME_FAST = re.compile(rf"(?=[^\n]{{1,{MAX_NAME_LEN}}}\Z){_NAME_SEG}(?:/{_NAME_SEG})*").fullmatch
+
+
+def _frozen(cls: type, fields: dict) -> object:
+    """An instance of a frozen dataclass with ``fields`` already checked: what ``cls(**fields)`` builds,
+    without the per-field ``object.__setattr__`` calls (and ``__post_init__``)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+class _GCPaused:
+    """Pause the cyclic GC while building one object per tensor: at 90k tensors its collections
+    (each walking every live object) cost about as much as the building."""
+
+    def __enter__(self) -> None:
+        self._was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._was:
+            gc.enable()
+
+
+class _Zeros(dict):
+    """ndim -> (0,) * ndim, built on first use (``_ZEROS[n]`` is one C-level lookup)."""
+
+    def __missing__(self, n: int) -> tuple[int, ...]:
+        z = self[n] = (0,) * n
+        return z
+
+
+_ZEROS = _Zeros()
+_WHOLE: dict[tuple[int, ...], Box] = {}  # shape -> Box(zeros, shape); Boxes are immutable, so shared
+
+
+def _whole_box(shape: tuple[int, ...]) -> Box:
+    """``Box((0,) * len(shape), shape)``, the box of a plain tensor: one object per shape."""
+    box = _WHOLE.get(shape)
+    if box is None:
+        if len(_WHOLE) >= 1 << 14:
+            _WHOLE.clear()
+        box = _WHOLE[shape] = _frozen(Box, {"offsets": _ZEROS[len(shape)], "sizes": shape})
+    return box
+
+
+def _check_memory(name: str, tensor: torch.Tensor, sizes: tuple[int, ...]) -> None:
+    """No negative strides, no element sharing an address (a dense tensor with elements has neither);
+    ``sizes`` is ``tuple(tensor.shape)``."""
+    if tensor.is_contiguous() and tensor.numel():
+        return
+    strides = tensor.stride()
+    # the dims innermost first are usually already in stride order: if each clears the span of
+    # those inside it, that is exactly what _check_non_overlapping would find
+    span = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size > 1:
+            if stride < span:
+                break
+            span += stride * (size - 1)
+    else:
+        if min(strides, default=0) >= 0:
+            return
+    if any(s < 0 for s in strides):
+        raise LayoutError(f"tensor {name!r}: negative strides {strides} are not supported")
+    _check_non_overlapping(name, sizes, strides)
+
+
+def _local_box(name: str, value: object) -> tuple[torch.Tensor, Box, tuple[int, ...], str]:
+    """``local_box``: the same checks in the same order, with fewer Python operations."""
+    if type(name) is not str or not _NAME_FAST(name):
+        validate_name(name)
+    if isinstance(value, torch.Tensor):
+        tensor = value
+        global_shape = sizes = tuple(tensor.shape)
+        box = _whole_box(global_shape)
+    elif isinstance(value, Shard):
+        tensor, global_shape, offsets = value.tensor, value.global_shape, value.offsets
+        sizes = tuple(tensor.shape)
+        nd = len(sizes)
+        if len(offsets) != nd:
+            raise LayoutError(
+                f"tensor {name!r}: {len(offsets)} offsets for a {nd}-d tensor of shape {sizes}"
+            )
+        if len(global_shape) != nd:
+            raise LayoutError(
+                f"tensor {name!r}: global_shape {global_shape} has {len(global_shape)} dims, "
+                f"the local tensor has {nd} (shape {sizes})"
+            )
+        box = _frozen(Box, {"offsets": offsets, "sizes": sizes})
+        for o, z, g in zip(offsets, sizes, global_shape):
+            if o < 0 or o + z > g:
+                raise LayoutError(
+                    f"tensor {name!r}: box offsets {offsets} + sizes {sizes} is out of "
+                    f"bounds of global shape {global_shape}"
+                )
+    else:
+        raise LayoutError(
+            f"tensor {name!r}: expected a torch.Tensor or astate_store.Shard, got {type(value).__name__}"
+        )
+    dtype = _NAMES.get(tensor.dtype)
+    if dtype is None:
+        dtype_name(tensor.dtype, tensor=name)  # raises, naming the tensor
+    _check_memory(name, tensor, sizes)
+    return tensor, box, global_shape, dtype
+
+
 def local_box(name: str, value: TensorLike) -> tuple[torch.Tensor, Box, tuple[int, ...], str]:
     """Validate one user entry and return ``(tensor, box, global_shape, dtype_name)``.
 
     Raises:
         LayoutError: bad name, unsupported dtype, box out of bounds, or aliased memory.
     """
-    validate_name(name)
-    if isinstance(value, Shard):
-        tensor, global_shape = value.tensor, value.global_shape
-        if len(value.offsets) != tensor.dim():
-            raise LayoutError(
-                f"tensor {name!r}: {len(value.offsets)} offsets for a {tensor.dim()}-d tensor "
-                f"of shape {tuple(tensor.shape)}"
-            )
-        if len(global_shape) != tensor.dim():
-            raise LayoutError(
-                f"tensor {name!r}: global_shape {global_shape} has {len(global_shape)} dims, "
-                f"the local tensor has {tensor.dim()} (shape {tuple(tensor.shape)})"
-            )
-        box = value.box
-        if not box.within(global_shape):
-            raise LayoutError(
-                f"tensor {name!r}: box offsets {box.offsets} + sizes {box.sizes} is out of "
-                f"bounds of global shape {global_shape}"
-            )
-    elif isinstance(value, torch.Tensor):
-        tensor = value
-        global_shape = tuple(tensor.shape)
-        box = Box((0,) * tensor.dim(), global_shape)
-    else:
-        raise LayoutError(
-            f"tensor {name!r}: expected a torch.Tensor or astate_store.Shard, got {type(value).__name__}"
-        )
-    dtype = dtype_name(tensor.dtype, tensor=name)
-    if any(s < 0 for s in tensor.stride()):
-        raise LayoutError(f"tensor {name!r}: negative strides {tensor.stride()} are not supported")
-    _check_non_overlapping(name, tuple(tensor.shape), tensor.stride())
-    return tensor, box, global_shape, dtype
+    return _local_box(name, value)
 
 
 @dataclass(frozen=True, eq=False)
@@ -336,11 +419,14 @@ def validate_tensors(tensors: Mapping[str, TensorLike], what: str) -> list[Entry
     if not tensors:
         raise LayoutError(f"{what} is empty")
     out = []
-    for name in sorted(tensors):
-        t, box, gshape, dtype = local_box(name, tensors[name])
-        if t.device.type not in ("cpu", "cuda"):
-            raise LayoutError(f"tensor {name!r}: device {t.device} is not supported (cpu or cuda)")
-        out.append(Entry(name, t, box, gshape, dtype))
+    append = out.append
+    with _GCPaused():
+        for name in sorted(tensors):
+            t, box, gshape, dtype = _local_box(name, tensors[name])
+            if not (t.is_cpu or t.is_cuda):
+                raise LayoutError(f"tensor {name!r}: device {t.device} is not supported (cpu or cuda)")
+            append(_frozen(Entry, {"name": name, "tensor": t, "box": box, "global_shape": gshape,
+                                   "dtype": dtype}))
     return out
 
 
@@ -384,10 +470,16 @@ def merge_tensor_layout(name: str, shards: Iterable[ShardRecord]) -> TensorLayou
         LayoutError: dtype or global shape disagreeing between ranks, partial overlaps,
             or elements no shard holds.
     """
-    shards = sorted(shards, key=lambda s: (s.box.offsets, s.box.sizes, s.rank, s.region))
+    shards = list(shards)
+    if len(shards) > 1:
+        shards.sort(key=_MERGE_KEY)  # stable: ties keep the callers' order
     if not shards:
         raise LayoutError(f"tensor {name!r}: no shards")
     first = shards[0]
+    if _tiles_fast(shards, first):
+        return _frozen(TensorLayout, {"name": name, "dtype": first.dtype, "global_shape": first.global_shape,
+                                      "shards": tuple(shards)})
+    # the general checks: they decide every case the fast path leaves, and name the problem
     for s in shards[1:]:
         if s.dtype != first.dtype:
             raise LayoutError(
@@ -414,6 +506,53 @@ def merge_tensor_layout(name: str, shards: Iterable[ShardRecord]) -> TensorLayou
     # region, which keeps 1T-parameter layouts (thousands of boxes per tensor) fast.
     _check_tiling(name, shape, distinct, shards)
     return TensorLayout(name, first.dtype, shape, tuple(shards))
+
+
+_MERGE_KEY = attrgetter("box.offsets", "box.sizes", "rank", "region")
+_DTYPE_SHAPE = attrgetter("dtype", "global_shape")
+_OFFSETS = attrgetter("box.offsets")
+_SIZES = attrgetter("box.sizes")
+
+
+def _tiles_fast(shards: list[ShardRecord], first: ShardRecord) -> bool:
+    """True when the sorted ``shards`` agree on dtype and global shape and their distinct boxes are
+    the whole tensor, or tile it along one dim in order: the common layouts, for which the general
+    checks of ``merge_tensor_layout`` pass. False means nothing (the general checks decide)."""
+    shape = first.global_shape
+    n = len(shards)
+    if n > 1 and list(map(_DTYPE_SHAPE, shards)).count((first.dtype, shape)) != n:
+        return False
+    if min(shape, default=0) < 0:
+        return False
+    nd = len(shape)
+    zeros = _ZEROS[nd]
+    if n == 1:
+        box = first.box
+        if box.offsets == zeros and box.sizes == shape:
+            return True
+    offs = list(map(_OFFSETS, shards))
+    sizes = list(map(_SIZES, shards))
+    if offs.count(zeros) == n and sizes.count(shape) == n:
+        return True  # replicas of the whole tensor
+    # distinct boxes (replicas are adjacent once sorted) must chain along one dim k from 0 to shape[k]
+    z0 = sizes[0]
+    if offs[0] != zeros or len(z0) != nd:
+        return False
+    k = next((d for d in range(nd) if z0[d] != shape[d]), None)
+    if k is None:
+        return False
+    head, tail = shape[:k], shape[k + 1:]
+    pos = 0
+    po = pz = None
+    for o, z in zip(offs, sizes):
+        if o == po and z == pz:
+            continue  # a replica of the previous box
+        if len(z) != nd or z[k] <= 0 or z[:k] != head or z[k + 1:] != tail or \
+                o != zeros[:k] + (pos,) + zeros[k + 1:]:
+            return False
+        pos += z[k]
+        po, pz = o, z
+    return pos == shape[k]
 
 
 def _check_tiling(name: str, shape: tuple[int, ...], boxes: list[Box], shards: list[ShardRecord]) -> None:
@@ -443,7 +582,43 @@ def _check_tiling(name: str, shape: tuple[int, ...], boxes: list[Box], shards: l
 
 def group_layouts(records: Iterable[ShardRecord]) -> Mapping[str, TensorLayout]:
     """Merge a version's shard records into one layout per tensor."""
-    by_name: dict[str, list[ShardRecord]] = {}
-    for r in records:
-        by_name.setdefault(r.name, []).append(r)
-    return {n: merge_tensor_layout(n, rs) for n, rs in sorted(by_name.items())}
+    with _GCPaused():
+        return _group_layouts(list(records))
+
+
+def _group_layouts(recs: list[ShardRecord]) -> dict[str, TensorLayout]:
+    names = list(map(_NAME, recs))
+    last = dict(zip(names, recs))  # name -> its last record: the only one of most tensors
+    groups: dict[str, list[ShardRecord]] = {}
+    if len(last) != len(recs):  # tensors with several records (replicas, splits) grouped in order
+        counts = Counter(names)
+        multi = set(compress(counts, map(gt, counts.values(), repeat(1))))
+        for r in compress(recs, map(multi.__contains__, names)):
+            groups.setdefault(r.name, []).append(r)
+    order = sorted(last)
+    firsts = list(map(last.__getitem__, order))
+    out: dict[str, TensorLayout] = {}
+    for n, r, whole in zip(order, firsts, _whole_boxes(firsts)):
+        rs = groups.get(n)
+        if rs is not None:
+            out[n] = merge_tensor_layout(n, rs)
+        elif whole:  # one record holding the whole tensor: what merge_tensor_layout returns
+            out[n] = _frozen(TensorLayout, {"name": n, "dtype": r.dtype, "global_shape": r.global_shape,
+                                            "shards": (r,)})
+        else:
+            out[n] = merge_tensor_layout(n, (r,))
+    return out
+
+
+_NAME = attrgetter("name")
+_GLOBAL_SHAPE = attrgetter("global_shape")
+
+
+def _whole_boxes(recs: list[ShardRecord]) -> list[bool]:
+    """Per record, whether its box is its whole (non-negative) global shape, checked column-wise."""
+    shapes = list(map(_GLOBAL_SHAPE, recs))
+    if min(chain.from_iterable(shapes), default=0) < 0:
+        return [False] * len(recs)
+    offs = map(eq, map(_OFFSETS, recs), map(_ZEROS.__getitem__, map(len, shapes)))
+    sizes = map(eq, map(_SIZES, recs), shapes)
+    return list(map(and_, offs, sizes))

@@ -13,7 +13,7 @@ from typing import Iterable, Mapping, Sequence
 from .layout import Box, Entry, TensorLayout, is_floating
 from .plan import PackItem
 
-__all__ = ["PackRequest", "consumer_requests", "servable"]
+__all__ = ["PackRequest", "Copy", "consumer_requests", "servable"]
 
 # (publisher rank, tensor, box, dtype to convert to or None)
 PackRequest = tuple[int, str, Box, "str | None"]
@@ -36,15 +36,22 @@ def consumer_requests(items: Iterable[PackItem], layouts: Mapping[str, TensorLay
     return packs
 
 
-def servable(requests: Iterable[tuple[str, str, Box, str | None]], entries: Sequence[Entry]
-             ) -> tuple[tuple[str, int, Box, str | None], ...]:
-    """The (consumer, entry index, box, dtype or None) copies this publisher can build from its
-    entries: the box must lie inside one entry, and a conversion must be float to float."""
-    out = []
-    for consumer, name, box, dtype in requests:
-        for i, e in enumerate(entries):
-            if e.name == name and e.box.intersect(box) == box and box.numel and (
+Copy = tuple[int, Box, "str | None"]  # (entry index, box inside it, dtype to convert to or None)
+
+
+def servable(requests: Iterable[tuple[str, str, Box, str | None]], entries: Sequence[Entry]) -> tuple[Copy, ...]:
+    """The copies this publisher can build from its entries, one per (tensor, box, dtype) however
+    many consumers ask for it: the box must lie inside one entry, and a conversion must be float
+    to float. Sorted, so the same requests always give the same slot layout."""
+    index: dict[str, list[int]] = {}
+    for i, e in enumerate(entries):
+        index.setdefault(e.name, []).append(i)
+    out: set[Copy] = set()
+    for _consumer, name, box, dtype in requests:
+        for i in index.get(name, ()):
+            e = entries[i]
+            if e.box.intersect(box) == box and box.numel and (
                     dtype is None or (is_floating(dtype) and is_floating(e.dtype))):
-                out.append((consumer, i, box, None if dtype == e.dtype else dtype))
+                out.add((i, box, None if dtype == e.dtype else dtype))
                 break
-    return tuple(out)
+    return tuple(sorted(out, key=lambda c: (c[0], c[1].offsets, c[1].sizes, c[2] or "")))

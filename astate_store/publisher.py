@@ -12,6 +12,7 @@ or marked torn — before it changes.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Mapping, Sequence
 
 import torch
@@ -20,13 +21,23 @@ from . import codec
 from .context import StoreContext, sync_device
 from .errors import CheckpointError, LayoutError
 from .layout import Entry, ShardRecord, TensorLike, torch_dtype, validate_tensors
-from .prepack import servable
+from .prepack import Copy, servable
 from .registry import Registry
 from .staging import SnapshotPool, StagingCapExceeded
+from .validated import ValidatedTensors
 
 __all__ = ["Publisher"]
 
 log = logging.getLogger("astate_store")
+
+
+def default_staging_cap(device: torch.device) -> int:
+    """The snapshot staging a store may hold when ``staging_cap_bytes`` is not given: a quarter
+    of the device's memory (GPU memory for CUDA tensors, RAM for host tensors). Past it the pool
+    shrinks to one slot, then puts stream from the tensors (README "Options")."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 4
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
 
 class Publisher:
@@ -41,12 +52,18 @@ class Publisher:
         self._inplace_sig: object = None
         self._zero_copy_live: list[int] = []  # steps published in place and not retired yet
         self._zero_copy_entries: list[Entry] = []
-        self._packs_refused: tuple[object, ...] = ()
+        self._tensors = ValidatedTensors("put(tensors)")
+        self._items: tuple[object, ...] = ()  # slot items of the entries last laid out
+        self._items_of: list[Entry] | None = None
+        self._packs: tuple[Copy, ...] = ()  # the copies built (or to build) in the slots
+        self._packs_entries: list[Entry] | None = None  # the entries self._packs index into
+        self._items_of_packs: list[Entry] | None = None
+        self._packs_refused: tuple[Copy, ...] = ()
 
     def begin(self, tensors: Mapping[str, TensorLike], what: str) -> list[Entry]:
         """Validate a publishing call's tensors, then make sure a transport (near their device)
         and the publisher session exist: nothing is created for bad input."""
-        entries = validate_tensors(tensors, what)
+        entries = self._tensors.validate(tensors) if what == self._tensors.what else validate_tensors(tensors, what)
         self.ctx.ensure_transport(entries[0].tensor.device)
         self.ctx.ensure_session()
         return entries
@@ -69,7 +86,9 @@ class Publisher:
 
     # ---- snapshots ------------------------------------------------------------------------
 
-    def _pool_for(self, entries: Sequence[Entry]) -> SnapshotPool:
+    def _pool_for(self, entries: list[Entry]) -> SnapshotPool:
+        if entries is self._items_of and self._pool is not None:
+            return self._pool  # the same validated tensors as the last put: same device
         devices = {e.tensor.device for e in entries}
         if len(devices) > 1:
             raise LayoutError(f"put(copy=True): tensors are on several devices {sorted(map(str, devices))}; "
@@ -77,31 +96,47 @@ class Publisher:
         device = devices.pop()
         if self._pool is None or self._pool_device != device:
             tr, opts = self.ctx.transport, self.ctx.options
-            self._pool = SnapshotPool(opts.staging_depth, opts.staging_cap_bytes,
+            cap = opts.staging_cap_bytes if opts.staging_cap_bytes is not None else default_staging_cap(device)
+            self._pool = SnapshotPool(opts.staging_depth, cap,
                                       lambda n: self.ctx.alloc(n, device), tr.register_tensor, tr.unregister)
             self._pool_device = device
         return self._pool
 
-    def _configure(self, pool: SnapshotPool, entries: Sequence[Entry]) -> bool:
+    def _configure(self, pool: SnapshotPool, entries: list[Entry]) -> bool:
         """Lay out the slots for these entries and the pre-packed copies consumers asked for;
         True when the layout changed (it must then be published anew)."""
-        items = [(e.name, e.dtype, e.global_shape, e.box) for e in entries]
-        packs = self._pack_requests(entries) if self.ctx.options.prepack else ()
-        if packs and packs == self._packs_refused:
-            packs = ()  # already known not to fit the staging cap
-        if pool.signature != (tuple(items), tuple(packs)):
+        if entries is not self._items_of:  # the cached entries list: unchanged tensors, no O(T) work
+            self._items = tuple((e.name, e.dtype, e.global_shape, e.box) for e in entries)
+            self._items_of = entries
+        packs = self._copies(entries)
+        if pool.signature != (self._items, packs):
             # The slots are laid out anew: every version still in them must be retired first.
             for old_step in {x for x in pool.slot_step if x is not None}:
                 self.ctx.catalog.readers.retire(old_step, timeout=self.ctx.options.retire_timeout)
         try:
-            return pool.configure(items, packs)
+            return pool.configure(self._items, packs)
         except LayoutError:
             if not packs:
                 raise
             log.warning("rank %d: consumers' pre-pack requests do not fit the staging cap; serving runs",
                         self.ctx.rank)
-            self._packs_refused = packs
-            return pool.configure(items, ())
+            self._packs_refused, self._packs = packs, ()
+            return pool.configure(self._items, ())
+
+    def _copies(self, entries: list[Entry]) -> tuple[Copy, ...]:
+        """The pre-packed copies to build: consumers' requests are read only after their records
+        changed (a watch says so), and folded in only when they need a copy not built yet — a
+        consumer joining with known geometry, or leaving, re-lays nothing out."""
+        cons = self.ctx.catalog.consumers
+        if not self.ctx.options.prepack or not (cons.changed() or entries is not self._items_of_packs):
+            return self._packs
+        wanted = servable(cons.pack_requests(self.ctx.rank), entries)
+        self._items_of_packs = entries
+        if wanted == self._packs_refused:
+            wanted = ()  # already known not to fit the staging cap
+        if not set(wanted) <= set(self._packs) or entries is not self._packs_entries:
+            self._packs, self._packs_entries = wanted, entries
+        return self._packs
 
     def _stage(self, step: int, entries: list[Entry]) -> tuple[str, int]:
         """Snapshot the entries into the next slot; returns (layout id, the slot's base offset)."""
@@ -110,7 +145,7 @@ class Publisher:
             assert pool.region is not None
             recs = [(se, se.record(self.ctx.rank, pool.region, se.offset)) for se in pool.entries]
             self._stage_lid = self._publish_layout([r for se, r in recs if se.source < 0],
-                                                   [(se.consumer, r) for se, r in recs if se.source >= 0])
+                                                   [r for se, r in recs if se.source >= 0])
         k, old = pool.next_slot()
         if old is not None:
             # The slot still holds an older version: readers of it must be done or will discard.
@@ -149,12 +184,10 @@ class Publisher:
             sync_device(d)  # kernels still writing the tensors must finish before the commit
         return self._inplace_lid
 
-    def _pack_requests(self, entries: Sequence[Entry]) -> tuple[tuple[str, int, object, str | None], ...]:
-        return servable(self.ctx.catalog.consumers.pack_requests(self.ctx.rank), entries)
-
-    def _publish_layout(self, shards: list[ShardRecord], packed: Sequence[tuple[str, ShardRecord]] = ()) -> str:
+    def _publish_layout(self, shards: list[ShardRecord], packed: Sequence[ShardRecord] = ()) -> str:
         desc = codec.encode("ucx_descriptor", self.ctx.transport.descriptor())
         lid = self.ctx.catalog.versions.write_layout(shards, desc, packed)
+        self.ctx.stats["layouts_published"] += 1
         log.info("rank %d: publishing layout %s (%d shards, %d pre-packed copies)", self.ctx.rank, lid,
                  len(shards), len(packed))
         return lid

@@ -33,15 +33,17 @@ class SourceGroup:
     layouts: Mapping[str, TensorLayout]
     sources: Mapping[int, tuple[Hashable, int | None, Layout]]
     key: object
-    packed: tuple[ShardRecord, ...] = ()  # contiguous copies publishers built for this consumer
+    packed: tuple[ShardRecord, ...] = ()  # contiguous copies publishers built (for any consumer)
     shards_key: object = None  # the shard layout alone (packed copies left out)
     converted: tuple[ShardRecord, ...] = ()  # copies built in another dtype (converted on the publisher)
 
 
-def _publisher_group(version: Version, reader_id: str) -> SourceGroup:
+def _publisher_group(version: Version) -> SourceGroup:
     src = {r: (("pub", version.layouts[r].epoch, r), r, version.layouts[r]) for r in version.layouts}
     layouts = group_layouts(s for lay in version.layouts.values() for s in lay.shards)
-    mine = [rec for lay in version.layouts.values() for c, rec in lay.packed if c == reader_id]
+    # One copy per (tensor, box, dtype) serves every consumer: the planner uses a copy only where
+    # it equals a piece this consumer reads.
+    mine = [rec for lay in version.layouts.values() for rec in lay.packed]
     return SourceGroup(PUBLISHERS, layouts, src, version.layout_key,
                        tuple(r for r in mine if r.dtype == layouts[r.name].dtype),
                        tuple(version.layouts[r].shards for r in sorted(version.layouts)),
@@ -67,12 +69,12 @@ def _replica_group(version: Version, name: str, members: Sequence[str]) -> Sourc
     return SourceGroup("g:" + name, layouts, src, tuple((m, version.replica_layouts[m].layout_id) for m in members))
 
 
-def source_groups(version: Version, reader_id: str) -> dict[str, SourceGroup]:
+def source_groups(version: Version) -> dict[str, SourceGroup]:
     """The alternative sources of a version (with its layouts resolved): the publishers, when
     all are alive, and each re-serving group."""
     groups: dict[str, SourceGroup] = {}
     if not version.missing:
-        groups[PUBLISHERS] = _publisher_group(version, reader_id)
+        groups[PUBLISHERS] = _publisher_group(version)
     by_group: dict[str, list[str]] = {}
     for m in sorted(version.replica_layouts):
         by_group.setdefault(version.replicas[m].group, []).append(m)

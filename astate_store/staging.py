@@ -38,7 +38,6 @@ class SlotEntry:
     box: Box
     offset: int  # byte offset of the shard inside a slot
     source: int = -1  # pre-packed copy: index of the entry it is cut from (-1: a shard itself)
-    consumer: str = ""  # pre-packed copy: the consumer it is built for
 
     @property
     def nbytes(self) -> int:
@@ -76,11 +75,12 @@ class SnapshotPool:
         self.region: int | None = None
         self.slot_step: list[int | None] = []
         self._next = 0
+        self._views: dict[int, list[torch.Tensor]] = {}  # slot -> destination view per entry
 
     def configure(self, items: Sequence[tuple[str, str, tuple[int, ...], Box]],
-                  packs: Sequence[tuple[str, int, Box, str | None]] = ()) -> bool:
+                  packs: Sequence[tuple[int, Box, str | None]] = ()) -> bool:
         """Lay out the slots for these (name, dtype, global_shape, box) shards, plus contiguous
-        copies ``packs`` = (consumer, shard index, box inside that shard, dtype to convert to or
+        copies ``packs`` = (shard index, box inside that shard, dtype to convert to or
         None); True if it changed."""
         sig = (tuple(items), tuple(packs))
         if sig == self.signature:
@@ -89,10 +89,10 @@ class SnapshotPool:
         for name, dtype, gshape, box in items:
             entries.append(SlotEntry(name, dtype, gshape, box, off))
             off += -(-box.numel * itemsize(dtype) // ALIGN) * ALIGN
-        for consumer, idx, box, to in packs:
+        for idx, box, to in packs:
             name, dtype, gshape, _ = items[idx]
             dtype = to or dtype
-            entries.append(SlotEntry(name, dtype, gshape, box, off, idx, consumer))
+            entries.append(SlotEntry(name, dtype, gshape, box, off, idx))
             off += -(-box.numel * itemsize(dtype) // ALIGN) * ALIGN
         slot = max(off, ALIGN)
         depth = self.want_depth
@@ -113,6 +113,7 @@ class SnapshotPool:
             self.region = self._register(self.buffer)
         self.signature, self.entries, self.slot_size, self.depth = sig, tuple(entries), slot, depth
         self.slot_step = [None] * depth
+        self._views = {}
         self._next = 0
         return True
 
@@ -121,21 +122,29 @@ class SnapshotPool:
         k = self._next
         return k, self.slot_step[k]
 
+    def _slot_views(self, k: int) -> list[torch.Tensor]:
+        """Slot k's destination views, made once per layout: with 10^5 tensors, making three
+        views per tensor per put cost more than the copies."""
+        views = self._views.get(k)
+        if views is None:
+            assert self.buffer is not None
+            base = k * self.slot_size
+            views = [self.buffer[base + e.offset: base + e.offset + e.nbytes].view(torch_dtype(e.dtype))
+                     .view(e.box.sizes) for e in self.entries]
+            self._views[k] = views
+        return views
+
     def fill(self, k: int, tensors: Sequence[torch.Tensor], step: int) -> None:
-        """Copy the step's tensors into slot k (torch's copy is multi-threaded for large tensors)."""
-        assert self.buffer is not None
-        base = k * self.slot_size
+        """Copy the step's tensors into slot k (shard entries first, in the order of tensors),
+        then cut the pre-packed copies from them."""
+        views = self._slot_views(k)
+        n = len(tensors)
         with torch.no_grad():
-            for i, e in enumerate(self.entries):
-                view = self.buffer[base + e.offset: base + e.offset + e.nbytes]
-                dst = view.view(torch_dtype(e.dtype)).view(e.box.sizes)
-                if e.source < 0:
-                    dst.copy_(tensors[i])  # shard entries come first, in the order of tensors
-                else:
-                    src = self.entries[e.source]
-                    cut = tuple(slice(o - so, o - so + n)
-                                for o, so, n in zip(e.box.offsets, src.box.offsets, e.box.sizes))
-                    dst.copy_(tensors[e.source][cut])
+            torch._foreach_copy_(views[:n], list(tensors))  # one call: no per-tensor dispatch from Python
+            for e, dst in zip(self.entries[n:], views[n:]):
+                src = self.entries[e.source]
+                cut = tuple(slice(o - so, o - so + s) for o, so, s in zip(e.box.offsets, src.box.offsets, e.box.sizes))
+                dst.copy_(tensors[e.source][cut])
         self.slot_step[k] = step
         self._next = (k + 1) % self.depth
 

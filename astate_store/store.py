@@ -124,7 +124,7 @@ class Store:
     @property
     def stats(self) -> dict[str, int]:
         """Counters: ``plans``, ``plan_hits``, ``torn_retries`` (discarded reads), ``reads`` and
-        ``local_conversions`` (of the last pull), ``streamed_puts``."""
+        ``local_conversions`` (of the last pull), ``streamed_puts``, ``layouts_published``."""
         return self._ctx.stats
 
     @property
@@ -270,11 +270,16 @@ class Store:
         replicas, consumers that re-serve it) or else the newest complete checkpoint — and
         republish it in the new session so consumers carry on.
 
+        Every rank of the new session agrees on one step through etcd first (README "Session
+        model"). A checkpoint older than the newest committed step is restored but not
+        republished (it can never commit again); the next ``put`` must then use a step > ``latest()``.
+
         Returns:
             The recovered step, or None when nothing was ever committed or checkpointed.
 
         Raises:
-            CheckpointCorrupted: the only copy left is a damaged checkpoint.
+            RecoveryError: no step every rank could fetch (naming the ranks and why), or a rank
+                did not report within ``timeout``.
         """
         return self._recovery.recover(tensors, timeout, uri)
 

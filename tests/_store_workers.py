@@ -59,10 +59,23 @@ def value(name: str, shape: tuple[int, ...], dtype: torch.dtype, step: int) -> t
     return (base + seed * 1000 + step).to(dtype)
 
 
+# Pipeline stages of the "mixed" model: stage r of n holds the whole tensors whose index is r mod n.
+STAGES = "stages"
+
+
+def stage_names(stage: int, stages: int) -> list[str]:
+    return [n for i, n in enumerate(SPECS["mixed"]) if i % stages == stage]
+
+
 def local_tensors(spec: str, step: int, tp_rank: int, tp_size: int, *, strided: bool = False) -> dict[str, Any]:
     from astate_store import Shard
 
     out: dict[str, Any] = {}
+    if spec == STAGES:  # rank tp_rank is pipeline stage tp_rank of tp_size (whole tensors)
+        for name in stage_names(tp_rank, tp_size):
+            shape, dtype, _ = SPECS["mixed"][name]
+            out[name] = Shard(value(name, shape, dtype, step).clone(), (0,) * len(shape), shape)
+        return out
     for name, (shape, dtype, boxer) in SPECS[spec].items():
         offs, sizes = boxer(tp_rank, tp_size)
         full = value(name, shape, dtype, step)
@@ -95,9 +108,12 @@ def publisher_main(endpoint: str, ns: str, rank: int, world: int, tp: int, spec:
         if cmd[0] == "checkpoint":
             out.put(("checkpoint", rank, store.checkpoint(cmd[1], cmd[2])))
             continue
-        if cmd[0] == "recover":
+        if cmd[0] in ("recover", "recover_misfit"):
             blank = {n: type(sh)(torch.zeros_like(sh.tensor), sh.offsets, sh.global_shape)
                      for n, sh in tensors.items()}
+            if cmd[0] == "recover_misfit":  # one buffer's global shape is one row longer than published
+                n0, sh0 = next(iter(blank.items()))
+                blank[n0] = type(sh0)(sh0.tensor, sh0.offsets, (sh0.global_shape[0] + 1, *sh0.global_shape[1:]))
             try:
                 got = store.recover(blank, timeout=20, uri=cmd[1])
                 ok = got is not None and all(
@@ -160,11 +176,13 @@ def mutating_publisher(endpoint: str, ns: str, transport: str, steps: int, numel
 
 
 def consumer_main(endpoint: str, ns: str, transport: str, step: int | None, serve: bool, out: Any,
-                  hold: float = 0.0) -> None:
-    """A rollout process holding the whole model: pull, check every byte, optionally re-serve."""
+                  hold: float = 0.0, names: Any = None) -> None:
+    """A rollout process holding the whole model (or the tensors in ``names``): pull, check every
+    byte, optionally re-serve."""
     from astate_store.store import Store
 
-    bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
+    bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()
+            if names is None or n in names}
     with Store(ns, endpoint=endpoint, transport=transport, lease_ttl=2.0) as store:
         try:
             got = store.get_into(bufs, step=step, timeout=30)

@@ -5,17 +5,28 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import signal
 import threading
 import time
 import uuid
+from typing import Callable
 
 import pytest
 
 from astate_store.catalog import Catalog, CheckpointEntry, EtcdClient
 from astate_store.catalog.records import pad20
-from astate_store.errors import CatalogError, CatalogUnavailable, StaleSessionError, VersionNotFound, WaitTimeout
+from astate_store.errors import (
+    CatalogError,
+    CatalogRejected,
+    CatalogUnavailable,
+    StaleSessionError,
+    StaleStepError,
+    VersionNotFound,
+    WaitTimeout,
+)
 from astate_store.etcd_server import EmbeddedEtcd
+from astate_store.layout import Box, ShardRecord
 
 from ._catalog_workers import commit_racer, hold_session, publish, row_shard
 
@@ -128,24 +139,32 @@ def test_latest_does_not_move_back_for_an_older_step(catalog_factory) -> None:
     cat = catalog_factory()
     lid = _publisher(cat, 0, 1)
     assert cat.versions.put_piece(10, lid)
-    assert cat.versions.put_piece(4, lid) is False
+    # A step that can never commit is an error at put, not a version silently left uncommitted.
+    with pytest.raises(StaleStepError, match=r"step 4 can never commit: step 10"):
+        cat.versions.put_piece(4, lid)
     assert cat.versions.latest() == 10
+    assert cat.versions.committed_steps() == [10]
+
+
+def _until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait (bounded) for a state that must come about; fails the test if it never does."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "the expected state never came about"
+        time.sleep(0.01)
 
 
 def test_watch_wakes_waiter(catalog_factory, monkeypatch) -> None:
     pub, cons = catalog_factory(), catalog_factory()
     lid = _publisher(pub, 0, 1)
-    latest_key = cons.client.key("latest")
-    waits = _watches(cons.client, monkeypatch)
     out: list[object] = []
     t = threading.Thread(target=lambda: out.append(cons.versions.wait_for(3, timeout=30)))
     t.start()
-    _next_wait(waits, latest_key)  # found no version and blocked on a watch of 'latest'
+    _until(lambda: None in cons.versions.waits_seen)  # found no version and blocked
     pub.versions.put_piece(2, lid)
-    _, committed_2 = pub.client.get_counter("latest")
-    # A watch starting after the commit of step 2 means the waiter read latest == 2 and kept waiting.
-    _next_wait(waits, latest_key, after_revision=committed_2)
-    assert t.is_alive() and not out  # 2 < 3: still waiting
+    # The waiter learned of step 2 (from its watch), saw 2 < 3 and blocked again.
+    _until(lambda: 2 in cons.versions.waits_seen)
+    assert t.is_alive() and not out
     pub.versions.put_piece(3, lid)
     t.join(10)
     assert out == [3]
@@ -232,6 +251,7 @@ def test_retention_keeps_last_k(catalog_factory) -> None:
     lid = _publisher(cat, 0, 1)
     for s in range(8):
         cat.versions.put_piece(s, lid)
+    assert cat.versions.flush_retention()  # retention runs off the put path, in the background
     assert cat.versions.committed_steps() == [5, 6, 7]
     with pytest.raises(VersionNotFound):
         cat.versions.read_version(2)
@@ -361,3 +381,29 @@ def test_checkpoint_index_lists_oldest_first(catalog_factory) -> None:
         cat.checkpoints.record(CheckpointEntry(step, f"file:///ckpt/{step}", 2, 100 + step, 1.5))
     assert [e.step for e in cat.checkpoints.list()] == [3, 7, 12]
     assert cat.checkpoints.list()[0] == CheckpointEntry(3, "file:///ckpt/3", 2, 103, 1.5)
+
+
+def test_a_layout_over_etcds_request_limit_is_chunked_and_read_back_whole(catalog_factory) -> None:
+    # 60,000 shards with incompressible names: several MiB, far over etcd's 1.5 MiB request limit.
+    rng = random.Random(7)
+    shards = [ShardRecord(f"layer.{rng.getrandbits(128):032x}.w", "float32", (4, 2), Box((2, 0), (2, 2)), (2, 1),
+                          0, 0, 64 * i) for i in range(60_000)]
+    pub, cons = catalog_factory(), catalog_factory()
+    pub.sessions.open(rank=0, world_size=1)
+    lid = pub.versions.write_layout(shards, b"transport")
+    assert pub.versions.put_piece(1, lid) is True
+    version = cons.versions.layouts_of(cons.versions.read_version(1))
+    assert not version.missing
+    assert list(version.layouts[0].shards) == shards
+    chunks = [m.key for _v, m in cons.client.raw.get_prefix(cons.client.key("manifests") + "/", keys_only=True)]
+    assert len(chunks) >= 3  # the head and its chunks
+    assert list(cons.versions.manifests_of(version)[0].names) == [s.name for s in shards]
+
+
+def test_etcd_refusals_are_raised_at_once_as_what_they_are(catalog_factory) -> None:
+    cat = catalog_factory(retry_deadline=60.0)
+    key = cat.client.key("too-big")
+    rpcs = cat.client.rpcs
+    with pytest.raises(CatalogRejected, match="refused put too-big: (RESOURCE_EXHAUSTED|INVALID_ARGUMENT)"):
+        cat.client.call("put too-big", lambda: cat.client.raw.put(key, b"x" * (2 << 20)))
+    assert cat.client.rpcs == rpcs + 1  # refused once, never retried as if etcd were down

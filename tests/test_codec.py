@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 
 import jsonschema
 import msgpack
@@ -12,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astate_store import codec
-from astate_store.catalog import shard_to_wire
+from astate_store.catalog.blobs import CHUNK_BYTES, blob_from_kvs, blob_requests
+from astate_store.catalog.records import layout_from_record, layout_record, manifest_from_record, manifest_record
 from astate_store.errors import CodecError
 from astate_store.layout import Box, ShardRecord
 
@@ -22,21 +24,24 @@ names = st.from_regex(r"[A-Za-z0-9_.\-]{1,12}(/[A-Za-z0-9_.\-]{1,8}){0,2}", full
 
 
 @st.composite
-def shards(draw: st.DrawFn) -> dict:
+def shards(draw: st.DrawFn) -> ShardRecord:
     nd = draw(st.integers(0, 4))
     shape = tuple(draw(st.lists(st.integers(1, 64), min_size=nd, max_size=nd)))
     offs = tuple(draw(st.integers(0, s - 1)) for s in shape)
     sizes = tuple(draw(st.integers(1, s - o)) for s, o in zip(shape, offs))
-    rec = ShardRecord(draw(names), draw(st.sampled_from(["float32", "bfloat16", "int8", "float8_e4m3fn"])), shape,
-                      Box(offs, sizes), tuple(draw(st.lists(ints, min_size=nd, max_size=nd))), 0,
-                      draw(st.integers(0, 100)), draw(ints))
-    return shard_to_wire(rec)
+    return ShardRecord(draw(names), draw(st.sampled_from(["float32", "bfloat16", "int8", "float8_e4m3fn"])), shape,
+                       Box(offs, sizes), tuple(draw(st.lists(ints, min_size=nd, max_size=nd))), 0,
+                       draw(st.integers(0, 100)), draw(ints))
 
 
-layouts = st.builds(lambda lid, e, r, sh, t: {"layout_id": lid, "epoch": e, "rank": r, "shards": sh, "transport": t},
-                    st.text(min_size=1, max_size=24), ints, ints, st.lists(shards(), max_size=5), st.binary(max_size=64))
-pieces = st.builds(lambda s, e, r, w, l, b: {"step": s, "epoch": e, "rank": r, "world_size": w, "layout_id": l,
-                                             "base_offset": b}, ints, ints, ints, st.integers(1, 10**6), st.text(), ints)
+shard_lists = st.lists(shards(), max_size=5)
+manifests = shard_lists.map(manifest_record)
+layouts = st.builds(lambda e, sh, t: layout_record(e, 0, manifest_record(sh), sh, t), ints, shard_lists,
+                    st.binary(max_size=64))
+hexid = st.from_regex(r"[0-9a-f]{24}", fullmatch=True)
+pieces = st.builds(lambda s, e, r, w, l, b, m: {"step": s, "epoch": e, "rank": r, "world_size": w, "layout_id": l,
+                                                "base_offset": b, "manifest_id": m},
+                   ints, ints, ints, st.integers(1, 10**6), st.text(), ints, hexid)
 descs = st.builds(lambda a, h, regs: {"kind": "ucx", "worker_address": a, "host": h, "regions": regs},
                   st.binary(max_size=200), st.text(max_size=20),
                   st.lists(st.builds(lambda b, s, k, m: {"base": b, "size": s, "rkey": k, "mem_type": m},
@@ -60,8 +65,8 @@ def _jsonschema_check(kind: str, data: bytes) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.one_of(layouts.map(lambda r: ("layout", r)), pieces.map(lambda r: ("piece", r)),
-                 descs.map(lambda r: ("ucx_descriptor", r))))
+@given(st.one_of(layouts.map(lambda r: ("layout", r)), manifests.map(lambda r: ("manifest", r)),
+                 pieces.map(lambda r: ("piece", r)), descs.map(lambda r: ("ucx_descriptor", r))))
 def test_round_trip_and_schema(kind_rec: tuple[str, dict]) -> None:
     kind, rec = kind_rec
     data = codec.encode(kind, rec)
@@ -125,3 +130,53 @@ def test_counters() -> None:
         codec.decode_counter(b"12x")
     with pytest.raises(CodecError):
         codec.encode_counter(-1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shard_lists, st.integers(0, 9), st.binary(max_size=32))
+def test_columnar_layouts_give_back_the_shards(shs: list, rank: int, transport: bytes) -> None:
+    recs = [ShardRecord(s.name, s.dtype, s.global_shape, s.box, s.strides, rank, s.region, s.byte_offset)
+            for s in shs]
+    man = manifest_record(recs)
+    lay = layout_record(3, rank, man, recs, transport)
+    m = manifest_from_record(codec.decode("manifest", codec.encode("manifest", man)), man["manifest_id"])
+    back = layout_from_record(codec.decode("layout", codec.encode("layout", lay)), m, key_id=lay["layout_id"],
+                              epoch=3, rank=rank)
+    assert list(back.shards) == recs and back.transport == transport
+
+
+def test_records_that_are_not_what_their_key_says_are_rejected() -> None:
+    recs = [ShardRecord("w", "float32", (8, 4), Box((0, 0), (4, 4)), (4, 1), 1, 2, 64)]
+    man = manifest_record(recs)
+    lay = layout_record(5, 1, man, recs, b"t")
+    m = manifest_from_record(man, man["manifest_id"])
+    with pytest.raises(CodecError, match="does not match its id"):
+        manifest_from_record({**man, "names": ["x"]}, man["manifest_id"])  # content changed under its id
+    with pytest.raises(CodecError, match="does not match its id"):
+        layout_from_record(lay, m, key_id="0" * 24)  # filed under another layout's id
+    with pytest.raises(CodecError, match="differ from its key"):
+        layout_from_record(lay, m, key_id=lay["layout_id"], epoch=5, rank=0)  # another rank's key
+    bad = manifest_record([ShardRecord("w", "float32", (8, 4), Box((6, 0), (4, 4)), (4, 1), 0, 0, 0)])
+    with pytest.raises(CodecError, match="outside its tensor"):
+        manifest_from_record(bad, bad["manifest_id"])
+
+
+class _Meta:
+    def __init__(self, key: str):
+        self.key = key.encode()
+
+
+@pytest.mark.parametrize("size", [0, 100, 5000, 3 * CHUNK_BYTES + 17])
+def test_blobs_round_trip_and_detect_damage(size: int) -> None:
+    data = random.Random(size).randbytes(size)  # incompressible: the large one is chunked
+    chunks, head = blob_requests("/k/b", data)
+    assert bool(chunks) == (size > CHUNK_BYTES)
+    kvs = [(op.value, _Meta(op.key)) for ops in chunks for op in ops] + [(head.value, _Meta(head.key))]
+    assert blob_from_kvs("/k/b", kvs) == data
+    assert blob_from_kvs("/k/b", kvs[:-1]) is None  # no head yet: not there (never half a record)
+    if chunks:
+        with pytest.raises(CodecError, match="chunks"):
+            blob_from_kvs("/k/b", kvs[1:])  # a chunk missing
+        damaged = [(v[:-1] + b"?", m) if i == 0 else (v, m) for i, (v, m) in enumerate(kvs)]
+        with pytest.raises(CodecError, match="digest"):
+            blob_from_kvs("/k/b", damaged)

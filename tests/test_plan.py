@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from astate_store.errors import PlanError
-from astate_store.layout import Box, ShardRecord, contiguous_strides, itemsize, merge_tensor_layout
+from astate_store.layout import Box, ShardRecord, TensorLayout, contiguous_strides, itemsize, merge_tensor_layout
 from astate_store.plan import (
     COPY_DTYPE,
     DTYPE_CODES,
@@ -26,6 +26,7 @@ from astate_store.plan import (
     plan_consumer,
     plan_global,
 )
+from astate_store.plan.shards import _Sources
 
 NOPACK = CostModel(prepack=False)
 PROP = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -763,3 +764,124 @@ def test_balance_bound_property(R, C, rows, splits):
     total = gp.total_bytes
     assert sum(sb.values()) == total
     assert max(sb.values()) <= total / (R * splits) + largest
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 1 (publisher shards) against an obviously-correct per-tensor reference
+
+
+def _ref_sources(layouts):
+    """What ``_Sources`` holds, tensor by tensor in plain Python: non-empty records sorted by (box
+    offsets, box sizes, rank, region, byte offset), identical boxes grouped, dims left-padded."""
+    import zlib
+
+    names = sorted(layouts)
+    D = max([len(layouts[n].global_shape) for n in names] + [1])
+
+    def pad(t, fill):
+        return (fill,) * (D - len(t)) + tuple(t)
+
+    out = {k: [] for k in ("box_lo", "box_sz", "box_rs", "box_rc", "rec_rank", "rec_region", "rec_off",
+                           "rec_str", "rec_lo", "rec_t", "t_bs", "t_bc", "rec_obj")}
+    for ti, n in enumerate(names):
+        recs = sorted((s for s in layouts[n].shards if all(z > 0 for z in s.box.sizes)),
+                      key=lambda s: (s.box.offsets, s.box.sizes, s.rank, s.region, s.byte_offset))
+        out["t_bs"].append(len(out["box_lo"]))
+        for j, s in enumerate(recs):
+            if j == 0 or recs[j - 1].box != s.box:
+                out["box_lo"].append(pad(s.box.offsets, 0))
+                out["box_sz"].append(pad(s.box.sizes, 1))
+                out["box_rs"].append(len(out["rec_obj"]))
+                out["box_rc"].append(0)
+            out["box_rc"][-1] += 1
+            out["rec_obj"].append(s)
+            out["rec_rank"].append(s.rank)
+            out["rec_region"].append(s.region)
+            out["rec_off"].append(s.byte_offset)
+            out["rec_str"].append(pad(s.strides, 0))
+            out["rec_lo"].append(pad(s.box.offsets, 0))
+            out["rec_t"].append(ti)
+        out["t_bc"].append(len(out["box_lo"]) - out["t_bs"][-1])
+    out["t_shape"] = [pad(layouts[n].global_shape, 1) for n in names]
+    out["t_code"] = [DTYPE_CODES.index(layouts[n].dtype) for n in names]
+    out["tensor_salt"] = [zlib.crc32(n.encode()) for n in names]
+    out.update(D=D, names=tuple(names), shapes=[tuple(layouts[n].global_shape) for n in names],
+               dtypes=[layouts[n].dtype for n in names], n_layout_recs=len(out["rec_obj"]))
+    return out
+
+
+@st.composite
+def raw_layouts(draw):
+    """Any shards (not tiling): 0-d..4-d, replicas, empty boxes, several ranks and regions, mixed dtypes."""
+    layouts = {}
+    for i in range(draw(st.integers(0, 5))):
+        nm = f"t{draw(st.integers(0, 9))}.w{i}"
+        nd = draw(st.integers(0, 4))
+        shape = tuple(draw(st.lists(st.integers(0, 4), min_size=nd, max_size=nd)))
+        dtype = draw(st.sampled_from(DTYPES))
+        boxes, shards = [], []
+        for _ in range(draw(st.integers(0, 6))):
+            if boxes and draw(st.booleans()):
+                box = draw(st.sampled_from(boxes))  # a replica
+            else:
+                lo = tuple(draw(st.integers(0, n)) for n in shape)
+                box = Box(lo, tuple(draw(st.integers(0, n - o)) for o, n in zip(lo, shape)))
+                boxes.append(box)
+            strides = tuple(draw(st.lists(st.integers(0, 20), min_size=nd, max_size=nd)))
+            shards.append(ShardRecord(nm, dtype, shape, box, strides, draw(st.integers(0, 3)), draw(st.integers(0, 2)),
+                                      8 * draw(st.integers(0, 3))))
+        layouts[nm] = TensorLayout(nm, dtype, shape, tuple(shards))
+    return layouts
+
+
+@PROP
+@given(raw_layouts())
+def test_sources_match_reference(layouts):
+    src = _Sources(layouts)
+    ref = _ref_sources(layouts)
+    for k in ("D", "names", "shapes", "dtypes", "n_layout_recs"):
+        assert getattr(src, k) == ref[k], k
+    assert len(src.rec_obj) == len(ref["rec_obj"]) and all(a is b for a, b in zip(src.rec_obj, ref["rec_obj"]))
+    for k, v in ref.items():
+        if k in ("D", "names", "shapes", "dtypes", "n_layout_recs", "rec_obj"):
+            continue
+        a = getattr(src, k)
+        want = np.array(v, np.int64) if v else np.zeros((0, src.D) if k in ("box_lo", "box_sz", "rec_str", "rec_lo",
+                                                                            "t_shape") else (0,), np.int64)
+        assert a.dtype == np.int64 and a.shape == want.shape and np.array_equal(a, want), k
+
+
+def test_sources_errors_name_the_first_bad_tensor():
+    def lay(nm, shards=None, dtype="float32", shape=(4, 4)):
+        if shards is None:
+            shards = [ShardRecord(nm, dtype, shape, Box((0, 0), shape), (4, 1), 0, 0, 0)]
+        return TensorLayout(nm, dtype, shape, tuple(shards))
+
+    def rec(nm, box=Box((0, 0), (4, 4)), strides=(4, 1), off=0, dtype="float32", shape=(4, 4)):
+        return ShardRecord(nm, dtype, shape, box, strides, 3, 0, off)
+
+    cases = [
+        (lay("a.w", [rec("a.w", box=Box((1, 0), (4, 4)))]), "'a.w': a publisher shard box is out of bounds"),
+        (lay("a.w", [rec("a.w", box=Box((-1, 0), (1, 4)))]), "'a.w': a publisher shard box is out of bounds"),
+        (lay("a.w", [rec("a.w", strides=(4,))]), "'a.w': a publisher shard has a box/strides of the wrong ndim"),
+        (lay("a.w", [rec("a.w", box=Box((0,), (4,)))]), "'a.w': a publisher shard has a box/strides of the wrong ndim"),
+        (lay("a.w", [rec("a.w", strides=(-4, 1))]), "'a.w': a publisher shard has negative strides or byte offset"),
+        (lay("a.w", [rec("a.w", off=-8)]), "'a.w': a publisher shard has negative strides or byte offset"),
+        (lay("a.w", [rec("a.w"), rec("a.w", dtype="float16")]), r"'a.w': rank 3 shard \('a.w', float16"),
+        (lay("a.w", [rec("a.w", shape=(4, 5))]), r"'a.w': rank 3 shard \('a.w', float32, \(4, 5\)\) disagrees"),
+        (lay("a.w", [rec("x.w")]), r"'a.w': rank 3 shard \('x.w'"),
+        (lay("a.w", [], dtype="complex64"), "'a.w': unknown dtype 'complex64'"),
+    ]
+    for bad, msg in cases:
+        # the first bad tensor in name order is named, whatever the later ones hold
+        layouts = {"b.w": lay("b.w", [rec("b.w", off=-1)], dtype="complex64"), "a.w": bad, "0.w": lay("0.w"),
+                   "c.w": lay("c.w", [rec("c.w", box=Box((9, 9), (1, 1)))])}
+        with pytest.raises(PlanError, match=msg):
+            _Sources(layouts)
+    with pytest.raises(PlanError, match="'b.w': layout must be a TensorLayout"):
+        _Sources({"a.w": lay("a.w", [rec("a.w", off=-8)]), "b.w": [rec("b.w")]})
+    with pytest.raises(PlanError, match="'b.w': layout mapping key differs"):
+        _Sources({"a.w": lay("a.w", [rec("a.w", off=-8)]), "b.w": lay("z.w")})
+    # tensors with no shards or only empty boxes compile to no boxes
+    src = _Sources({"e.w": lay("e.w", []), "f.w": lay("f.w", [rec("f.w", box=Box((0, 0), (0, 4)))])})
+    assert src.t_bc.tolist() == [0, 0] and src.t_bs.tolist() == [0, 0] and src.n_layout_recs == 0

@@ -40,7 +40,7 @@ def _bufs(**tensors: object) -> list:
 
 
 def test_publishers_are_one_group_with_every_tensor_whole() -> None:
-    groups = source_groups(_version(), "me")
+    groups = source_groups(_version())
     assert set(groups) == {PUBLISHERS}
     g = groups[PUBLISHERS]
     assert set(g.layouts) == {"w", "b"}
@@ -53,7 +53,7 @@ def test_a_dead_publisher_leaves_only_reserving_groups() -> None:
     solo = _layout("R1", 0, _rec("w", 0, (0, 0), SHAPE))
     half = _layout("R2", 0, _rec("b", 0, (0, 0), (4, 4)))  # only part of "b": not a source of it
     v = _version(missing=frozenset({1}), replicas={"c1": ("solo", solo), "c2": ("part", half)})
-    groups = source_groups(v, "me")
+    groups = source_groups(v)
     assert set(groups) == {"g:solo"}
     assert set(groups["g:solo"].layouts) == {"w"}
     assert bases(v, groups["g:solo"]) == {0: 0}  # re-served memory has no staging slot
@@ -61,7 +61,7 @@ def test_a_dead_publisher_leaves_only_reserving_groups() -> None:
 
 def test_assign_spreads_consumers_and_checks_fit_first() -> None:
     solo = _layout("R1", 0, _rec("w", 0, (0, 0), SHAPE), _rec("b", 0, (0, 0), SHAPE))
-    groups = source_groups(_version(replicas={"c1": ("solo", solo)}), "me")
+    groups = source_groups(_version(replicas={"c1": ("solo", solo)}))
     assert set(groups) == {PUBLISHERS, "g:solo"}
     dests = _bufs(w=torch.zeros(SHAPE))
     chosen = {next(iter(assign(groups, dests, rotation))) for rotation in range(4)}
@@ -76,7 +76,7 @@ def test_assign_spreads_consumers_and_checks_fit_first() -> None:
 
 def test_failover_tries_other_groups_then_the_publishers_alone() -> None:
     solo = _layout("R1", 0, _rec("w", 0, (0, 0), SHAPE))
-    groups = source_groups(_version(replicas={"c1": ("solo", solo)}), "me")
+    groups = source_groups(_version(replicas={"c1": ("solo", solo)}))
     only_w = failover_order(groups, _bufs(w=torch.zeros(SHAPE)))
     assert [sorted(gs) for gs in only_w] == [["g:solo", PUBLISHERS], ["g:solo"], [PUBLISHERS]]
     # "b" has no re-serving source: the replicas-only set cannot serve this pull and is skipped.

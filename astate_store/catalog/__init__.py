@@ -9,17 +9,22 @@
     consumers    Consumers         consumer records (pre-pack requests; who is alive)
     replicas     Replicas          consumers re-serving a version (P2P fan-out)
     checkpoints  CheckpointIndex   the checkpoint index
+    agreement    RecoveryAgreement the step a recovering session's ranks agree on
 
 Key layout under ``/astate/<namespace>/`` (see README "etcd key layout"):
 
     epoch                               counter: the newest session's epoch (fencing token)
     session                             session record, on rank 0's lease
     members/<epoch>/<rank>              member record, on that rank's lease
-    layouts/<epoch>/<rank>/<layout_id>  layout record (shards + transport), on the rank's lease
+    manifests/<manifest_id>             manifest blob: names, dtypes, shapes, boxes of one rank (no lease)
+    layouts/<epoch>/<rank>/<layout_id>  layout blob (strides, regions, offsets, transport), on the rank's lease
     versions/<step>/pieces/<epoch>/<rank>  piece record
     versions/<step>/commit              commit record
     versions/<step>/replicas/<group>/<member>  replica record (a consumer re-serving), on its lease
-    layouts/replicas/<member>/<layout_id>      that consumer's layout record, on its lease
+    layouts/replicas/<member>/<id>      that consumer's layout and manifest blobs, on its lease
+
+A blob is a head record at its key plus chunks at ``<key>/<i>`` (``blobs.py``): records of any
+size, compressed, never seen half-written.
     latest                              counter: newest committed step (only moves forward)
     readers/<step>/<reader_id>          reader record, on the consumer's lease
     delivered/<step>/<reader_id>        reader record: that consumer finished a good read of the step
@@ -27,6 +32,8 @@ Key layout under ``/astate/<namespace>/`` (see README "etcd key layout"):
     retired/<step>/<rank>               retired record: no new readers; rank will reuse the memory
     torn/<step>/<rank>                  retired record: rank changed the memory with readers still on it
     checkpoints/<step>                  checkpoint record
+    recovery/<epoch>/<round>/plan       recovery_plan record: what every rank of the session does, on the writer's lease
+    recovery/<epoch>/<round>/ranks/<rank>  recovery_outcome record: that rank's result, on its lease
 
 Steps and epochs are 20-digit zero-padded in keys and in the two counters, so lexical
 order is numeric order and etcd can compare counters inside transactions.
@@ -37,6 +44,7 @@ from __future__ import annotations
 import re
 
 from ..errors import CatalogError
+from .agreement import RecoveryAgreement
 from .checkpoints import CheckpointIndex
 from .client import EtcdClient
 from .consumers import Consumers
@@ -48,16 +56,14 @@ from .records import (
     Replica,
     Session,
     Version,
-    layout_id_of,
-    shard_from_wire,
-    shard_to_wire,
+    Manifest,
 )
 from .replicas import Replicas
 from .sessions import Sessions
 from .versions import Versions
 
-__all__ = ["Catalog", "Session", "Piece", "Layout", "Replica", "Version", "CheckpointEntry", "shard_to_wire",
-           "shard_from_wire", "layout_id_of", "EtcdClient"]
+__all__ = ["Catalog", "Session", "Piece", "Layout", "Manifest", "Replica", "Version", "CheckpointEntry",
+           "EtcdClient"]
 
 # The namespace becomes a key path segment: no '/' (it would reach into another namespace's keys).
 _NS_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
@@ -93,6 +99,7 @@ class Catalog:
         self.readers = Readers(self.client, self.sessions, consumers=self.consumers)
         self.replicas = Replicas(self.client, self.readers)
         self.checkpoints = CheckpointIndex(self.client)
+        self.agreement = RecoveryAgreement(self.client, self.sessions)
 
     @property
     def session(self) -> Session | None:
@@ -101,6 +108,8 @@ class Catalog:
 
     def close(self, *, revoke: bool = True) -> None:
         """Stop keep-alives and revoke leases (members, layouts and readers vanish at once)."""
+        self.versions.close()
+        self.consumers.close()
         self.client.close(revoke=revoke)
         self.sessions.clear()
 

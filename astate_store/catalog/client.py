@@ -13,11 +13,12 @@ from typing import Any, Callable, TypeVar
 
 import grpc
 import pyetcd
+import pyetcd.etcdrpc as etcdrpc
 import pyetcd.exceptions as etcd_exc
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
 from .. import codec
-from ..errors import CatalogUnavailable
+from ..errors import CatalogRejected, CatalogUnavailable
 
 __all__ = ["EtcdClient", "RETRYABLE", "range_end"]
 
@@ -34,13 +35,55 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 )
 
 
+# gRPC answers that come from etcd itself (or the client's own limits) and will not change on a retry.
+_REFUSALS = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid request (for etcd, 'request is too large' past --max-request-bytes)",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "message over a size limit",
+    grpc.StatusCode.PERMISSION_DENIED: "permission denied",
+    grpc.StatusCode.UNAUTHENTICATED: "not authenticated",
+    grpc.StatusCode.OUT_OF_RANGE: "out of range",
+    grpc.StatusCode.UNIMPLEMENTED: "not implemented by this etcd",
+    grpc.StatusCode.NOT_FOUND: "not found",
+    grpc.StatusCode.ALREADY_EXISTS: "already exists",
+}
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """What etcd refused, when ``exc`` is a refusal rather than a failure to answer."""
+    code = getattr(exc, "code", None)
+    if not isinstance(exc, grpc.RpcError) or not callable(code):
+        return None
+    try:
+        status = code()
+    except Exception:  # a grpc error object without a status: treat as unreachable
+        return None
+    why = _REFUSALS.get(status)
+    if why is None:
+        return None
+    details = getattr(exc, "details", None)
+    text = details() if callable(details) else ""
+    return f"{status.name}: {why}" + (f" ({text})" if text else "")
+
+
+# Set in threads that do background work, so their requests are counted apart from callers' paths.
+_BACKGROUND = threading.local()
+
+
+def background_thread() -> None:
+    """Mark the calling thread as background work (its etcd requests count as background_rpcs)."""
+    _BACKGROUND.active = True
+
+
 def range_end(prefix: str) -> bytes:
     """The etcd range end that makes ``[prefix, range_end)`` cover every key under ``prefix``."""
     return pyetcd.utils.prefix_range_end(prefix.encode())
 
 
 class _KeepAlive(threading.Thread):
-    """Refreshes a lease every ttl/3; after a refresh gap longer than the ttl the lease is lost."""
+    """Refreshes a lease every ttl/3; after a refresh gap longer than the ttl the lease is lost.
+
+    A failed refresh is retried soon (another member may answer at once), not a whole ttl/3 later.
+    """
 
     def __init__(self, raw: MultiEndpointEtcd3Client, lease_id: int, ttl: float):
         super().__init__(name=f"astate-lease-{lease_id:x}", daemon=True)
@@ -50,7 +93,9 @@ class _KeepAlive(threading.Thread):
 
     def run(self) -> None:
         last_ok = time.monotonic()
-        while not self.stop_event.wait(self.ttl / 3):
+        interval = self.ttl / 3
+        while not self.stop_event.wait(interval):
+            interval = self.ttl / 3
             try:
                 resp = list(self.raw.refresh_lease(self.lease_id))
                 if resp and resp[0].TTL <= 0:
@@ -59,6 +104,7 @@ class _KeepAlive(threading.Thread):
                     return
                 last_ok = time.monotonic()
             except RETRYABLE as exc:
+                interval = min(self.ttl / 3, 0.25)
                 # One failed refresh is not fatal: etcd keeps the lease for the whole ttl.
                 if time.monotonic() - last_ok > self.ttl:
                     self.lost = True
@@ -82,15 +128,23 @@ class EtcdClient:
         self.endpoint, self.namespace = endpoint, namespace
         self.lease_ttl, self.op_timeout, self.retry_deadline = lease_ttl, op_timeout, retry_deadline
         self.prefix = f"/astate/{namespace}/"
+        items = [i.strip() for i in endpoint.split(",") if i.strip()]
+        several = len(items) > 1
         eps = []
-        for item in endpoint.split(","):
-            host, _, port = item.strip().rpartition(":")
-            # time_retry=0: pyetcd would otherwise refuse a single endpoint for 5 min after one failure.
-            eps.append(Endpoint(host or "127.0.0.1", int(port), secure=False, time_retry=0.0,
+        for item in items:
+            host, _, port = item.rpartition(":")
+            # pyetcd skips an endpoint for time_retry seconds after a request to it failed (while all
+            # are skipped it raises NoServerAvailableError, which call() retries). One endpoint: 0
+            # (pyetcd's default would refuse it for 5 min after one failure). Several: a short hold, so
+            # the retry in call() goes to another member (with 0 the client stays on a dead member).
+            eps.append(Endpoint(host or "127.0.0.1", int(port), secure=False, time_retry=2.0 if several else 0.0,
                                 opts=[("grpc.max_receive_message_length", 64 << 20)]))
-        self.raw = MultiEndpointEtcd3Client(endpoints=eps, timeout=op_timeout, failover=len(eps) > 1)
+        # pyetcd starts on a random member: clients spread over the cluster.
+        self.raw = MultiEndpointEtcd3Client(endpoints=eps, timeout=op_timeout, failover=several)
         self._keepalives: list[_KeepAlive] = []
         self._reader_lease: int | None = None
+        self.rpcs = 0  # etcd requests (attempts) made on callers' paths, for the control-plane figures
+        self.background_rpcs = 0  # ... and by background work (retention)
         # Guards the shared reader lease: several consumer threads may register at once.
         self._lock = threading.Lock()
 
@@ -102,13 +156,21 @@ class EtcdClient:
 
         Raises:
             CatalogUnavailable: etcd did not answer within the retry budget.
+            CatalogRejected: etcd answered with a refusal (size, permission, invalid argument): at once.
         """
         deadline = time.monotonic() + self.retry_deadline
         delay = 0.05
         while True:
+            if getattr(_BACKGROUND, "active", False):
+                self.background_rpcs += 1
+            else:
+                self.rpcs += 1
             try:
                 return fn()
             except RETRYABLE as exc:
+                refused = _refusal(exc)
+                if refused is not None:
+                    raise CatalogRejected(f"etcd at {self.endpoint} refused {what}: {refused}") from exc
                 if time.monotonic() + delay > deadline:
                     raise CatalogUnavailable(
                         f"etcd at {self.endpoint} unreachable for {self.retry_deadline:.0f}s during {what}: "
@@ -185,6 +247,30 @@ class EtcdClient:
                 self.raw.cancel_watch(wid)
             except RETRYABLE:
                 pass
+
+    def txn_raw(self, what: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> Any:
+        """A transaction whose operations may include raw ``RequestOp``s (e.g. :meth:`count_op`);
+        returns etcd's ``TxnResponse`` itself (pyetcd's parsed form drops counts and nested
+        transaction results, which the commit path needs)."""
+        def ops(items: list[Any]) -> list[Any]:
+            return [op if isinstance(op, etcdrpc.RequestOp) else self.raw._ops_to_requests([op])[0] for op in items]
+
+        def go() -> Any:
+            req = etcdrpc.TxnRequest(compare=[c.build_message() for c in compare], success=ops(success),
+                                     failure=ops(failure or []))
+            try:
+                return self.raw.kvstub.Txn(req, self.raw.timeout, credentials=self.raw.call_credentials,
+                                           metadata=self.raw.metadata)
+            except grpc.RpcError as exc:
+                self.raw._manage_grpc_errors(exc)  # marks a failed endpoint (failover), re-raises typed
+
+        return self.call(what, go)
+
+    def count_op(self, key: str, *, prefix: bool = True) -> Any:
+        """A ``RequestOp`` counting the keys under ``key`` (or ``key`` itself when not ``prefix``);
+        no values cross the wire."""
+        req = self.raw._build_get_range_request(key, range_end(key) if prefix else None, count_only=True)
+        return etcdrpc.RequestOp(request_range=req)
 
     def close(self, revoke: bool = True) -> None:
         """Stop keep-alives and (by default) revoke the leases, so every record on them vanishes at once."""

@@ -10,33 +10,20 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from .. import codec
-from ..errors import CatalogError, VersionNotFound
-from ..layout import Box, ShardRecord
+import numpy as np
 
-__all__ = ["Session", "Layout", "Piece", "Replica", "Version", "CheckpointEntry", "shard_to_wire",
-           "shard_from_wire", "layout_id_of", "pad20", "layout_from_record", "version_from_kvs"]
+from .. import codec
+from ..errors import CatalogError, CodecError, VersionNotFound
+from ..layout import DTYPES, Box, ShardRecord, contiguous_strides
+
+__all__ = ["Session", "Layout", "Piece", "Replica", "Version", "CheckpointEntry", "Manifest", "DTYPE_TABLE",
+           "manifest_record", "manifest_from_record", "layout_record", "layout_from_record", "pad20",
+           "version_from_kvs"]
 
 
 def pad20(v: int) -> str:
     """A step or epoch as it appears in keys and counters: 20 digits, so lexical order is numeric."""
     return "%020d" % v
-
-
-def shard_to_wire(s: ShardRecord) -> dict[str, Any]:
-    return {
-        "name": s.name, "dtype": s.dtype, "global_shape": list(s.global_shape),
-        "offsets": list(s.box.offsets), "sizes": list(s.box.sizes), "strides": list(s.strides),
-        "region": s.region, "byte_offset": s.byte_offset,
-    }
-
-
-def shard_from_wire(d: Mapping[str, Any], rank: int) -> ShardRecord:
-    return ShardRecord(
-        name=d["name"], dtype=d["dtype"], global_shape=tuple(d["global_shape"]),
-        box=Box(tuple(d["offsets"]), tuple(d["sizes"])), strides=tuple(d["strides"]),
-        rank=rank, region=d["region"], byte_offset=d["byte_offset"],
-    )
 
 
 @dataclass(frozen=True)
@@ -52,12 +39,16 @@ class Session:
 
 @dataclass(frozen=True)
 class Layout:
+    """A live source: its shards (boxes from its manifest, addresses from its layout record),
+    its transport descriptor, and the pre-packed copies it built for any consumer."""
+
     layout_id: str
     epoch: int
     rank: int
     shards: tuple[ShardRecord, ...]
     transport: bytes
-    packed: tuple[tuple[str, ShardRecord], ...] = ()  # (consumer, contiguous copy) pre-packed for it
+    packed: tuple[ShardRecord, ...] = ()
+    manifest_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -68,6 +59,7 @@ class Piece:
     world_size: int
     layout_id: str
     base_offset: int
+    manifest_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,6 +70,7 @@ class Replica:
     group: str
     member: str
     layout_id: str
+    manifest_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,26 +103,180 @@ class CheckpointEntry:
     written_at: float
 
 
-def layout_id_of(epoch: int, rank: int, shards: Sequence[ShardRecord], transport: bytes,
-                 packed: Sequence[tuple[str, ShardRecord]] = ()) -> str:
-    """Content address of a layout: the same shards and transport of the same rank give the same
-    id, which is what lets a publisher skip rewriting an unchanged layout."""
+# ---- column-wise shard tables (manifests and layouts) --------------------------------------
+
+DTYPE_TABLE: tuple[str, ...] = tuple(DTYPES)  # wire code -> dtype name (the order of layout.DTYPES)
+_DTYPE_CODE = {n: i for i, n in enumerate(DTYPE_TABLE)}
+_I64 = np.dtype("<i8")
+
+
+def _i64(data: bytes, what: str, n: int | None = None) -> np.ndarray:
+    if len(data) % 8:
+        raise CodecError(f"{what}: {len(data)} bytes is not a whole number of int64 values")
+    a = np.frombuffer(data, dtype=_I64)
+    if n is not None and len(a) != n:
+        raise CodecError(f"{what}: {len(a)} values, expected {n}")
+    return a
+
+
+def _digest(*parts: bytes) -> str:
     h = hashlib.blake2b(digest_size=12)
-    h.update(b"%d/%d/" % (epoch, rank))
-    h.update(transport)
-    for s in shards:
-        h.update(repr(shard_to_wire(s)).encode())
-    for c, s in packed:
-        h.update(c.encode() + repr(shard_to_wire(s)).encode())
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
     return h.hexdigest()
 
 
-def layout_from_record(rec: Mapping[str, Any]) -> Layout:
-    """A decoded ``layout`` record as a :class:`Layout` (its shards carry the record's rank)."""
-    rank = rec["rank"]
-    shards = tuple(shard_from_wire(d, rank) for d in rec["shards"])
-    packed = tuple((p["consumer"], shard_from_wire(p["shard"], rank)) for p in rec.get("packed", ()))
-    return Layout(rec["layout_id"], rec["epoch"], rank, shards, rec["transport"], packed)
+@dataclass(frozen=True, eq=False)
+class Manifest:
+    """What one rank holds, column-wise: shard i is ``names[i]`` of dtype ``DTYPE_TABLE[dtypes[i]]``
+    with ``ndims[i]`` dims whose global shape, offsets and sizes start at ``starts[i]`` of the flat
+    columns. Leaseless and content-addressed: a committed version is described by its manifests
+    whichever ranks are alive."""
+
+    manifest_id: str
+    names: tuple[str, ...]
+    dtypes: np.ndarray
+    ndims: np.ndarray
+    global_shapes: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.ndims, dtype=np.int64)])
+
+    def records(self, rank: int, strides: np.ndarray | None = None, regions: np.ndarray | None = None,
+                byte_offsets: np.ndarray | None = None) -> tuple[ShardRecord, ...]:
+        """The shards as records of ``rank`` (addresses from a layout, else contiguous at 0)."""
+        st = self.starts.tolist()
+        gs, of, sz = self.global_shapes.tolist(), self.offsets.tolist(), self.sizes.tolist()
+        strs = strides.tolist() if strides is not None else None
+        regs = regions.tolist() if regions is not None else [0] * len(self.names)
+        boffs = byte_offsets.tolist() if byte_offsets is not None else [0] * len(self.names)
+        dts = [DTYPE_TABLE[c] for c in self.dtypes.tolist()]
+        out = []
+        for i, name in enumerate(self.names):
+            a, b = st[i], st[i + 1]
+            sizes = tuple(sz[a:b])
+            rec_strides = tuple(strs[a:b]) if strs is not None else contiguous_strides(sizes)
+            out.append(ShardRecord(name, dts[i], tuple(gs[a:b]), Box(tuple(of[a:b]), sizes), rec_strides, rank,
+                                   regs[i], boffs[i]))
+        return tuple(out)
+
+
+def _columns(shards: Sequence[ShardRecord]) -> dict[str, Any]:
+    """The manifest columns of ``shards`` (names, dtypes, ndims, global shapes, offsets, sizes)."""
+    nd = [len(s.global_shape) for s in shards]
+    flat = lambda get: np.fromiter((v for s in shards for v in get(s)), _I64, sum(nd)).tobytes()  # noqa: E731
+    return {"names": [s.name for s in shards],
+            "dtypes": bytes(_DTYPE_CODE[s.dtype] for s in shards),
+            "ndims": bytes(nd),
+            "global_shapes": flat(lambda s: s.global_shape),
+            "offsets": flat(lambda s: s.box.offsets),
+            "sizes": flat(lambda s: s.box.sizes)}
+
+
+def _columns_id(cols: Mapping[str, Any]) -> str:
+    return _digest("\0".join(cols["names"]).encode(), cols["dtypes"], cols["ndims"], cols["global_shapes"],
+                   cols["offsets"], cols["sizes"])
+
+
+def manifest_record(shards: Sequence[ShardRecord]) -> dict[str, Any]:
+    """The ``manifest`` record of a rank's shards (boxes only; addresses live in the layout)."""
+    cols = _columns(shards)
+    return {"manifest_id": _columns_id(cols), **cols}
+
+
+def _table(rec: Mapping[str, Any], what: str) -> tuple[np.ndarray, ...]:
+    """Checked columns of a manifest-like record: (dtypes, ndims, global_shapes, offsets, sizes)."""
+    n = len(rec["names"])
+    dtypes = np.frombuffer(rec["dtypes"], np.uint8)
+    ndims = np.frombuffer(rec["ndims"], np.uint8)
+    if len(dtypes) != n or len(ndims) != n:
+        raise CodecError(f"{what}: {n} names but {len(dtypes)} dtypes and {len(ndims)} ndims")
+    if n and int(dtypes.max()) >= len(DTYPE_TABLE):
+        raise CodecError(f"{what}: unknown dtype code {int(dtypes.max())}")
+    total = int(ndims.sum(dtype=np.int64))
+    gs = _i64(rec["global_shapes"], f"{what} global_shapes", total)
+    of = _i64(rec["offsets"], f"{what} offsets", total)
+    sz = _i64(rec["sizes"], f"{what} sizes", total)
+    if (gs < 0).any() or (of < 0).any() or (sz < 0).any() or (of + sz > gs).any():
+        raise CodecError(f"{what}: a box lies outside its tensor's global shape")
+    return dtypes, ndims, gs, of, sz
+
+
+def manifest_from_record(rec: Mapping[str, Any], key_id: str) -> Manifest:
+    """A decoded ``manifest`` record, checked against its key (the content address).
+
+    Raises:
+        CodecError: columns that do not agree, boxes outside their tensors, or an id that is not
+            the content's (a record that is not what its key says).
+    """
+    what = f"manifest {key_id}"
+    if rec["manifest_id"] != key_id or _columns_id(rec) != key_id:
+        raise CodecError(f"{what}: content does not match its id")
+    dtypes, ndims, gs, of, sz = _table(rec, what)
+    return Manifest(key_id, tuple(rec["names"]), dtypes, ndims, gs, of, sz)
+
+
+def layout_record(epoch: int, rank: int, manifest: Manifest | Mapping[str, Any], shards: Sequence[ShardRecord],
+                  transport: bytes, packed: Sequence[ShardRecord] = ()) -> dict[str, Any]:
+    """The ``layout`` record (addresses of the manifest's shards, in order, and packed copies)."""
+    mid = manifest.manifest_id if isinstance(manifest, Manifest) else manifest["manifest_id"]
+    nd = sum(len(s.strides) for s in shards)
+    rec: dict[str, Any] = {
+        "epoch": epoch, "rank": rank, "manifest_id": mid, "transport": transport,
+        "strides": np.fromiter((v for s in shards for v in s.strides), _I64, nd).tobytes(),
+        "regions": np.fromiter((s.region for s in shards), _I64, len(shards)).tobytes(),
+        "byte_offsets": np.fromiter((s.byte_offset for s in shards), _I64, len(shards)).tobytes()}
+    if packed:
+        cols = _columns(packed)
+        cols["regions"] = np.fromiter((s.region for s in packed), _I64, len(packed)).tobytes()
+        cols["byte_offsets"] = np.fromiter((s.byte_offset for s in packed), _I64, len(packed)).tobytes()
+        rec["packed"] = cols
+    rec["layout_id"] = _layout_id(rec)
+    return rec
+
+
+def _layout_id(rec: Mapping[str, Any]) -> str:
+    packed = rec.get("packed")
+    extra = (_columns_id(packed).encode(), packed["regions"], packed["byte_offsets"]) if packed else ()
+    return _digest(b"%d/%d" % (rec["epoch"], rec["rank"]), rec["manifest_id"].encode(), rec["transport"],
+                   rec["strides"], rec["regions"], rec["byte_offsets"], *extra)
+
+
+def layout_from_record(rec: Mapping[str, Any], manifest: Manifest, *, key_id: str, epoch: int | None = None,
+                       rank: int | None = None) -> Layout:
+    """A decoded ``layout`` record with its manifest, checked against its key: the id is the
+    content's, epoch and rank are the key's, and the columns fit the manifest.
+
+    Raises:
+        CodecError: the record is not what its key says, or its columns do not fit.
+    """
+    what = f"layout {key_id}"
+    if rec["layout_id"] != key_id or _layout_id(rec) != key_id:
+        raise CodecError(f"{what}: content does not match its id")
+    if (epoch is not None and rec["epoch"] != epoch) or (rank is not None and rec["rank"] != rank):
+        raise CodecError(f"{what}: epoch/rank {rec['epoch']}/{rec['rank']} differ from its key {epoch}/{rank}")
+    if rec["manifest_id"] != manifest.manifest_id:
+        raise CodecError(f"{what}: refers to manifest {rec['manifest_id']}, given {manifest.manifest_id}")
+    n = len(manifest.names)
+    strides = _i64(rec["strides"], f"{what} strides", int(manifest.ndims.sum(dtype=np.int64)))
+    regions = _i64(rec["regions"], f"{what} regions", n)
+    boffs = _i64(rec["byte_offsets"], f"{what} byte_offsets", n)
+    if (strides < 0).any() or (regions < 0).any() or (boffs < 0).any():
+        raise CodecError(f"{what}: negative strides, regions or byte offsets")
+    shards = manifest.records(rec["rank"], strides, regions, boffs)
+    packed: tuple[ShardRecord, ...] = ()
+    if "packed" in rec:
+        p = rec["packed"]
+        dtypes, ndims, gs, of, sz = _table(p, f"{what} packed")
+        m = len(p["names"])
+        copies = Manifest("", tuple(p["names"]), dtypes, ndims, gs, of, sz)
+        packed = copies.records(rec["rank"], None, _i64(p["regions"], f"{what} packed regions", m),
+                                _i64(p["byte_offsets"], f"{what} packed byte_offsets", m))
+    return Layout(key_id, rec["epoch"], rec["rank"], shards, rec["transport"], packed, manifest.manifest_id)
 
 
 def version_from_kvs(namespace: str, step: int, kvs: Iterable[tuple[bytes, Any]]) -> Version:
@@ -154,7 +301,7 @@ def version_from_kvs(namespace: str, step: int, kvs: Iterable[tuple[bytes, Any]]
             pieces_raw[(int(tail[1]), int(tail[2]))] = value
         elif len(tail) == 3 and tail[0] == "replicas":
             r = codec.decode("replica", value)
-            replicas[r["member"]] = Replica(r["step"], r["group"], r["member"], r["layout_id"])
+            replicas[r["member"]] = Replica(r["step"], r["group"], r["member"], r["layout_id"], r["manifest_id"])
     if commit is None:
         raise VersionNotFound(f"namespace {namespace!r}: step {step} is not committed")
     epoch = commit["epoch"]
@@ -162,7 +309,8 @@ def version_from_kvs(namespace: str, step: int, kvs: Iterable[tuple[bytes, Any]]
     for (e, r), value in pieces_raw.items():
         if e == epoch:
             p = codec.decode("piece", value)
-            pieces[r] = Piece(p["step"], p["epoch"], p["rank"], p["world_size"], p["layout_id"], p["base_offset"])
+            pieces[r] = Piece(p["step"], p["epoch"], p["rank"], p["world_size"], p["layout_id"], p["base_offset"],
+                              p["manifest_id"])
     if set(pieces) != set(range(commit["world_size"])):
         raise CatalogError(
             f"namespace {namespace!r}: step {step} is committed but pieces of ranks "

@@ -13,9 +13,10 @@ from pyetcd import transactions as tx
 from .. import codec
 from ..errors import VersionNotFound
 from ..layout import ShardRecord
-from .client import EtcdClient
+from .blobs import blob_requests
+from .client import EtcdClient, range_end
 from .readers import Readers
-from .records import layout_id_of, pad20, shard_to_wire
+from .records import layout_record, manifest_record, pad20
 
 __all__ = ["Replicas"]
 
@@ -35,16 +36,22 @@ class Replicas:
         """
         c = self.client
         # Epoch and rank 0: a replica's layout is addressed by its content alone, not by a session.
-        lid = layout_id_of(0, 0, shards, transport)
+        man = manifest_record(shards)
+        lay = layout_record(0, 0, man, shards, transport)
+        lid, mid = lay["layout_id"], man["manifest_id"]
         lease = c.reader_lease()
-        value = codec.encode("layout", {"layout_id": lid, "epoch": 0, "rank": 0,
-                                        "shards": [shard_to_wire(x) for x in shards], "transport": transport})
-        rec = codec.encode("replica", {"step": step, "group": group, "member": member, "layout_id": lid})
+        heads = []
+        for key, kind, rec_ in ((c.key("layouts", "replicas", member, mid), "manifest", man),
+                                (c.key("layouts", "replicas", member, lid), "layout", lay)):
+            chunks, head = blob_requests(key, codec.encode(kind, rec_), lease)
+            for ops in chunks:
+                c.txn("replica chunk", [], ops)
+            heads.append(head)
+        rec = codec.encode("replica", {"step": step, "group": group, "member": member, "layout_id": lid,
+                                       "manifest_id": mid})
         vkey = c.key("versions", pad20(step))
         ok, _ = c.txn("add replica", [tx.Version(vkey + "/commit") > 0], [
-            tx.Put(c.key("layouts", "replicas", member, lid), value, lease=lease),
-            tx.Put(vkey + "/replicas/" + group + "/" + member, rec, lease=lease),
-        ])
+            *heads, tx.Put(vkey + "/replicas/" + group + "/" + member, rec, lease=lease)])
         if not ok:
             raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed; cannot re-serve it")
         return lid
@@ -58,6 +65,8 @@ class Replicas:
         c.call("remove replica", lambda: c.raw.delete(replica_key))
         left = self.readers.wait_readers(step, timeout, torn_as="r-" + member)
         # The layout goes last: readers still planning with it must find it until they are done.
+        # (Its manifest stays until the lease ends: the next offer of the same buffers reuses it.)
         layout_key = c.key("layouts", "replicas", member, layout_id)
-        c.call("drop replica layout", lambda: c.raw.delete(layout_key))
+        c.txn("drop replica layout", [], [tx.Delete(layout_key), tx.Delete(layout_key + "/",
+                                                                           range_end(layout_key + "/"))])
         return left

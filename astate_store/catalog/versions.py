@@ -1,33 +1,59 @@
-"""Versions: publishing layouts and pieces, committing a step, retention, and reading commits.
+"""Versions: publishing manifests, layouts and pieces, committing a step, retention, and reading
+committed versions.
 
-A step is committed by one etcd transaction once every rank of the session wrote its piece;
-``latest`` only moves forward. Layouts are content-addressed and immutable, so both the ids
-written and the layouts read are cached for the life of this object.
+A committed version is self-describing and immutable until retention drops it: its pieces
+(``versions/<step>/pieces/<epoch>/<rank>``, no lease) name each rank's *manifest* — what the rank
+holds, boxes only, under ``manifests/<id>`` without a lease — and its *layout* — how to reach
+it now, under ``layouts/<epoch>/<rank>/<id>`` on the rank's lease (liveness). Both are
+content-addressed blobs of any size (``blobs``), written once and referenced from then on.
+
+Metadata per step is O(1) round trips whatever the number of tensors and consumers: one
+transaction writes a rank's piece and commits the step when that piece completes it;
+retention runs on a background thread; consumers learn of commits from a watch on ``latest``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any, Sequence
+from collections import deque
+from typing import Any, Callable, Mapping, Sequence
 
 from pyetcd import transactions as tx
 
 from .. import codec
-from ..errors import CatalogError, WaitTimeout
+from ..errors import CatalogError, CodecError, StaleStepError, WaitTimeout
 from ..layout import ShardRecord, check_step
-from .client import EtcdClient, range_end
-from .records import Layout, Version, layout_from_record, layout_id_of, pad20, shard_to_wire, version_from_kvs
+from .blobs import blob_from_kvs, blob_requests
+from .client import EtcdClient, background_thread, range_end
+from .records import (
+    Layout,
+    Manifest,
+    Version,
+    layout_from_record,
+    layout_record,
+    manifest_from_record,
+    manifest_record,
+    pad20,
+    version_from_kvs,
+)
 from .sessions import Sessions
 
 __all__ = ["Versions"]
 
 log = logging.getLogger("astate_store.catalog")
 
-# Layout reads per transaction: keeps one response well inside etcd's request size limit.
-_LAYOUTS_PER_TXN = 16
+# Blob range reads per transaction: a response stays well inside the client's receive limit.
+_BLOBS_PER_TXN = 16
 # Per-step key families that retention drops together with the version itself.
 _PER_STEP = ("versions", "readers", "retired", "torn", "delivered")
+# Manifests change only when a rank's shapes change: collecting them every few dropped steps is plenty.
+_GC_EVERY = 16
+# Up to this many other ranks the commit compares each piece key (one round trip); past it
+# (etcd allows 128 operations per transaction) the piece transaction counts the pieces and the
+# rank that completes the set commits in a second transaction.
+_MAX_PIECE_COMPARES = 96
 
 
 class Versions:
@@ -35,91 +61,196 @@ class Versions:
 
     def __init__(self, client: EtcdClient, sessions: Sessions, retention: int):
         self.client, self.sessions, self.retention = client, sessions, retention
-        self._layout_cache: dict[str, Layout] = {}
-        self._written_layouts: dict[str, bytes] = {}
+        self._layouts: dict[str, Layout] = {}  # by layout id (immutable, content-addressed)
+        self._manifests: dict[str, Manifest] = {}  # by manifest id
+        self._written: dict[str, str] = {}  # layout id -> manifest id, of layouts this process wrote
+        self._written_manifests: set[str] = set()
+        self.skipped_records = 0  # records that failed their schema or key checks (logged, skipped)
+        self._latest = _LatestWatch(client)
+        self._retention = _Background(f"astate-retention-{client.namespace}", self._apply_retention)
+        self._drops = 0
 
     # ---- publishing -----------------------------------------------------------------------
 
-    def write_layout(self, shards: Sequence[ShardRecord], transport: bytes,
-                     packed: Sequence[tuple[str, ShardRecord]] = ()) -> str:
-        """Store this rank's layout once (content-addressed); returns its id. ``packed`` lists
-        contiguous copies built for single consumers (pre-packing).
+    def _write_blob(self, what: str, key: str, data: bytes, lease: int | None) -> None:
+        """Chunks first, then the head in a fenced transaction: readers see all or nothing."""
+        chunks, head = blob_requests(key, data, lease)
+        for ops in chunks:
+            self.client.txn(f"{what} chunk", [], ops)
+        ok, _ = self.client.txn(what, self.sessions.fence(), [head])
+        if not ok:
+            raise self.sessions.fenced_error(what)
+
+    def write_layout(self, shards: Sequence[ShardRecord], transport: bytes, packed: Sequence[ShardRecord] = ()
+                     ) -> str:
+        """Store this rank's manifest and layout once each (content-addressed); returns the
+        layout id. ``packed`` lists the contiguous or converted copies built for consumers.
 
         Raises:
             StaleSessionError: this session was fenced or this rank's lease expired.
+            CatalogRejected: etcd refused a write (e.g. permissions).
         """
         s = self.sessions.require()
-        lid = layout_id_of(s.epoch, s.rank, shards, transport, packed)
-        if lid in self._written_layouts:
+        man = manifest_record(shards)
+        rec = layout_record(s.epoch, s.rank, man, shards, transport, packed)
+        lid, mid = rec["layout_id"], man["manifest_id"]
+        if lid in self._written:
             return lid
-        rec: dict[str, Any] = {"layout_id": lid, "epoch": s.epoch, "rank": s.rank,
-                               "shards": [shard_to_wire(x) for x in shards], "transport": transport}
-        if packed:
-            rec["packed"] = [{"consumer": c, "shard": shard_to_wire(x)} for c, x in packed]
-        value = codec.encode("layout", rec)
-        ok, _ = self.client.txn("write layout", self.sessions.fence(), [
-            tx.Put(self.client.key("layouts", pad20(s.epoch), pad20(s.rank), lid), value, lease=s.lease_id)])
-        if not ok:
-            raise self.sessions.fenced_error("layout write")
-        self._written_layouts[lid] = value
+        self._ensure_manifest(mid, man)
+        key = self.client.key("layouts", pad20(s.epoch), pad20(s.rank), lid)
+        self._write_blob("write layout", key, codec.encode("layout", rec), s.lease_id)
+        self._written[lid] = mid
+        self._manifests.setdefault(mid, manifest_from_record(man, mid))
         return lid
 
+    def _ensure_manifest(self, mid: str, man: Mapping[str, Any], *, force: bool = False) -> None:
+        if mid in self._written_manifests and not force:
+            return
+        self._write_blob("write manifest", self.client.key("manifests", mid), codec.encode("manifest", man), None)
+        self._written_manifests.add(mid)
+
     def put_piece(self, step: int, layout_id: str, base_offset: int = 0) -> bool:
-        """Write this rank's piece of ``step`` and try to commit; returns True if the version
-        is committed (by this or another rank's transaction).
+        """Write this rank's piece of ``step`` and, when this piece completes the set, commit it
+        in the same transaction; True if the version is committed.
 
         Raises:
-            CatalogError: ``step`` is not an int in [0, 1e19).
+            CatalogError: ``step`` is not an int in [0, 1e19), or ``layout_id`` was not written here.
+            StaleStepError: a newer step is already committed: ``step`` can never commit.
             StaleSessionError: this session was fenced or this rank's lease expired.
         """
-        s = self.sessions.require()
+        self.sessions.require()
         step = check_step(step, CatalogError)
+        mid = self._written.get(layout_id)
+        if mid is None:
+            raise CatalogError(f"layout {layout_id} was not written by this process (write_layout first)")
+        for _attempt in range(2):
+            committed = self._piece_result(step, self._piece_txn(step, layout_id, mid, base_offset))
+            if committed is not None:
+                return committed
+            # The manifest is gone (retention collected it while unused): write it again, once.
+            self._rewrite_manifest(mid)
+        raise CatalogError(f"step {step}: the manifest of layout {layout_id} keeps disappearing")
+
+    def _rewrite_manifest(self, mid: str) -> None:
+        cached = self._manifests[mid]
+        shards = cached.records(0)
+        self._ensure_manifest(mid, manifest_record(shards), force=True)
+
+    def _piece_txn(self, step: int, lid: str, mid: str, base: int) -> Any:
+        """One transaction: the piece, and the commit when every other rank's piece is there.
+        etcd serializes transactions, so the last rank's transaction sees all the pieces."""
+        s, k = self.sessions.require(), self.client.key
         piece = codec.encode("piece", {"step": step, "epoch": s.epoch, "rank": s.rank, "world_size": s.world_size,
-                                       "layout_id": layout_id, "base_offset": base_offset})
-        ok, _ = self.client.txn("write piece", self.sessions.fence(), [
-            tx.Put(self.client.key("versions", pad20(step), "pieces", pad20(s.epoch), pad20(s.rank)), piece)])
-        if not ok:
-            raise self.sessions.fenced_error(f"piece of step {step}")
-        return self.try_commit(step)
+                                       "layout_id": lid, "base_offset": base, "manifest_id": mid})
+        pkey = k("versions", pad20(step), "pieces", pad20(s.epoch), pad20(s.rank))
+        mine = [*self.sessions.fence(), tx.Version(k("manifests", mid)) > 0,
+                tx.Value(k("latest")) < codec.encode_counter(step + 1)]  # latest <= step (empty is smallest)
+        probe = [tx.Get(k("epoch")), tx.Get(k("latest")), self.client.count_op(k("manifests", mid), prefix=False)]
+        if s.world_size - 1 <= _MAX_PIECE_COMPARES:
+            others = [tx.Version(k("versions", pad20(step), "pieces", pad20(s.epoch), pad20(r))) > 0
+                      for r in range(s.world_size) if r != s.rank]
+            commit = codec.encode("commit", {"step": step, "epoch": s.epoch, "world_size": s.world_size,
+                                             "committed_at": time.time()})
+            return self.client.txn_raw(
+                f"piece of step {step}", [*mine, *others],
+                [tx.Put(pkey, piece), tx.Put(k("versions", pad20(step), "commit"), commit),
+                 tx.Put(k("commits", pad20(step)), b""), tx.Put(k("latest"), codec.encode_counter(step))],
+                [tx.Txn(mine, [tx.Put(pkey, piece)], []), *probe])
+        # The failure branch starts with a transaction that never succeeds: nothing was written.
+        never = tx.Txn([tx.Version(k("epoch")) < 0], [], [])
+        count = self.client.count_op(k("versions", pad20(step), "pieces", pad20(s.epoch)) + "/")
+        return self.client.txn_raw(f"piece of step {step}", mine, [tx.Put(pkey, piece), count], [never, *probe])
 
-    def try_commit(self, step: int) -> bool:
-        """Commit ``step`` if all pieces of this session are present (an etcd transaction).
-
-        Concurrent calls from several ranks are safe: the comparisons make every winner
-        write the same commit, and ``latest`` only moves forward. The winner applies retention.
-        """
+    def _piece_result(self, step: int, resp: Any) -> bool | None:
+        """Read a piece transaction's answer; None when the manifest must be written again."""
         s = self.sessions.require()
-        k = self.client.key
-        pieces = [tx.Version(k("versions", pad20(step), "pieces", pad20(s.epoch), pad20(r))) > 0
-                  for r in range(s.world_size)]
-        # latest <= step, as a bytewise compare against step + 1 (an empty latest is smallest).
-        forward = tx.Value(k("latest")) < codec.encode_counter(step + 1)
+        counting = s.world_size - 1 > _MAX_PIECE_COMPARES
+        if resp.succeeded and not counting:
+            self._committed(step)
+            return True
+        if resp.succeeded:  # the rank whose piece completes the set commits
+            return int(resp.responses[1].response_range.count) >= s.world_size and self._commit_counted(step)
+        if resp.responses[0].response_txn.succeeded:
+            return False  # piece written; other ranks' pieces are still missing
+        epoch_kv, latest_kv = resp.responses[1].response_range.kvs, resp.responses[2].response_range.kvs
+        epoch_now = codec.decode_counter(epoch_kv[0].value) if epoch_kv else None
+        mkey = self.client.key("members", pad20(s.epoch), pad20(s.rank))
+        member = self.client.call("get member", lambda: self.client.raw.get(mkey))[0]
+        if epoch_now != s.epoch or member is None:
+            raise self.sessions.fenced_error(f"piece of step {step}")
+        if int(resp.responses[3].response_range.count) == 0:
+            return None  # the manifest key is missing
+        latest = codec.decode_counter(latest_kv[0].value) if latest_kv else None
+        if latest is not None and latest > step:
+            raise StaleStepError(
+                f"namespace {self.client.namespace!r}: step {step} can never commit: step {latest} is already "
+                "committed and steps only move forward; number new steps from latest()+1 (after a restart, "
+                "recover() republishes the newest state first)")
+        raise CatalogError(f"namespace {self.client.namespace!r}: piece of step {step} was refused for no known "
+                           "reason (epoch, member, manifest and latest all check out)")
+
+    def _commit_counted(self, step: int) -> bool:
+        s, k = self.sessions.require(), self.client.key
         commit = codec.encode("commit", {"step": step, "epoch": s.epoch, "world_size": s.world_size,
                                          "committed_at": time.time()})
-        ok, resp = self.client.txn(f"commit {step}", [*self.sessions.fence(), *pieces, forward], [
-            tx.Put(k("versions", pad20(step), "commit"), commit),
-            tx.Put(k("latest"), codec.encode_counter(step)),
-        ], [tx.Get(k("epoch")), tx.Get(k("latest")), tx.Get(k("versions", pad20(step), "commit"))])
+        ok, _ = self.client.txn(f"commit {step}", [*self.sessions.fence(),
+                                                   tx.Value(k("latest")) < codec.encode_counter(step + 1)],
+                                [tx.Put(k("versions", pad20(step), "commit"), commit),
+                                 tx.Put(k("commits", pad20(step)), b""),
+                                 tx.Put(k("latest"), codec.encode_counter(step))])
         if ok:
-            log.info("namespace %s: committed step %d (epoch %d)", self.client.namespace, step, s.epoch)
-            self._apply_retention()
-            return True
-        # Failed: tell "fenced" (an error) from "a newer step won" (False) from "already committed".
-        epoch_now = codec.decode_counter(resp[0][0][0]) if resp[0] else None
-        if epoch_now != s.epoch:
-            raise self.sessions.fenced_error(f"commit of step {step}")
-        latest = codec.decode_counter(resp[1][0][0]) if resp[1] else None
-        if latest is not None and latest > step:
-            log.warning("namespace %s: step %d superseded by committed step %d", self.client.namespace, step, latest)
-            return False
-        return bool(resp[2]) and codec.decode("commit", resp[2][0][0])["epoch"] == s.epoch
+            self._committed(step)
+        return bool(ok)
+
+    def _committed(self, step: int) -> None:
+        s = self.sessions.require()
+        log.info("namespace %s: committed step %d (epoch %d)", self.client.namespace, step, s.epoch)
+        self._retention.poke()
+
+    # ---- retention (background) ------------------------------------------------------------
 
     def _apply_retention(self) -> None:
-        steps = self.committed_steps()
-        for old in steps[: max(0, len(steps) - self.retention)]:
-            # One transaction per dropped step: its readers and markers go with its metadata.
-            self.client.txn("retention", [], [
-                tx.Delete(p, range_end(p)) for p in (self.client.key(fam, pad20(old), "") for fam in _PER_STEP)])
+        """Drop versions beyond ``retention`` (each with its readers and markers, one transaction
+        per step; the ``commits/`` index keeps this O(retention), not O(ranks)); every
+        ``_GC_EVERY`` drops, also the manifests no retained version names."""
+        c = self.client
+        pre = c.key("commits") + "/"
+        kvs = c.call("list commits", lambda: list(c.raw.get_prefix(pre, keys_only=True)))
+        steps = sorted(int(m.key.decode()[len(pre):]) for _v, m in kvs)
+        drop = steps[: max(0, len(steps) - self.retention)]
+        for old in drop:
+            c.txn("retention", [], [tx.Delete(p, range_end(p)) for p in (c.key(f, pad20(old), "") for f in _PER_STEP)]
+                  + [tx.Delete(pre + pad20(old))])
+        self._drops += len(drop)
+        if drop and self._drops >= _GC_EVERY:
+            self._drops = 0
+            self._collect_manifests()
+
+    def _collect_manifests(self) -> None:
+        """Delete manifests that no retained version names and that are older than every retained
+        commit (a newer one may be about to be named by a piece)."""
+        c = self.client
+        vpre = c.key("versions") + "/"
+        kvs, _ = c.get_prefix_rev(vpre)
+        named, oldest = set(), None
+        for value, meta in kvs:
+            tail = meta.key.decode()[len(vpre):].split("/")
+            if tail[1:] == ["commit"]:
+                oldest = meta.create_revision if oldest is None else min(oldest, meta.create_revision)
+            elif len(tail) == 4 and tail[1] == "pieces":
+                try:
+                    named.add(codec.decode("piece", value)["manifest_id"])
+                except CodecError:
+                    self.skipped_records += 1
+        if oldest is None:
+            return
+        pre = c.key("manifests") + "/"
+        heads = c.call("list manifests", lambda: list(c.raw.get_prefix(pre, keys_only=True)))
+        for _v, meta in heads:
+            mid = meta.key.decode()[len(pre):]
+            if "/" not in mid and mid not in named and meta.create_revision < oldest:
+                key = pre + mid
+                c.txn("drop manifest", [], [tx.Delete(key), tx.Delete(key + "/", range_end(key + "/"))])
 
     # ---- reading --------------------------------------------------------------------------
 
@@ -127,40 +258,33 @@ class Versions:
         """Steps whose metadata is still held, oldest first."""
         pre = self.client.key("versions") + "/"
         kvs = self.client.call("list versions", lambda: list(self.client.raw.get_prefix(pre, keys_only=True)))
-        out = []
-        for _v, meta in kvs:
-            k = meta.key.decode()
-            if k.endswith("/commit"):
-                out.append(int(k[len(pre):].split("/", 1)[0]))
-        return sorted(out)
+        return sorted(int(m.key.decode()[len(pre):].split("/", 1)[0]) for _v, m in kvs
+                      if m.key.decode().endswith("/commit"))
 
     def latest(self) -> int | None:
-        """The newest committed step, or None before the first commit."""
+        """The newest committed step, or None before the first commit (one etcd read)."""
         return self.client.get_counter("latest")[0]
 
     def wait_for(self, min_step: int | None = None, timeout: float | None = None) -> int:
         """Block until a committed version >= ``min_step`` exists (any version when None);
-        returns the newest committed step. Built on an etcd watch of ``latest``.
+        returns the newest committed step known. A watch on ``latest`` keeps it current, so a
+        steady-state call makes no etcd request.
 
         Raises:
             WaitTimeout: none appeared within ``timeout`` seconds.
         """
-        key = self.client.key("latest")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            resp = self.client.call("get latest", lambda: self.client.raw.get_response(key))
-            latest = codec.decode_counter(resp.kvs[0].value) if resp.kvs else None
-            rev = int(resp.header.revision)
-            if latest is not None and (min_step is None or latest >= min_step):
-                return latest
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                want = "any version" if min_step is None else f"a version >= {min_step}"
-                raise WaitTimeout(
-                    f"namespace {self.client.namespace!r}: {want} was not committed within {timeout}s "
-                    f"(latest is {latest})")
-            # Watch from just after the read: a commit between the read and the watch is not missed.
-            self.client.wait_change(key, remaining, start_revision=rev + 1)
+        return self._latest.wait(min_step, timeout)
+
+    @property
+    def waits_seen(self) -> tuple[int | None, ...]:
+        """The newest step known each time a :meth:`wait_for` blocked (the last 16): what a waiter
+        had seen when it decided to keep waiting. For tools and tests."""
+        return tuple(self._latest.blocked_at)
+
+    def flush_retention(self, timeout: float = 30.0) -> bool:
+        """Wait until the background retention has caught up with every commit so far; True
+        when it has (for tools and tests: nothing needs to wait for retention)."""
+        return self._retention.wait_idle(timeout)
 
     def read_version(self, step: int) -> Version:
         """Commit and pieces of a committed step, in one round trip (no reader registration).
@@ -171,27 +295,209 @@ class Versions:
         kvs, _ = self.client.get_prefix_rev(self.client.key("versions", pad20(step)) + "/")
         return version_from_kvs(self.client.namespace, step, kvs)
 
+    def _read_blobs(self, keys: Sequence[str]) -> dict[str, bytes | None]:
+        """Blobs by key, ``_BLOBS_PER_TXN`` range reads per transaction."""
+        out: dict[str, bytes | None] = {}
+        for i in range(0, len(keys), _BLOBS_PER_TXN):
+            batch = keys[i:i + _BLOBS_PER_TXN]
+            _ok, resp = self.client.txn("get blobs", [], [tx.Get(k, range_end(k)) for k in batch])
+            for key, kvs in zip(batch, resp):
+                try:
+                    out[key] = blob_from_kvs(key, kvs)
+                except CodecError as exc:
+                    self._skip(key, exc)
+                    out[key] = None
+        return out
+
+    def _skip(self, key: str, exc: Exception) -> None:
+        self.skipped_records += 1
+        log.warning("namespace %s: skipping bad record %s: %s", self.client.namespace, key, exc)
+
+    def manifests_of(self, version: Version) -> dict[int, Manifest]:
+        """Every rank's manifest of a committed version (leaseless: whichever ranks are alive).
+
+        Raises:
+            CatalogError: a manifest the version names is missing or bad.
+        """
+        self._fetch_manifests({p.manifest_id: self.client.key("manifests", p.manifest_id)
+                               for p in version.pieces.values()})
+        missing = sorted(r for r, p in version.pieces.items() if p.manifest_id not in self._manifests)
+        if missing:
+            raise CatalogError(f"namespace {self.client.namespace!r}: step {version.step}: manifests of ranks "
+                               f"{missing} are missing or bad")
+        return {r: self._manifests[p.manifest_id] for r, p in version.pieces.items()}
+
+    def _fetch_manifests(self, want: Mapping[str, str]) -> None:
+        todo = {mid: key for mid, key in want.items() if mid not in self._manifests}
+        for key, data in self._read_blobs(list(todo.values())).items():
+            mid = key.rsplit("/", 1)[1]
+            if data is not None:
+                self._decode(key, lambda: self._manifests.__setitem__(
+                    mid, manifest_from_record(codec.decode("manifest", data), mid)))
+
+    def _decode(self, key: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except CodecError as exc:
+            self._skip(key, exc)
+
     def layouts_of(self, version: Version) -> Version:
         """The version with the layouts of its live sources (cached by id: layouts are immutable).
-        A publisher whose layout lease expired (the rank died) is listed in ``missing``; a
-        re-serving consumer that died is left out."""
-        cache = self._layout_cache
-        want: list[tuple[object, str]] = []
+        A publisher whose layout lease expired (the rank died) — or whose layout is bad — is
+        listed in ``missing``; a re-serving consumer that died is left out."""
+        k = self.client.key
+        manifests = {p.manifest_id: k("manifests", p.manifest_id) for p in version.pieces.values()}
+        manifests.update({rp.manifest_id: k("layouts", "replicas", m, rp.manifest_id)
+                          for m, rp in version.replicas.items()})
+        self._fetch_manifests(manifests)
+        want: dict[str, tuple[str, int | None, int | None]] = {}  # layout key -> (manifest id, epoch, rank)
         for p in version.pieces.values():
-            if p.layout_id not in cache:
-                want.append((p.rank, self.client.key("layouts", pad20(p.epoch), pad20(p.rank), p.layout_id)))
+            if p.layout_id not in self._layouts:
+                want[k("layouts", pad20(p.epoch), pad20(p.rank), p.layout_id)] = (p.manifest_id, p.epoch, p.rank)
         for m, rp in version.replicas.items():
-            if rp.layout_id not in cache:
-                want.append((m, self.client.key("layouts", "replicas", m, rp.layout_id)))
-        for i in range(0, len(want), _LAYOUTS_PER_TXN):
-            batch = want[i:i + _LAYOUTS_PER_TXN]
-            _ok, resp = self.client.txn("get layouts", [], [tx.Get(k) for _, k in batch])
-            for r in resp:
-                if r:  # an empty response: that source's lease is gone; it shows up as missing below
-                    lay = layout_from_record(codec.decode("layout", r[0][0]))
-                    cache[lay.layout_id] = lay
-        layouts = {r: cache[p.layout_id] for r, p in version.pieces.items() if p.layout_id in cache}
-        rlayouts = {m: cache[rp.layout_id] for m, rp in version.replicas.items() if rp.layout_id in cache}
+            if rp.layout_id not in self._layouts:
+                want[k("layouts", "replicas", m, rp.layout_id)] = (rp.manifest_id, 0, 0)
+        for key, data in self._read_blobs(list(want)).items():
+            mid, epoch, rank = want[key]
+            if data is not None and mid in self._manifests:
+                self._decode(key, lambda: self._cache_layout(key, data, self._manifests[mid], epoch, rank))
+        layouts = {r: self._layouts[p.layout_id] for r, p in version.pieces.items() if p.layout_id in self._layouts}
+        rlayouts = {m: self._layouts[rp.layout_id] for m, rp in version.replicas.items()
+                    if rp.layout_id in self._layouts}
         missing = frozenset(r for r in version.pieces if r not in layouts)
         return Version(version.step, version.epoch, version.world_size, version.pieces, version.replicas,
                        layouts, rlayouts, missing)
+
+    def _cache_layout(self, key: str, data: bytes, manifest: Manifest, epoch: int | None, rank: int | None) -> None:
+        lid = key.rsplit("/", 1)[1]
+        rec = codec.decode("layout", data)
+        self._layouts[lid] = layout_from_record(rec, manifest, key_id=lid, epoch=epoch, rank=rank)
+
+    def close(self) -> None:
+        self._latest.close()
+        self._retention.close()
+
+
+class _LatestWatch:
+    """The newest committed step, kept current by a watch on ``latest``. Re-established (with
+    one read) when the watch stream breaks, and re-read after a quiet wait of 5 s in case a
+    watch is stuck without saying so."""
+
+    def __init__(self, client: EtcdClient):
+        self.client = client
+        self.key = client.key("latest")
+        self._cond = threading.Condition()
+        self._value: int | None = None
+        self._watch: Any = None
+        self._alive = False
+        self.blocked_at: deque[int | None] = deque(maxlen=16)
+
+    def _on_event(self, resp: Any) -> None:
+        with self._cond:
+            if isinstance(resp, Exception):
+                self._alive = False  # the stream ended (etcd restart, compaction): re-watch on next wait
+            else:
+                for ev in getattr(resp, "events", ()):
+                    try:
+                        v = codec.decode_counter(ev.value)
+                    except CodecError:
+                        continue
+                    if v is not None and (self._value is None or v > self._value):
+                        self._value = v
+            self._cond.notify_all()
+
+    def _refresh(self) -> None:
+        """Read ``latest`` and (re)start the watch right after the revision read."""
+        resp = self.client.call("get latest", lambda: self.client.raw.get_response(self.key))
+        value = codec.decode_counter(resp.kvs[0].value) if resp.kvs else None
+        rev = int(resp.header.revision)
+        with self._cond:
+            if value is not None and (self._value is None or value > self._value):
+                self._value = value
+            if not self._alive:
+                old, self._watch = self._watch, None
+                if old is not None:
+                    try:
+                        self.client.raw.cancel_watch(old)
+                    except Exception:  # the old stream is already gone
+                        pass
+                self._watch = self.client.call("watch latest", lambda: self.client.raw.add_watch_callback(
+                    self.key, self._on_event, start_revision=rev + 1))
+                self._alive = True
+
+    def wait(self, min_step: int | None, timeout: float | None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if not self._alive:
+                self._refresh()
+            with self._cond:
+                v = self._value
+                if v is not None and (min_step is None or v >= min_step):
+                    return v
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    want = "any version" if min_step is None else f"a version >= {min_step}"
+                    raise WaitTimeout(f"namespace {self.client.namespace!r}: {want} was not committed within "
+                                      f"{timeout}s (latest is {v})")
+                self.blocked_at.append(v)
+                woke = self._cond.wait(5.0 if remaining is None else min(remaining, 5.0))
+            if not woke:
+                self._refresh()  # a quiet 5 s: make sure the watch did not silently miss a commit
+
+    def close(self) -> None:
+        with self._cond:
+            w, self._watch, self._alive = self._watch, None, False
+        if w is not None:
+            try:
+                self.client.raw.cancel_watch(w)
+            except Exception:  # closing: the stream may already be gone
+                pass
+
+
+class _Background:
+    """A daemon thread that runs ``fn`` after each :meth:`poke` (coalesced), off the caller's path."""
+
+    def __init__(self, name: str, fn: Callable[[], None]):
+        self.name, self.fn = name, fn
+        self._cond = threading.Condition()
+        self._pending = False
+        self._busy = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def poke(self) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._pending = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        background_thread()
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                self._pending, self._busy = False, True
+            try:
+                self.fn()
+            except Exception as exc:  # retention is best effort: it runs again after the next commit
+                log.warning("%s failed: %s", self.name, exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._stopped or not (self._pending or self._busy), timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

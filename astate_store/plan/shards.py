@@ -9,15 +9,16 @@ from __future__ import annotations
 import copy
 import zlib
 from collections import OrderedDict
-from operator import attrgetter
-from typing import Mapping, NamedTuple, Optional, Sequence
+from itertools import chain, repeat
+from operator import attrgetter, is_, ne
+from typing import Mapping
 
 import numpy as np
 
 from ..errors import PlanError
 from ..layout import ShardRecord, TensorLayout
 from .contracts import _CODE
-from .util import _cat, _sorted_ids
+from .util import _sorted_ids
 
 _GET_META = attrgetter("name", "dtype", "global_shape")
 _GET_OFFS = attrgetter("box.offsets")
@@ -26,21 +27,10 @@ _GET_STRIDES = attrgetter("strides")
 _GET_RANK = attrgetter("rank")
 _GET_REGION = attrgetter("region")
 _GET_BOFF = attrgetter("byte_offset")
-
-
-class _TensorBoxes(NamedTuple):
-    """One tensor's non-empty shards, sorted by (box, rank, region, byte offset); records with
-    the same box are consecutive: ``starts`` / ``counts`` delimit each distinct box's replicas."""
-
-    order: np.ndarray
-    offs: np.ndarray
-    szs: np.ndarray
-    strs: np.ndarray
-    ranks: np.ndarray
-    regs: np.ndarray
-    boffs: np.ndarray
-    starts: np.ndarray
-    counts: np.ndarray
+_GET_DTYPE = attrgetter("dtype")
+_GET_GSHAPE = attrgetter("global_shape")
+_GET_SHARDS = attrgetter("shards")
+_GET_NAME = attrgetter("name")
 
 
 def _layout_ndim(n: str, lay: object) -> int:
@@ -51,70 +41,77 @@ def _layout_ndim(n: str, lay: object) -> int:
     return len(lay.global_shape)
 
 
-def _check_shard_meta(n: str, dt: str, gs: tuple, shards: Sequence[ShardRecord]) -> None:
-    # one set comprehension in the common case; the loop only runs to name the culprit
-    if set(map(_GET_META, shards)) - {(n, dt, gs)}:
-        for s in shards:
-            if (s.name, s.dtype, s.global_shape) != (n, dt, gs):
-                raise PlanError(
-                    f"tensor {n!r}: rank {s.rank} shard ({s.name!r}, {s.dtype}, {tuple(s.global_shape)}) "
-                    f"disagrees with the layout ({dt}, {gs})")
+def _padded(flat: np.ndarray, lens: np.ndarray, valid: np.ndarray, D: int, fill: int) -> np.ndarray:
+    """Rows of varying length (``lens``, concatenated in ``flat``) right-aligned (left-padded with
+    ``fill``) in a ``(len(lens), D)`` array; rows where ``valid`` is False stay all ``fill``."""
+    m = len(lens)
+    out = np.full((m, D), fill, np.int64)
+    total = len(flat)
+    if total == 0:
+        return out
+    # flat element j of row r goes to r * D + (D - lens[r]) + j
+    start = np.cumsum(lens) - lens
+    pos = np.arange(total, dtype=np.int64) + np.repeat(np.arange(m, dtype=np.int64) * D + D - lens - start, lens)
+    if not valid.all():
+        keep = np.repeat(valid, lens)
+        pos, flat = pos[keep], flat[keep]
+    out.reshape(-1)[pos] = flat
+    return out
 
 
-def _distinct_boxes(n: str, gs: tuple, shards: Sequence[ShardRecord]) -> Optional[_TensorBoxes]:
-    """Validate one tensor's shards and group them by box; None when no shard has elements."""
-    m = len(shards)
-    nd = len(gs)
-    try:
-        offs = np.array(list(map(_GET_OFFS, shards)), np.int64).reshape(m, nd)
-        szs = np.array(list(map(_GET_SIZES, shards)), np.int64).reshape(m, nd)
-        strs = np.array(list(map(_GET_STRIDES, shards)), np.int64).reshape(m, nd)
-    except ValueError:
-        raise PlanError(f"tensor {n!r}: a publisher shard has a box/strides of the wrong ndim for {gs}") from None
-    ranks = np.fromiter(map(_GET_RANK, shards), np.int64, m)
-    regs = np.fromiter(map(_GET_REGION, shards), np.int64, m)
-    boffs = np.fromiter(map(_GET_BOFF, shards), np.int64, m)
-    gsa = np.array(gs, np.int64)
-    if (offs < 0).any() or (szs < 0).any() or (offs + szs > gsa).any():
+class _Columns:
+    """Every attribute of every record as arrays: box offsets / sizes and strides as (lengths, flat
+    values), rank, region, byte offset, and whether (name, dtype, global shape) differs from the
+    record's tensor (``meta``: per record, the expected triple).
+
+    Gathered in chunks of records, every column of a chunk together: the records and their tuples
+    are scattered in memory, and one pass over all of them per column would miss the cache on
+    every object of every pass."""
+
+    CHUNK = 2048
+
+    def __init__(self, recs: list, meta: list):
+        parts: list[list[np.ndarray]] = [[] for _ in range(10)]
+        for a in range(0, len(recs), self.CHUNK):
+            ch = recs[a:a + self.CHUNK]
+            m = len(ch)
+            cols = []
+            for get in (_GET_OFFS, _GET_SIZES, _GET_STRIDES):
+                rows = list(map(get, ch))
+                lens = np.fromiter(map(len, rows), np.int64, m)
+                cols += [lens, np.fromiter(chain.from_iterable(rows), np.int64, int(lens.sum()))]
+            for get in (_GET_RANK, _GET_REGION, _GET_BOFF):
+                cols.append(np.fromiter(map(get, ch), np.int64, m))
+            cols.append(np.fromiter(map(ne, map(_GET_META, ch), meta[a:a + m]), bool, m))
+            for part, col in zip(parts, cols):
+                part.append(col)
+        cat = [np.concatenate(p) if p else np.zeros(0, bool if i == 9 else np.int64) for i, p in enumerate(parts)]
+        (self.l_lo, self.lo, self.l_sz, self.sz, self.l_st, self.st,
+         self.rank, self.region, self.boff, self.meta_bad) = cat
+
+
+def _first_error(names: list, dts: list, shapes: list, recs: list, rt: np.ndarray, t_unknown: np.ndarray,
+                 flags: list[np.ndarray]) -> None:
+    """Raise the error of the first bad tensor in name order, its checks in the order: dtype, shard
+    metadata, box/strides ndim, bounds, strides/byte offset (``flags``: per-record masks of the last
+    four)."""
+    T = len(names)
+    per_t = [t_unknown] + [np.bincount(rt[f], minlength=T) > 0 for f in flags]
+    bad_t = np.logical_or.reduce(per_t)
+    ti = int(np.flatnonzero(bad_t)[0])
+    n, dt, gs = names[ti], dts[ti], shapes[ti]
+    kind = next(k for k, f in enumerate(per_t) if f[ti])
+    if kind == 0:
+        raise PlanError(f"tensor {n!r}: unknown dtype {dt!r}")
+    if kind == 1:
+        s = recs[int(np.flatnonzero(flags[0] & (rt == ti))[0])]
+        raise PlanError(f"tensor {n!r}: rank {s.rank} shard ({s.name!r}, {s.dtype}, {tuple(s.global_shape)}) "
+                        f"disagrees with the layout ({dt}, {gs})")
+    if kind == 2:
+        raise PlanError(f"tensor {n!r}: a publisher shard has a box/strides of the wrong ndim for {gs}")
+    if kind == 3:
         raise PlanError(f"tensor {n!r}: a publisher shard box is out of bounds of {gs}")
-    if (strs < 0).any() or (boffs < 0).any():
-        raise PlanError(f"tensor {n!r}: a publisher shard has negative strides or byte offset")
-    # sort by (box offsets, box sizes, rank, region, byte offset): replicas order deterministically
-    keys = [boffs, regs, ranks] + [szs[:, d] for d in reversed(range(nd))] + \
-           [offs[:, d] for d in reversed(range(nd))]
-    order = np.lexsort(keys)
-    keep = szs[order].min(axis=1) > 0 if nd else np.ones(m, bool)
-    order = order[keep]
-    m = len(order)
-    if m == 0:
-        return None
-    offs, szs, strs = offs[order], szs[order], strs[order]
-    ranks, regs, boffs = ranks[order], regs[order], boffs[order]
-    bx = np.concatenate([offs, szs], axis=1)
-    new = np.ones(m, bool)
-    if m > 1:
-        new[1:] = (bx[1:] != bx[:-1]).any(axis=1) if bx.shape[1] else False
-    starts = np.flatnonzero(new)
-    counts = np.diff(np.append(starts, m))
-    return _TensorBoxes(order, offs, szs, strs, ranks, regs, boffs, starts, counts)
-
-
-class _Parts:
-    """Per-tensor chunks of the ``_Sources`` arrays, concatenated once at the end."""
-
-    def __init__(self) -> None:
-        self.box_lo: list[np.ndarray] = []
-        self.box_sz: list[np.ndarray] = []
-        self.box_rs: list[np.ndarray] = []
-        self.box_rc: list[np.ndarray] = []
-        self.rank: list[np.ndarray] = []
-        self.region: list[np.ndarray] = []
-        self.off: list[np.ndarray] = []
-        self.str: list[np.ndarray] = []
-        self.lo: list[np.ndarray] = []
-        self.t: list[np.ndarray] = []
-        self.nb = 0  # distinct boxes so far
-        self.nr = 0  # records so far
+    raise PlanError(f"tensor {n!r}: a publisher shard has negative strides or byte offset")
 
 
 class _Sources:
@@ -122,83 +119,87 @@ class _Sources:
 
     Dims are left-padded to the widest tensor (``D``: offset 0, size 1, stride 0) so every
     tensor shares one array shape. Box ``b`` of tensor ``t`` lies in ``t_bs[t] .. t_bs[t] +
-    t_bc[t]``; its replicas are records ``box_rs[b] .. box_rs[b] + box_rc[b]``.
+    t_bc[t]``; its replicas are records ``box_rs[b] .. box_rs[b] + box_rc[b]``. Within a tensor,
+    records are sorted by (box offsets, box sizes, rank, region, byte offset); records with an
+    empty box are left out.
+
+    Compiled column-wise: every attribute of every shard record is gathered once and checked,
+    sorted and grouped with array operations over all tensors together (no per-tensor numpy).
     """
 
     def __init__(self, layouts: Mapping[str, TensorLayout]):
         names = _sorted_ids(layouts)
         self.names = tuple(names)
-        self.tid = {n: i for i, n in enumerate(names)}
+        self.tid = dict(zip(names, range(len(names))))
         T = len(names)
-        nds = [_layout_ndim(n, layouts[n]) for n in names]
-        D = max(nds + [1])
+        lays = list(map(layouts.__getitem__, names))
+        if not all(map(isinstance, lays, repeat(TensorLayout))) or list(map(_GET_NAME, lays)) != names:
+            for n, lay in zip(names, lays):
+                _layout_ndim(n, lay)
+        dts = list(map(_GET_DTYPE, lays))
+        shapes = list(map(tuple, map(_GET_GSHAPE, lays)))
+        shard_lists = list(map(_GET_SHARDS, lays))
+        nds = np.fromiter(map(len, shapes), np.int64, T)
+        D = max(int(nds.max()) if T else 0, 1)
         self.D = D
-        self.t_shape = np.ones((T, D), np.int64)
-        self.shapes: list[tuple] = []
-        self.dtypes: list[str] = []
-        self.t_code = np.zeros(T, np.int64)
-        self.rec_obj: list[ShardRecord] = []
-        self.t_bs = np.zeros(T, np.int64)
-        self.t_bc = np.zeros(T, np.int64)
-        parts = _Parts()
-        for ti, n in enumerate(names):
-            self._add_tensor(ti, n, layouts[n], parts)
-        self.box_lo = _cat(parts.box_lo, (0, D))
-        self.box_sz = _cat(parts.box_sz, (0, D))
-        self.box_rs = _cat(parts.box_rs, (0,))
-        self.box_rc = _cat(parts.box_rc, (0,))
-        self.n_layout_recs = parts.nr
-        self.rec_rank = _cat(parts.rank, (0,))
-        self.rec_region = _cat(parts.region, (0,))
-        self.rec_off = _cat(parts.off, (0,))
-        self.rec_str = _cat(parts.str, (0, D))
-        self.rec_lo = _cat(parts.lo, (0, D))
-        self.rec_t = _cat(parts.t, (0,))
+        self.shapes: list[tuple] = shapes
+        self.dtypes: list[str] = dts
+        codes = np.fromiter(map(_CODE.get, dts, repeat(-1)), np.int64, T)
+        t_unknown = codes < 0
+        self.t_code = np.where(t_unknown, 0, codes)
+        self.t_shape = _padded(np.fromiter(chain.from_iterable(shapes), np.int64, int(nds.sum())), nds,
+                               np.ones(T, bool), D, 1)
+        # every record of every tensor, in tensor (name) order, then shard order
+        cnt = np.fromiter(map(len, shard_lists), np.int64, T)
+        recs = list(chain.from_iterable(shard_lists))
+        rt = np.repeat(np.arange(T, dtype=np.int64), cnt)
+        t_meta = list(zip(names, dts, shapes))
+        c = _Columns(recs, list(map(t_meta.__getitem__, rt.tolist())))
+        nd_r = nds[rt]
+        valid = (c.l_lo == nd_r) & (c.l_sz == nd_r) & (c.l_st == nd_r)
+        lo = _padded(c.lo, c.l_lo, valid, D, 0)
+        sz = _padded(c.sz, c.l_sz, valid, D, 1)
+        st = _padded(c.st, c.l_st, valid, D, 0)
+        oob = ((lo < 0) | (sz < 0) | (lo + sz > self.t_shape[rt])).any(axis=1)
+        neg = (st < 0).any(axis=1) | (c.boff < 0)
+        if t_unknown.any() or c.meta_bad.any() or not valid.all() or oob.any() or neg.any():
+            _first_error(names, dts, shapes, recs, rt, t_unknown, [c.meta_bad, ~valid, oob, neg])
+        self._group(T, recs, rt, lo, sz, st, c)
         # per-tensor salt of the rotation balancer: stable across processes (not ``hash``)
-        self.tensor_salt = np.array([zlib.crc32(n.encode()) for n in names], np.int64) if T else np.zeros(0, np.int64)
+        self.tensor_salt = np.fromiter(map(zlib.crc32, map(str.encode, names)), np.int64, T)
 
-    def _add_tensor(self, ti: int, n: str, lay: TensorLayout, parts: _Parts) -> None:
+    def _group(self, T: int, recs: list, rt: np.ndarray, lo: np.ndarray, sz: np.ndarray, st: np.ndarray,
+               c: _Columns) -> None:
+        """Sort the (checked, padded) records, drop empty boxes, and delimit distinct boxes and tensors."""
+        M = len(recs)
+        # one sort of all records by (tensor, box offsets, box sizes, rank, region, byte offset);
+        # padded dims are constant within a tensor, so each tensor's order is its own
         D = self.D
-        gs = tuple(lay.global_shape)
-        nd = len(gs)
-        dt = lay.dtype
-        code = _CODE.get(dt)
-        if code is None:
-            raise PlanError(f"tensor {n!r}: unknown dtype {dt!r}")
-        self.shapes.append(gs)
-        self.dtypes.append(dt)
-        self.t_code[ti] = code
-        self.t_shape[ti, D - nd:] = gs
-        shards = lay.shards
-        _check_shard_meta(n, dt, gs, shards)
-        self.t_bs[ti] = parts.nb
-        if len(shards) == 0:
-            return
-        tb = _distinct_boxes(n, gs, shards)
-        if tb is None:
-            return
-        m = len(tb.order)
-        nbx = len(tb.starts)
-        lo_p = np.zeros((m, D), np.int64)
-        lo_p[:, D - nd:] = tb.offs
-        sz_p = np.ones((nbx, D), np.int64)
-        sz_p[:, D - nd:] = tb.szs[tb.starts]
-        st_p = np.zeros((m, D), np.int64)
-        st_p[:, D - nd:] = tb.strs
-        parts.box_lo.append(lo_p[tb.starts])
-        parts.box_sz.append(sz_p)
-        parts.box_rs.append(parts.nr + tb.starts)
-        parts.box_rc.append(tb.counts)
-        parts.rank.append(tb.ranks)
-        parts.region.append(tb.regs)
-        parts.off.append(tb.boffs)
-        parts.str.append(st_p)
-        parts.lo.append(lo_p)
-        parts.t.append(np.full(m, ti, np.int64))
-        self.rec_obj.extend(shards[i] for i in tb.order.tolist())
-        self.t_bc[ti] = nbx
-        parts.nb += nbx
-        parts.nr += m
+        keys = [c.boff, c.region, c.rank] + [sz[:, d] for d in reversed(range(D))] + \
+               [lo[:, d] for d in reversed(range(D))] + [rt]
+        order = np.lexsort(keys) if M else np.zeros(0, np.int64)
+        # empty boxes hold nothing (a 0-d box, all pads 1, is never empty)
+        order = order[sz[order].min(axis=1) > 0] if M else order
+        m = len(order)
+        lo, sz, st, rt = lo[order], sz[order], st[order], rt[order]
+        new = np.ones(m, bool)
+        if m > 1:
+            new[1:] = (rt[1:] != rt[:-1]) | (lo[1:] != lo[:-1]).any(axis=1) | (sz[1:] != sz[:-1]).any(axis=1)
+        starts = np.flatnonzero(new).astype(np.int64)
+        self.box_lo = lo[starts]
+        self.box_sz = sz[starts]
+        self.box_rs = starts
+        self.box_rc = np.diff(np.append(starts, np.int64(m))).astype(np.int64)
+        self.t_bc = np.bincount(rt[starts], minlength=T).astype(np.int64)
+        self.t_bs = (np.cumsum(self.t_bc) - self.t_bc).astype(np.int64)
+        self.n_layout_recs = m
+        self.rec_rank = c.rank[order]
+        self.rec_region = c.region[order]
+        self.rec_off = c.boff[order]
+        self.rec_str = st
+        self.rec_lo = lo
+        self.rec_t = rt
+        self.rec_obj: list[ShardRecord] = list(map(recs.__getitem__, order.tolist()))
 
     def with_packed(self, recs: list[ShardRecord]) -> tuple["_Sources", np.ndarray, np.ndarray]:
         """A copy with packed records appended as extra source records; returns
@@ -257,10 +258,10 @@ def _compile_sources(layouts: Mapping[str, TensorLayout]) -> _Sources:
     """``_Sources(layouts)``, memoized on the identity of the layout objects (the memo keeps
     them alive, so ids stay valid): a replan with unchanged layouts skips recompiling."""
     names = _sorted_ids(layouts)
-    objs = tuple(layouts[n] for n in names)
-    key = (tuple(names), tuple(id(o) for o in objs))
+    objs = tuple(map(layouts.__getitem__, names))
+    key = (tuple(names), tuple(map(id, objs)))
     hit = _SRC_MEMO.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], objs)):
+    if hit is not None and all(map(is_, hit[0], objs)):
         _SRC_MEMO.move_to_end(key)
         return hit[1]
     src = _Sources(layouts)

@@ -1,0 +1,80 @@
+"""Validated user tensors, cached across calls: a training loop passes the same tensor objects
+every step, and with 10^5 tensors validating them again would cost more than the step.
+
+The check that the mapping is unchanged allocates nothing the garbage collector tracks (a
+collection during a 10,000-buffer pull cost more than the check itself).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Mapping
+
+import torch
+
+from .layout import Entry, Shard, TensorLike, validate_tensors
+
+__all__ = ["ValidatedTensors", "Fingerprint"]
+
+_DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
+
+
+class Fingerprint:
+    """A large tuple used as a cache key, hashed once: a steady-state lookup with the same
+    object compares by identity instead of walking 10^5 entries."""
+
+    __slots__ = ("items", "_hash")
+
+    def __init__(self, items: tuple[object, ...]):
+        self.items, self._hash = items, hash(items)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Fingerprint) and self._hash == other._hash
+                                 and self.items == other.items)
+
+
+class ValidatedTensors:
+    """The entries of the last mapping validated, reused while the same tensor objects sit at the
+    same addresses with the same sizes."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.entries: list[Entry] = []
+        self.fingerprint: Fingerprint | None = None  # names, boxes, dtypes, strides, addresses
+        self._names: list[str] = []
+        self._values: list[object] = []
+        self._tensors: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+        self._numels: list[int] = []
+
+    def _same(self, tensors: Mapping[str, TensorLike]) -> bool:
+        """Same names, the very same objects, and their storages not moved or resized. Every
+        comparison runs in C (``map`` over lists): ~10 ms for 10^5 tensors."""
+        if len(tensors) != len(self._names) or not self._names:
+            return False
+        if list(tensors) != self._names or not all(map(operator.is_, tensors.values(), self._values)):
+            return False
+        # Same objects (a Shard is frozen, so its tensor is the same too); a tensor's storage may
+        # still have been swapped (``set_``, ``resize_``) under it.
+        return list(map(_DATA_PTR, self._tensors)) == self._ptrs and list(map(_NUMEL, self._tensors)) == self._numels
+
+    def validate(self, tensors: Mapping[str, TensorLike]) -> list[Entry]:
+        """The mapping's entries (the cached list object itself when nothing changed).
+
+        Raises:
+            LayoutError: see :func:`astate_store.layout.validate_tensors`.
+        """
+        if self._same(tensors):
+            return self.entries
+        entries = validate_tensors(tensors, self.what)
+        self._names, self._values = list(tensors), list(tensors.values())
+        self._tensors = [v.tensor if isinstance(v, Shard) else v for v in self._values]  # type: ignore[misc]
+        self._ptrs, self._numels = list(map(_DATA_PTR, self._tensors)), list(map(_NUMEL, self._tensors))
+        self.entries = entries
+        self.fingerprint = Fingerprint(tuple((e.name, e.box, e.dtype, e.tensor.stride(), e.tensor.data_ptr())
+                                             for e in entries))
+        return entries
