@@ -284,9 +284,9 @@ def _frozen(cls: type, fields: dict) -> object:
     return obj
 
 
-class _GCPaused:
-    """Pause the cyclic GC while building one object per tensor: at 90k tensors its collections
-    (each walking every live object) cost about as much as the building."""
+class GCPaused:
+    """Pause the cyclic GC while building one object per tensor (or per shard): at 10^5 of them
+    its collections, each walking every live object, cost about as much as the building."""
 
     def __enter__(self) -> None:
         self._was = gc.isenabled()
@@ -420,7 +420,7 @@ def validate_tensors(tensors: Mapping[str, TensorLike], what: str) -> list[Entry
         raise LayoutError(f"{what} is empty")
     out = []
     append = out.append
-    with _GCPaused():
+    with GCPaused():
         for name in sorted(tensors):
             t, box, gshape, dtype = _local_box(name, tensors[name])
             if not (t.is_cpu or t.is_cuda):
@@ -582,7 +582,7 @@ def _check_tiling(name: str, shape: tuple[int, ...], boxes: list[Box], shards: l
 
 def group_layouts(records: Iterable[ShardRecord]) -> Mapping[str, TensorLayout]:
     """Merge a version's shard records into one layout per tensor."""
-    with _GCPaused():
+    with GCPaused():
         return _group_layouts(list(records))
 
 

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 import astate_store
+from astate_store.process import exited
 from astate_store import Shard
 
 ROWS, COLS = 8, 16
@@ -31,15 +32,6 @@ ROWS, COLS = 8, 16
 
 def value(step: int) -> torch.Tensor:
     return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * 0.25 + step
-
-
-def gone(pid: int) -> bool:
-    """The process exited (a zombie has exited too: its files, and flocks, are closed)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def wait_for(pred: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
@@ -78,7 +70,7 @@ def main() -> int:
         store.close()
         return 0
 
-    wait_for(lambda: gone(int(info["starter"])), "the rank that started etcd to exit")
+    wait_for(lambda: exited(int(info["starter"])), "the rank that started etcd to exit")
     mine = torch.zeros(rows, COLS)
     result["own_step1"] = store.get_into({"w": Shard(mine, box, (ROWS, COLS))}, step=1, timeout=30)
     result["own_step1_exact"] = torch.equal(mine, value(1)[rank * rows:(rank + 1) * rows])

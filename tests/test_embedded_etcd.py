@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from astate_store.process import exited
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -20,15 +22,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 GRACE = "1"  # seconds the supervisor waits after the last participant (ASTATE_ETCD_IDLE_GRACE)
-
-
-def gone(pid: int) -> bool:
-    """Exited (a zombie counts: an orphan's parent may be slow to reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
@@ -71,14 +64,14 @@ class Host:
         out = []
         for d in self.home.glob("embedded-etcd-*"):
             m = re.fullmatch(r"embedded-etcd-(\d+)", d.name)
-            if m and not gone(int(m.group(1))) and "--supervise" in _cmdline(int(m.group(1))):
+            if m and not exited(int(m.group(1))) and "--supervise" in _cmdline(int(m.group(1))):
                 out.append(int(m.group(1)))
         return out
 
     def assert_stopped(self, info: dict[str, Any], timeout: float = 20.0) -> None:
         """The supervisor of ``info`` stops its etcd and itself, and removes the rendezvous file."""
-        wait_until(lambda: gone(int(info["pid"])), timeout, f"etcd pid {info['pid']} to stop")
-        wait_until(lambda: gone(int(info["supervisor"])), timeout, f"supervisor {info['supervisor']} to exit")
+        wait_until(lambda: exited(int(info["pid"])), timeout, f"etcd pid {info['pid']} to stop")
+        wait_until(lambda: exited(int(info["supervisor"])), timeout, f"supervisor {info['supervisor']} to exit")
         now = self.info()
         assert now is None or now.get("supervisor") != info["supervisor"], now
         assert not (self.home / f"embedded-etcd-{info['supervisor']}").exists()
@@ -101,13 +94,13 @@ class Host:
         for pid in sups:
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and not all(gone(p) for p in sups):
+        while time.monotonic() < deadline and not all(exited(p) for p in sups):
             time.sleep(0.05)
         for pid in sups:
-            if not gone(pid):
+            if not exited(pid):
                 os.kill(pid, signal.SIGKILL)
         etcd = info.get("pid")
-        if etcd and not gone(int(etcd)) and "etcd" in _cmdline(int(etcd)) and str(self.home) in _cmdline(int(etcd)):
+        if etcd and not exited(int(etcd)) and "etcd" in _cmdline(int(etcd)) and str(self.home) in _cmdline(int(etcd)):
             os.kill(int(etcd), signal.SIGKILL)
 
 

@@ -3,7 +3,6 @@ raise the same RecoveryError, before any of them republishes. Real etcd, real pr
 
 from __future__ import annotations
 
-import base64
 import logging
 import multiprocessing as mp
 import time
@@ -22,6 +21,7 @@ from astate_store.errors import RecoveryError, StaleSessionError, StaleStepError
 from astate_store.store import Store
 
 from ._store_workers import STAGES, consumer_main, stage_names
+from .test_codec import _as_json
 from .test_sync import Group, assert_exact, whole_buffers
 
 CTX = mp.get_context("spawn")
@@ -64,16 +64,6 @@ def _gone(cat: Catalog, epoch: int, timeout: float = 30.0) -> None:
     while cat.sessions.live_ranks(epoch):
         assert time.monotonic() < deadline, f"ranks of epoch {epoch} still alive after {timeout}s"
         time.sleep(0.2)
-
-
-def _as_json(v: object) -> object:
-    if isinstance(v, bytes):
-        return base64.b64encode(v).decode()
-    if isinstance(v, dict):
-        return {k: _as_json(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_as_json(x) for x in v]
-    return v
 
 
 def _records(cat: Catalog, epoch: int) -> tuple[dict[int, dict[str, Any]], dict[int, dict[int, dict[str, Any]]]]:

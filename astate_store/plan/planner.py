@@ -12,7 +12,7 @@ from typing import Any, Hashable, Mapping, Optional, Sequence
 import numpy as np
 
 from ..errors import PlanError
-from ..layout import ShardRecord, TensorLayout
+from ..layout import GCPaused, ShardRecord, TensorLayout
 from .balance import _assign_replicas
 from .contracts import CostModel, Fabric, PackedInput, PackedShard
 from .intersect import _expand_instances, _Instances, _intersect, _Pieces
@@ -22,7 +22,7 @@ from .requests import _dedupe_requests, _Requests
 from .result import ConsumerPlan, GlobalPlan
 from .runs import _instance_templates, _merge_whole_runs, _Runs
 from .shards import _compile_sources, _Sources
-from .util import _NoGC, _sorted_ids
+from .util import _sorted_ids
 
 
 def _plan(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]], *,
@@ -129,7 +129,7 @@ def plan_global(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable,
         PlanError: a tensor not in the layout, a box out of bounds or of the wrong ndim, a box no
             source covers, dtype/shape disagreement, or a non float<->float conversion.
     """
-    with _NoGC():
+    with GCPaused():
         return _plan(layouts, requests, topology=topology, packed=packed, cost=cost, balance=balance,
                      rotations=rotations, staggers=staggers)
 
@@ -154,7 +154,7 @@ def plan_consumer(layouts: Mapping[str, TensorLayout], request: Sequence[ShardRe
             else:
                 items.append(p)
         packed = items
-    with _NoGC():
+    with GCPaused():
         gp = _plan(layouts, {consumer: request}, topology=topology, packed=packed, cost=cost, balance="rotation",
                    rotations={consumer: rotation}, staggers={consumer: rotation if stagger is None else stagger})
     return gp.consumer(consumer)

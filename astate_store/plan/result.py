@@ -8,10 +8,11 @@ from typing import Any, Hashable, Optional
 
 import numpy as np
 
+from ..layout import GCPaused
+
 from .contracts import PackItem
 from .materialize import _materialize
 from .packing import _build_pack_items
-from .util import _NoGC
 
 
 class ConsumerPlan:
@@ -105,6 +106,6 @@ class GlobalPlan:
         """Per publisher rank, the pieces worth pre-packing (deduplicated; ``consumers`` lists
         who reads each)."""
         if self._pack_cache is None:
-            with _NoGC():
+            with GCPaused():
                 self._pack_cache = _build_pack_items(self)
         return self._pack_cache

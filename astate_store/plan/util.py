@@ -3,23 +3,10 @@ and row primitives (so no stage loops in Python per piece), and a GC pause for b
 
 from __future__ import annotations
 
-import gc
 from typing import Any, Hashable, Iterable
 
 import numpy as np
 
-
-class _NoGC:
-    """Pause the cyclic GC while building many small objects (a collection would walk every
-    live layout record, which dominates at 1T-parameter scale)."""
-
-    def __enter__(self) -> None:
-        self._was = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._was:
-            gc.enable()
 
 
 def _sort_key(x: Any) -> tuple:
