@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
@@ -41,8 +41,11 @@ log = logging.getLogger("astate_store")
 
 _MAX_TORN_RETRIES = 8
 _CACHE = 8  # source-group sets and ready-made batches kept (consumers and re-servers come and go)
+_KEEP_PEERS = 4  # pulls a peer stays connected after its last appearance in a version's sources
 
-Work = tuple[np.ndarray, list[Conversion]]
+# A ready-made pull: the batched ops, the local conversions, and the sources the ops read from
+# (publisher ranks, or ``r-<member>`` of re-serving consumers: the torn markers end_read checks).
+Work = tuple[np.ndarray, list[Conversion], frozenset[object]]
 
 
 class Consumer:
@@ -85,11 +88,12 @@ class Consumer:
                                     "than it can be read")
 
     def _register(self) -> None:
-        """Register as a consumer once: publishers that stream oversized snapshots wait for
-        known consumers."""
-        if not self._registered:
-            self.ctx.catalog.consumers.register(self.ctx.reader_id, [])
-            self._registered = True
+        """Register as a consumer (publishers that stream oversized snapshots wait for known
+        consumers), and register again — with the pre-pack requests last sent — when the reader
+        lease the record hung on was lost and re-created (the record went with the old lease).
+        A steady call makes no etcd request."""
+        self.ctx.catalog.consumers.ensure_registered(self.ctx.reader_id)
+        self._registered = True
 
     def _read(self, step: int, dests: list[Entry]) -> bool | None:
         """One attempt at ``step``: True when the buffers hold it, False when a source retired
@@ -101,11 +105,12 @@ class Consumer:
         except VersionNotFound:
             return None
         try:
-            self._pull(self.ctx.catalog.versions.layouts_of(version), dests)
+            sources = self._pull(self.ctx.catalog.versions.layouts_of(version), dests)
         except BaseException:
             readers.end_read(step, self.ctx.reader_id)
             raise
-        return readers.end_read(step, self.ctx.reader_id)
+        # Only the torn markers of the sources actually read from count.
+        return readers.end_read(step, self.ctx.reader_id, sources)
 
     # ---- one pull -------------------------------------------------------------------------
 
@@ -120,9 +125,10 @@ class Consumer:
             self._groups_cache.move_to_end(key)
         return hit
 
-    def _pull(self, version: Version, dests: list[Entry]) -> None:
+    def _pull(self, version: Version, dests: list[Entry]) -> frozenset[object]:
         """Read every buffer from one set of sources; a source may have died without its lease
-        expiring yet, so a failed read falls back to the other sets before it raises."""
+        expiring yet, so a failed read falls back to the other sets before it raises. Returns
+        the sources read from."""
         groups = self._groups(version)
         if not groups:
             raise PeerUnreachable(
@@ -131,8 +137,7 @@ class Consumer:
         tries = failover_order(groups, dests)
         for i, gs in enumerate(tries):
             try:
-                self._pull_from(version, gs, dests)
-                return
+                return self._pull_from(version, gs, dests)
             except TransportError:
                 # Endpoints of a failed read may be closed: connect and plan afresh next time.
                 self._connected.clear()
@@ -141,7 +146,8 @@ class Consumer:
                     raise
                 log.info("step %d: a source failed; retrying with other sources", version.step)
 
-    def _pull_from(self, version: Version, groups: Mapping[str, SourceGroup], dests: list[Entry]) -> None:
+    def _pull_from(self, version: Version, groups: Mapping[str, SourceGroup], dests: list[Entry]
+                   ) -> frozenset[object]:
         # Steady state: same sources, same buffers, same staging slots -> the ready-made batch.
         slots = tuple(p.base_offset for _r, p in sorted(version.pieces.items()))
         key = (version.layout_key, version.missing, tuple(sorted(groups)), self.buffers.fingerprint, slots)
@@ -153,13 +159,48 @@ class Consumer:
         else:
             self._ops_cache.move_to_end(key)
             self.ctx.stats["plan_hits"] += 1
-        ops, conversions = work
+        ops, conversions, sources = work
         self.ctx.stats["reads"] = len(ops) + sum(len(c[0]) for conv in conversions for c in conv.chunks)
         self.ctx.stats["local_conversions"] = len(conversions)
         if len(ops):
             self.ctx.transport.get(ops, timeout=self.ctx.options.read_timeout)  # every same-dtype read in one call
         for conv in conversions:
             self.converter.run(conv)
+        self._disconnect_departed(version)
+        return sources
+
+    def _disconnect_departed(self, version: Version) -> None:
+        """After a good pull: close the endpoints (rkeys, pidfds) of peers that no source group
+        of the last ``_KEEP_PEERS`` pulled versions names (publishers that left or restarted,
+        withdrawn re-servers), so connections and ``_connected`` stay bounded. A steady state
+        (the same sources pull after pull) costs one comparison."""
+        key = (version.layout_key, version.missing)
+        st = self.__dict__.get("_departed")
+        if st is None:  # [sources key, pulls with it in a row, peers of the last pulls]
+            st = self.__dict__["_departed"] = [None, 0, deque(maxlen=_KEEP_PEERS)]
+        if st[0] == key:
+            st[1] += 1
+            if st[1] > _KEEP_PEERS:
+                return  # every peer that left was disconnected when the window filled
+            peers = st[2][-1]
+        else:
+            peers = frozenset(peer for g in self._groups(version).values() for peer, _r, _l in g.sources.values())
+            st[0], st[1] = key, 1
+        st[2].append(peers)
+        live = frozenset().union(*st[2])
+        tr = self.ctx.transport
+        gone = [p for p in tr.peers if p not in live]
+        for p in gone:
+            try:
+                tr.disconnect(p)
+            except Exception as exc:  # the pull succeeded: a failed close must not undo it
+                log.warning("disconnecting departed peer %s failed: %s", p, exc)
+        for p in [p for p in self._connected if p not in live]:
+            del self._connected[p]
+        if gone:
+            self._ops_cache.clear()  # ready-made batches may name the departed peers' indices
+            log.info("step %d: disconnected %d peers no recent version lists (%s)", version.step, len(gone),
+                     ", ".join(map(str, gone[:4])) + (", ..." if len(gone) > 4 else ""))
 
     def _build_pull(self, version: Version, groups: Mapping[str, SourceGroup], dests: list[Entry]) -> Work:
         """Plan every buffer against its source group: same-dtype reads into one batch; other
@@ -185,7 +226,24 @@ class Consumer:
             if self.ctx.options.prepack and gid == PUBLISHERS:
                 self._request_packs(g, same, cp, convert)
         ops = np.concatenate(batches) if batches else np.empty((0, 5), dtype=np.int64)
-        return ops, conversions
+        return ops, conversions, self._sources_read(groups, ops, conversions)
+
+    def _sources_read(self, groups: Mapping[str, SourceGroup], ops: np.ndarray, conversions: list[Conversion]
+                      ) -> frozenset[object]:
+        """The sources whose memory these ops read: their torn markers decide whether the bytes
+        are good (a source that did not serve this pull cannot tear it)."""
+        from .catalog.readers import replica_source
+
+        used = set(np.unique(ops[:, 0]).tolist())
+        for conv in conversions:
+            for chunk_ops, _src, _dst in conv.chunks:
+                used.update(np.unique(chunk_ops[:, 0]).tolist())
+        out: set[object] = set()
+        for g in groups.values():
+            for peer, rank, _lay in g.sources.values():
+                if peer in self._connected and self.ctx.transport.peer_index(peer) in used:
+                    out.add(rank if rank is not None else replica_source(peer[1]))
+        return frozenset(out)
 
     def _ops(self, g: SourceGroup, base: Mapping[int, int], reads: np.ndarray, dests: Sequence[Entry]
              ) -> np.ndarray:
@@ -193,10 +251,17 @@ class Consumer:
         return to_transport_ops(g, self.ctx.transport.peer_index, base, reads, ptrs)
 
     def _connect(self, g: SourceGroup) -> None:
+        from .errors import CodecError
+
         for peer, _rank, lay in g.sources.values():
             if self._connected.get(peer) == lay.layout_id:
                 continue
-            desc = codec.decode("ucx_descriptor", lay.transport)
+            try:
+                desc = codec.decode("ucx_descriptor", lay.transport)
+            except CodecError as exc:
+                # A bad descriptor makes this source unreachable; the pull fails over to the others.
+                self.ctx.catalog.versions.skips(f"transport descriptor of layout {lay.layout_id}", str(exc))
+                raise PeerUnreachable(f"source {peer}: its layout's transport descriptor is bad: {exc}") from None
             try:
                 self.ctx.transport.connect(peer, desc)
             except TransportError as exc:

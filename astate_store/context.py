@@ -55,8 +55,11 @@ class StoreContext:
         self.reader_id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
         # Consumers spread over replicas and groups without talking to each other.
         self.rotation = zlib.crc32(self.reader_id.encode()) & 0xFFFF
+        # "registrations": caller memory registered for in-place puts and serve (the registry's
+        # count, kept current by the publisher and serving).
         self.stats: dict[str, int] = {"plans": 0, "plan_hits": 0, "torn_retries": 0, "reads": 0,
-                                      "local_conversions": 0, "streamed_puts": 0, "layouts_published": 0}
+                                      "local_conversions": 0, "streamed_puts": 0, "layouts_published": 0,
+                                      "registrations": 0}
         self.affinity: AffinityChoice | None = None
         self._affinity_cfg = affinity
         self._factory = transport_factory

@@ -9,6 +9,9 @@ __all__ = [
     "CatalogError",
     "CatalogUnavailable",
     "CatalogRejected",
+    "CatalogAuthError",
+    "UnsafeRendezvousError",
+    "CatalogCorrupted",
     "StaleSessionError",
     "StaleStepError",
     "VersionNotFound",
@@ -46,6 +49,30 @@ class CatalogUnavailable(CatalogError):
 
 class CatalogRejected(CatalogError):
     """etcd answered and refused the request (too large, not permitted, invalid): retrying cannot help."""
+
+
+class CatalogAuthError(CatalogRejected):
+    """The client's security settings do not match etcd's: TLS (scheme, CA, client certificate),
+    credentials (user, password), or permissions (no role for the namespace's keys). Raised at
+    once, not after the retry budget; the message says what to check (option and env var)."""
+
+
+class UnsafeRendezvousError(CatalogError, PermissionError):
+    """The embedded etcd's rendezvous directory or file is not safe to trust: owned by another
+    user, or writable by group/others. The message names the path and the fix."""
+
+
+class CatalogCorrupted(CatalogError):
+    """A record that others depend on (``latest``, ``epoch``, a ``commit``, the ``session``, a piece
+    of a committed version) does not decode or is not what its key says. ``key``: the etcd key.
+    Raised instead of acting on it: no bytes of a version with a bad commit are ever returned."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep the key across processes (pickle)
+        return (type(self), self.args, {"key": self.key})
 
 
 class StaleStepError(CatalogError):

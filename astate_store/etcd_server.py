@@ -5,7 +5,9 @@ else this host's shared embedded etcd. That etcd is owned by a small detached **
 process (``python -m astate_store.etcd_server --supervise``, its own session, log in the
 rendezvous dir), not by the process that happened to need it first, so it outlives that process.
 
-Lifecycle of the shared etcd (rendezvous dir: ``$ASTATE_HOME``, else ``/tmp/astate-store-<uid>``):
+Lifecycle of the shared etcd (rendezvous dir: ``$ASTATE_HOME``, else ``/tmp/astate-store-<uid>``,
+created with mode 0700; a dir or rendezvous file another user owns or could write is refused with
+:class:`~astate_store.errors.UnsafeRendezvousError`):
 
 - ``embedded-etcd.json`` names the live one (endpoint, etcd pid, supervisor pid, starter pid);
   ``embedded-etcd.json.lock`` (``flock``) serializes finding, starting and retiring it.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import fcntl
 import json
 import logging
@@ -36,6 +39,8 @@ import select
 import shutil
 import signal
 import socket
+import ssl
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -46,13 +51,17 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .errors import CatalogUnavailable
+from .errors import CatalogUnavailable, UnsafeRendezvousError
 from .process import pid_alive
 
+if TYPE_CHECKING:  # the supervisor imports this module alone: nothing above errors/process at run time
+    from .catalog.config import EtcdConfig
+    from .security import CertPaths
+
 __all__ = ["EmbeddedEtcd", "EtcdCluster", "find_etcd_binary", "shared_endpoint", "ENV_ENDPOINT",
-           "ENV_IDLE_GRACE"]
+           "ENV_IDLE_GRACE", "ENV_HOME"]
 
 log = logging.getLogger("astate_store.etcd")
 
@@ -113,9 +122,11 @@ def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def _healthy(endpoint: str, timeout: float = 1.0) -> bool:
+def _healthy(endpoint: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
+    """``/health`` of ``host:port`` (plain) or ``https://host:port`` (TLS, checked with ``context``)."""
+    url = endpoint if "://" in endpoint else f"http://{endpoint}"
     try:
-        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=timeout) as r:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout, context=context) as r:
             return bool(json.loads(r.read()).get("health") in ("true", True))
     except (OSError, ValueError):
         return False
@@ -162,18 +173,35 @@ class EmbeddedEtcd:
         start_timeout: seconds to wait for ``/health``.
         host: address to bind (loopback by default; a test host's address inside a network
             namespace made for multi-host tests).
+        tls: certificates (:func:`astate_store.security.make_test_certs`): client and peer URLs are
+            https (``endpoint`` is then ``https://host:port``); None (default): plain http.
+        auth: turn etcd's authentication on once it runs (:func:`astate_store.security.enable_auth`):
+            True (a random root password, :attr:`root_password`) or root's password; False (default): off.
+        client_cert_auth: with ``tls``, also require client certificates signed by ``tls.ca``
+            (``--client-cert-auth``).
+        extra_args: more etcd flags (e.g. ``["--auth-token-ttl", "2"]``).
 
     Raises:
         CatalogUnavailable: etcd did not become healthy in time.
     """
 
     def __init__(self, binary: str | None = None, data_dir: str | None = None, start_timeout: float = 20.0,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", *, tls: "CertPaths | None" = None, auth: bool | str = False,
+                 client_cert_auth: bool = False, extra_args: Sequence[str] = ()):
         self.host = host
         self.binary = binary or find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="astate-etcd-")
         self.start_timeout = start_timeout
+        self.tls, self.client_cert_auth, self.extra_args = tls, client_cert_auth, list(extra_args)
+        if client_cert_auth and tls is None:
+            raise ValueError("client_cert_auth needs tls")
+        if auth is True:
+            import secrets
+
+            auth = secrets.token_urlsafe(18)
+        #: root's password when authentication is on (None: off)
+        self.root_password: str | None = auth or None
         self.proc: subprocess.Popen[bytes] | None = None
         self.client_port = 0
         self.endpoint = ""
@@ -182,27 +210,81 @@ class EmbeddedEtcd:
         # Own process group: a Ctrl-C to the caller's group is not what stops etcd.
         return subprocess.Popen(cmd, stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, start_new_session=True)
 
+    def _tls_flags(self) -> list[str]:
+        t = self.tls
+        if t is None:
+            return []
+        flags = ["--cert-file", t.server_cert, "--key-file", t.server_key,
+                 "--peer-cert-file", t.server_cert, "--peer-key-file", t.server_key,
+                 "--peer-trusted-ca-file", t.ca, "--peer-client-cert-auth"]
+        if self.client_cert_auth:
+            flags += ["--client-cert-auth", "--trusted-ca-file", t.ca]
+        return flags
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls.ca)
+        if self.client_cert_auth:
+            ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
+        return ctx
+
+    def config(self, user: str | None = None, password: str | None = None) -> "EtcdConfig":
+        """How to reach this etcd (``Store(ns, etcd=...)``, ``connect(ns, etcd=...)``): its endpoint,
+        the CA (and client certificate) when TLS is on, and the given user."""
+        from .catalog.config import EtcdConfig
+
+        t = self.tls
+        cert = t.client_cert if t is not None and self.client_cert_auth else None
+        key = t.client_key if t is not None and self.client_cert_auth else None
+        return EtcdConfig.parse(self.endpoint, ca=t.ca if t is not None else None, cert=cert, key=key,
+                                user=user, password=password)
+
+    def admin_config(self) -> "EtcdConfig":
+        """:meth:`config` as ``root`` (authentication on), else without credentials."""
+        if self.root_password is None:
+            return self.config()
+        from .security import ROOT_USER
+
+        return self.config(ROOT_USER, self.root_password)
+
     def start(self) -> "EmbeddedEtcd":
         last = ""
         os.makedirs(self.data_dir, exist_ok=True)
+        scheme = "https" if self.tls is not None else "http"
+        context = self._ssl_context()
         for _attempt in range(3):  # a free port can be taken between probe and bind
             self.client_port, peer = _free_ports(2, self.host)
-            c, p = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{peer}"
+            c, p = f"{scheme}://{self.host}:{self.client_port}", f"{scheme}://{self.host}:{peer}"
             cmd = _etcd_command(self.binary, "astate", os.path.join(self.data_dir, "data"), c, p, f"astate={p}")
+            cmd += self._tls_flags() + self.extra_args
             log_path = os.path.join(self.data_dir, "etcd.log")
             with open(log_path, "ab") as logf:
                 self.proc = self._spawn(cmd, logf)
-            self.endpoint = f"{self.host}:{self.client_port}"
+            self.endpoint = c if self.tls is not None else f"{self.host}:{self.client_port}"
             deadline = time.monotonic() + self.start_timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
-                if _healthy(self.endpoint, 0.5):
+                if _healthy(self.endpoint, 0.5, context):
                     atexit.register(self.stop)
-                    log.info("embedded etcd %s (pid %d) at %s", self.binary, self.proc.pid, self.endpoint)
+                    if self.root_password is not None:
+                        self._enable_auth()
+                    log.info("embedded etcd %s (pid %d) at %s%s", self.binary, self.proc.pid, self.endpoint,
+                             " (authentication on)" if self.root_password is not None else "")
                     return self
                 time.sleep(0.05)
             last = _log_tail(log_path)
             self._kill()
         raise CatalogUnavailable(f"embedded etcd did not become healthy; its log ends:\n{last}")
+
+    def _enable_auth(self) -> None:
+        from .security import enable_auth
+
+        assert self.root_password is not None
+        try:
+            enable_auth(self.config(), self.root_password)
+        except BaseException:
+            self._kill()
+            raise
 
     def _kill(self) -> None:
         _stop_process(self.proc)
@@ -351,9 +433,45 @@ class EtcdCluster:
 # ---- the shared embedded etcd: participants' side ---------------------------------------------
 
 
+def _check_private_dir(path: Path, *, default: bool) -> None:
+    """Refuse a rendezvous dir another user could control: not a plain directory of ours, or
+    writable by group or others. (A default dir of ours that others may read is tightened to 0700.)
+
+    Raises:
+        UnsafeRendezvousError: naming the path and the fix.
+    """
+    fix = (f"remove it (as its owner, or root), or set {ENV_HOME} to a directory of yours with mode 0700"
+           if default else f"point {ENV_HOME} at a directory of yours with mode 0700")
+    st = os.lstat(path)
+    what = f"the embedded etcd's rendezvous dir {path}"
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeRendezvousError(f"{what} is a symbolic link (to {os.readlink(path)}); {fix}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeRendezvousError(f"{what} is not a directory; {fix}")
+    if st.st_uid != os.getuid():
+        raise UnsafeRendezvousError(f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()}): "
+                                    f"its owner could point this process at an etcd of theirs; {fix}")
+    if st.st_mode & 0o022:
+        raise UnsafeRendezvousError(f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                                    f"anyone could replace its files; run `chmod 700 {path}`, or {fix}")
+    if default and st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # ours, made by an older version with the umask's mode
+
+
 def _home() -> Path:
-    base = Path(os.environ.get(ENV_HOME, os.path.join(tempfile.gettempdir(), f"astate-store-{os.getuid()}")))
-    base.mkdir(parents=True, exist_ok=True)
+    """The rendezvous dir: ``$ASTATE_HOME``, else ``/tmp/astate-store-<uid>``; created with mode
+    0700, and refused (:class:`UnsafeRendezvousError`) when another user could control it."""
+    env = os.environ.get(ENV_HOME)
+    if env:
+        Path(env).mkdir(parents=True, exist_ok=True, mode=0o700)
+        base = Path(env).resolve()  # a symlink to a directory of ours is fine for an explicit home
+    else:
+        base = Path(tempfile.gettempdir()) / f"astate-store-{os.getuid()}"
+        try:
+            base.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    _check_private_dir(base, default=not env)
     return base.resolve()  # the supervisor runs in /, and participants compare homes
 
 
@@ -397,16 +515,40 @@ def _supervisor_alive(home: Path, supervisor_pid: int) -> bool:
 
 
 def _read_info(path: Path) -> dict[str, Any] | None:
+    """The rendezvous record; None when absent or unreadable.
+
+    Raises:
+        UnsafeRendezvousError: the file is a symlink, not ours, or writable by group or others.
+    """
     try:
-        info = json.loads(path.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeRendezvousError(f"the embedded etcd's rendezvous file {path} is a symbolic link: not "
+                                        f"trusting it; remove it (`rm {path}`)") from None
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise UnsafeRendezvousError(
+                f"the embedded etcd's rendezvous file {path} is not a private file of this user (owner uid "
+                f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; this is uid {os.getuid()}): not trusting the "
+                f"etcd it names; remove it (`rm {path}`) and check who else can write to {path.parent}")
+        data = f.read(1 << 20)
+    try:
+        info = json.loads(data)
         return info if isinstance(info, dict) else None
-    except (OSError, ValueError):
+    except ValueError:
         return None
 
 
 def _write_info(path: Path, info: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(info))
     os.replace(tmp, path)
 
 
@@ -630,7 +772,11 @@ class _Supervisor:
 
     def _withdraw(self) -> None:
         """Remove the rendezvous file if it names this supervisor. Rendezvous lock held."""
-        info = _read_info(self.rendezvous)
+        try:
+            info = _read_info(self.rendezvous)
+        except UnsafeRendezvousError as exc:  # not ours to remove
+            log.warning("%s", exc)
+            return
         if info is not None and info.get("supervisor") == self.me:
             self.rendezvous.unlink(missing_ok=True)
 

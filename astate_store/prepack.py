@@ -50,7 +50,8 @@ def servable(requests: Iterable[tuple[str, str, Box, str | None]], entries: Sequ
     for _consumer, name, box, dtype in requests:
         for i in index.get(name, ()):
             e = entries[i]
-            if e.box.intersect(box) == box and box.numel and (
+            # A request from etcd is a stranger's word: its box must have the tensor's dims.
+            if box.ndim == e.box.ndim and e.box.intersect(box) == box and box.numel and (
                     dtype is None or (is_floating(dtype) and is_floating(e.dtype))):
                 out.add((i, box, None if dtype == e.dtype else dtype))
                 break

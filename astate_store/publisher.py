@@ -21,6 +21,7 @@ from . import codec
 from .context import StoreContext, sync_device
 from .errors import CheckpointError, LayoutError
 from .layout import Entry, ShardRecord, TensorLike, torch_dtype, validate_tensors
+from .catalog.records import pad20
 from .prepack import Copy, servable
 from .registry import Registry
 from .staging import SnapshotPool, StagingCapExceeded
@@ -174,8 +175,15 @@ class Publisher:
     # ---- in place -------------------------------------------------------------------------
 
     def _in_place(self, entries: list[Entry]) -> str:
-        """Register the entries' storages (once) and publish their layout when it changed."""
-        shards = self.registry.records(entries, self.ctx.rank)
+        """Register the entries' published spans (once; ``Registry``) and publish their layout
+        when it changed. Registrations the earlier, retired in-place steps used and this put
+        no longer publishes are released here (``_release_unused``)."""
+        shards = self.registry.acquire("put", entries, self.ctx.rank)
+        if not self._zero_copy_live:
+            # Every earlier in-place step was retired (retire(), or streamed and retired by
+            # _put_streamed): only this put's references still matter.
+            self.registry.release("put", keep_last=1)
+        self._release_unused()
         sig = tuple(shards)
         if sig != self._inplace_sig or self._inplace_lid is None:
             self._inplace_lid = self._publish_layout(shards)
@@ -195,9 +203,43 @@ class Publisher:
     # ---- retire and held state ------------------------------------------------------------
 
     def retire(self, timeout: float | None = None) -> int:
-        """Retire every step published in place; returns readers that had not finished."""
+        """Retire every step published in place; returns readers that had not finished.
+
+        The registrations those steps used stop being held; the next put re-acquires what it
+        still publishes and releases the rest (a registration idle since an earlier retire is
+        released here)."""
         t = self.ctx.options.retire_timeout if timeout is None else timeout
         left = sum(self.ctx.catalog.readers.retire(s, timeout=t) for s in self._zero_copy_live)
+        self._zero_copy_live.clear()
+        self._release_unused()  # idle since before this retire: no put wanted them again
+        self.registry.release("put")
+        return left
+
+    def _release_unused(self) -> None:
+        """Release hook: unregister registrations no live version and no offer holds, and
+        keep ``stats["registrations"]`` current."""
+        self.registry.sweep()
+        self.ctx.stats["registrations"] = self.registry.count
+
+    def retire_all(self) -> int:
+        """Before this rank's memory is freed or handed back (``close``): leave the session (its
+        layouts vanish, so new plans skip it and other sources — replicas — keep serving its
+        steps), wait (bounded) for the readers registered on the steps it exposed, and mark those
+        steps torn *for this rank only*, so a read planned from a cached layout is discarded.
+        Returns readers that had not finished."""
+        cat = self.ctx.catalog
+        s = cat.session
+        pool = self._pool
+        steps = sorted(set(self._zero_copy_live) | {x for x in (pool.slot_step if pool is not None else ())
+                                                    if x is not None})
+        if s is None or not steps:
+            return 0
+        cat.client.revoke(s.lease_id)
+        me = pad20(s.rank)
+        left = 0
+        for step in steps:
+            left += cat.readers.wait_readers(step, self.ctx.options.retire_timeout, torn_as=me)
+            cat.readers.mark_torn(step, me)
         self._zero_copy_live.clear()
         return left
 

@@ -1,8 +1,9 @@
 """Re-serving (P2P fan-out): a consumer offers the buffers it just pulled as an extra source.
 
-The buffers' storages are registered in place (the same registry as zero-copy publishing),
-and the catalog lists them as a replica of the step, on the consumer's lease. Before the
-buffers change (the next ``get_into``), the offer is withdrawn and its readers waited for.
+The buffers are registered in place (the same registry as zero-copy publishing: only their
+page-rounded spans), and the catalog lists them as a replica of the step, on the consumer's
+lease. Before the buffers change (the next ``get_into``), or at ``unserve``, the offer is
+withdrawn, its readers waited for, and the registrations only the offer held are released.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from .registry import Registry
 __all__ = ["Serving"]
 
 log = logging.getLogger("astate_store")
+
+_HOLDER = "serve"  # the registry's holder name for offered buffers
 
 
 class Serving:
@@ -47,7 +50,8 @@ class Serving:
                 raise LayoutError(f"tensor {e.name!r}: serve() of step {step} needs buffers that get_into "
                                   "filled with that step")
         # Rank 0: a group's members are numbered by the consumer when it plans against them.
-        shards = self.registry.records(entries, 0)
+        shards = self.registry.acquire(_HOLDER, entries, 0)
+        self.ctx.stats["registrations"] = self.registry.count
         desc = codec.encode("ucx_descriptor", self.ctx.transport.descriptor())
         grp = group or f"solo-{self.ctx.reader_id}"
         lid = self.ctx.catalog.replicas.add(step, grp, self.ctx.reader_id, shards, desc)
@@ -61,4 +65,7 @@ class Serving:
             left += self.ctx.catalog.replicas.remove(step, grp, self.ctx.reader_id, lid,
                                                      timeout=self.ctx.options.retire_timeout)
         self._offers.clear()
+        # Nobody reads the offered buffers any more: stop exposing them.
+        self.registry.sweep(self.registry.release(_HOLDER))
+        self.ctx.stats["registrations"] = self.registry.count
         return left

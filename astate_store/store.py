@@ -13,14 +13,16 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .catalog import Catalog
+from .catalog.config import EtcdConfig
 from .context import StoreContext, StoreOptions
 from .consumer import Consumer
 from .conversion import Converter
 from .etcd_server import shared_endpoint
-from .layout import TensorLike
+from .errors import LayoutError
+from .layout import TensorLike, check_step
 from .publisher import Publisher
 from .recovery import Recovery
 from .registry import Registry
@@ -33,25 +35,41 @@ __all__ = ["connect", "Store", "StagingInfo"]
 log = logging.getLogger("astate_store")
 
 
-def connect(namespace: str, *, etcd: str | None = None, rank: int | None = None, world_size: int | None = None,
+def connect(namespace: str, *, etcd: str | Sequence[str] | EtcdConfig | None = None, etcd_ca: str | None = None,
+            etcd_cert: str | None = None, etcd_key: str | None = None, etcd_user: str | None = None,
+            etcd_password: str | None = None, rank: int | None = None, world_size: int | None = None,
             **options: Any) -> "Store":
     """Open the store of one namespace (one versioned state, e.g. ``"policy"``).
 
     Args:
         namespace: the state's name, ``[A-Za-z0-9_.-]{1,128}``.
-        etcd: ``host:port`` of etcd (comma-separated for a cluster); None starts or reuses the
-            embedded single-host etcd (``$ASTATE_ETCD`` wins when set).
+        etcd: etcd's endpoints: ``host:port``, ``https://host:port`` (TLS) or ``http://host:port``,
+            comma-separated or a list for a cluster (or an :class:`EtcdConfig`). None: ``$ASTATE_ETCD``,
+            else the embedded single-host etcd (started or reused).
+        etcd_ca: CA certificate (PEM) that signed etcd's server certificate; implies TLS.
+        etcd_cert, etcd_key: client certificate and key (PEM), for etcd's ``--client-cert-auth``.
+        etcd_user, etcd_password: etcd user (token authentication).
         rank: this process's publisher rank; default ``$RANK`` or 0.
         world_size: publisher group size; default ``$WORLD_SIZE`` or 1.
         **options: see :class:`Store`.
 
+    Each ``etcd*`` argument left None is read from its environment variable: ``ASTATE_ETCD``,
+    ``ASTATE_ETCD_CA``, ``ASTATE_ETCD_CERT``, ``ASTATE_ETCD_KEY``, ``ASTATE_ETCD_USER``,
+    ``ASTATE_ETCD_PASSWORD``; an explicit argument always wins.
+
     Raises:
+        CatalogError: a malformed endpoint, half a credential, a TLS file that does not exist.
         CatalogUnavailable: etcd could not be reached or started.
+        CatalogAuthError: (at the first request) TLS settings, credentials or permissions that do
+            not match etcd's.
     """
-    endpoint = etcd or shared_endpoint()
+    if not etcd:
+        etcd = None  # "" or []: as if not given (the embedded etcd)
+    config = EtcdConfig.from_args(etcd, ca=etcd_ca, cert=etcd_cert, key=etcd_key, user=etcd_user,
+                                  password=etcd_password, default_endpoint=shared_endpoint)
     r = int(os.environ.get("RANK", 0)) if rank is None else rank
     w = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    return Store(namespace, endpoint=endpoint, rank=r, world_size=w, **options)
+    return Store(namespace, etcd=config, rank=r, world_size=w, **options)
 
 
 @dataclass(frozen=True)
@@ -69,7 +87,11 @@ class Store:
     """A namespace's versioned tensors: publish with :meth:`put`, pull with :meth:`get_into`.
 
     Args:
-        namespace, endpoint, rank, world_size: as in :func:`connect`.
+        namespace, rank, world_size: as in :func:`connect`.
+        endpoint: etcd's endpoints as a string (``host:port``, ``https://host:port``, comma-separated;
+            no credentials, nothing read from the environment), or an :class:`EtcdConfig`.
+        etcd: an :class:`EtcdConfig` (endpoints, TLS, credentials), e.g. ``EtcdConfig.from_env()``;
+            give this or ``endpoint``.
         transport: ``"auto"`` (shared memory + cma on one host), ``"shm"`` or ``"tcp"`` (several hosts).
         session_id: id shared by the ranks of one publisher group (default ``$ASTATE_SESSION_ID``, or
             torchrun's run id and restart count; ranks > 0 otherwise join the live session).
@@ -90,13 +112,17 @@ class Store:
             their snapshot slots.
     """
 
-    def __init__(self, namespace: str, *, endpoint: str, rank: int = 0, world_size: int = 1,
+    def __init__(self, namespace: str, *, endpoint: str | EtcdConfig | None = None, etcd: EtcdConfig | None = None,
+                 rank: int = 0, world_size: int = 1,
                  transport: str = "auto", session_id: str | None = None, retention: int = 4,
                  lease_ttl: float = 10.0, staging_depth: int = 2, staging_cap_bytes: int | None = None,
                  read_timeout: float = 120.0, retire_timeout: float = 30.0, window: int = 256,
                  affinity: AffinityConfig | bool | None = None, prepack: bool = True):
         self.namespace, self.rank, self.world_size = namespace, rank, world_size
-        self.catalog = Catalog(endpoint, namespace, retention=retention, lease_ttl=lease_ttl)
+        if (endpoint is None) == (etcd is None):
+            raise TypeError("Store needs exactly one of endpoint= (a string or EtcdConfig) and etcd= (an EtcdConfig)")
+        config = EtcdConfig.parse(etcd if etcd is not None else endpoint)  # type: ignore[arg-type]
+        self.catalog = Catalog(config, namespace, retention=retention, lease_ttl=lease_ttl)
         options = StoreOptions(transport, staging_depth, staging_cap_bytes, read_timeout, retire_timeout, window,
                                prepack)
         if affinity is False:
@@ -124,7 +150,9 @@ class Store:
     @property
     def stats(self) -> dict[str, int]:
         """Counters: ``plans``, ``plan_hits``, ``torn_retries`` (discarded reads), ``reads`` and
-        ``local_conversions`` (of the last pull), ``streamed_puts``, ``layouts_published``."""
+        ``local_conversions`` (of the last pull), ``streamed_puts``, ``layouts_published``, and
+        ``skipped_records`` (bad records read from etcd and skipped; see README "Blobs")."""
+        self._ctx.stats["skipped_records"] = self.catalog.skipped_records
         return self._ctx.stats
 
     @property
@@ -156,6 +184,7 @@ class Store:
         Raises:
             WaitTimeout: none within ``timeout`` seconds.
         """
+        step, timeout = _check_wait(step, timeout, "wait")
         return self.catalog.versions.wait_for(step, timeout=timeout)
 
     # ---- publishing ----------------------------------------------------------------------
@@ -214,6 +243,7 @@ class Store:
             PeerUnreachable: a publisher died or did not answer within ``read_timeout``.
             TornReadError: the version kept being retired under the reader (too many retries).
         """
+        step, timeout = _check_wait(step, timeout, "get_into")
         if self._serving.active:
             self._serving.withdraw()  # these buffers may be among the re-served ones: withdraw before writing
         return self._consumer.get_into(buffers, step, timeout)
@@ -286,10 +316,20 @@ class Store:
     # ---- lifetime ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave the session (members, layouts and readers vanish at once) and free memory."""
+        """Leave the session (members, layouts and readers vanish at once) and free memory.
+
+        Memory that peers may be reading right now — re-served buffers, snapshot slots, tensors
+        published in place — is withdrawn or retired first (readers waited for up to
+        ``retire_timeout``, then told their bytes are torn), so no reader keeps bytes of memory
+        that is freed or handed back to the caller."""
         if self._closed:
             return
         self._closed = True
+        for what, release in (("re-served buffers", self._serving.withdraw), ("published steps", self._publisher.retire_all)):
+            try:
+                release()
+            except Exception as exc:  # closing goes on; readers of that memory then fail or retry
+                log.warning("close(): could not withdraw %s: %s", what, exc)
         self._recovery.close()
         self._converter.close()
         self.catalog.close()
@@ -301,6 +341,22 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_wait(step: object, timeout: object, what: str) -> tuple[int | None, float | None]:
+    """A call's ``step`` (None or a step number) and ``timeout`` (None or seconds >= 0), checked
+    before anything is waited on.
+
+    Raises:
+        LayoutError: naming the call and the bad argument.
+    """
+    if step is not None:
+        step = check_step(step, LayoutError)
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise LayoutError(f"{what}(timeout=...) must be None or a number of seconds >= 0, got {timeout!r}")
+        timeout = float(timeout)
+    return step, timeout  # type: ignore[return-value]
 
 
 def _torchrun_session() -> str | None:

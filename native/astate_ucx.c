@@ -18,9 +18,19 @@
  *   endpoint, the endpoint, memory handles, progress thread, worker, context.
  *   Child objects stay valid Python objects afterwards but report closed.
  *
- * Locking rule: the GIL is never acquired while Worker.lock is held. Methods release
- * the GIL, take the lock, do pure-C work, unlock, then take the GIL back; only
- * tp_dealloc takes the lock with the GIL held, which is safe by the same rule.
+ * Locking rule: the GIL is never acquired while Worker.lock is held, and Worker.lock is
+ * never waited for while the GIL is held. Methods release the GIL, take the lock, do
+ * pure-C work, unlock, then take the GIL back. tp_dealloc tries the lock first and,
+ * when another thread holds it (a batched get may hold it for its whole timeout),
+ * releases the GIL while it waits (lock_gil_free), so the interpreter never freezes.
+ *
+ * Untrusted input: worker addresses and packed rkeys come from other processes
+ * (through etcd). UCX parses both without a length, so they are bounded in size,
+ * checked for what UCX would abort on or over-read with (check_rkey_blob: the rkey
+ * layout; check_worker_address: the address version), and handed to UCX from a copy
+ * followed by 64 KiB of zeros, which bounds how far a lying length can lead its
+ * parser. UCX's address parser is not validated field by field: a crafted address
+ * is only as safe as UCX's own parsing of it.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -155,6 +165,67 @@ static PyTypeObject WorkerType, EndpointType, RkeyType, MemType;
     } while (0)
 
 static void wunlock(WorkerObject *w) { pthread_mutex_unlock(&w->lock); }
+
+/* Take w->lock from a context that holds the GIL (tp_dealloc): never wait for the lock
+ * with the GIL held, since a get may hold the lock for up to its timeout. */
+static void lock_gil_free(WorkerObject *w)
+{
+    if (pthread_mutex_trylock(&w->lock) == 0) return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&w->lock);
+    Py_END_ALLOW_THREADS
+}
+
+/* Bounds on blobs from other processes. */
+#define MAX_WORKER_ADDRESS (64 * 1024)
+#define MAX_RKEY_BLOB 4096
+/* Zero bytes after a copied blob: UCX's parsers take no length and may read past a lying
+ * one (an address entry's lengths are bytes, so a run of zeros ends the parse quickly). */
+#define BLOB_PAD (64 * 1024)
+
+/* Heap copy of blob with BLOB_PAD zero bytes after it (PyMem_RawFree it). */
+static void *padded_copy(const void *buf, size_t len)
+{
+    unsigned char *p = PyMem_RawCalloc(len + BLOB_PAD, 1);
+    if (p != NULL) memcpy(p, buf, len);
+    return p;
+}
+
+/* What UCX would abort on rather than refuse, in a worker address: its header's version
+ * (ucp_address_unpack_header asserts v1 or v2). NULL if plausible. */
+static const char *check_worker_address(const unsigned char *p, size_t len)
+{
+    if (len < 2) return "shorter than a header";
+    unsigned maj = 0, min = 0, rel = 0;
+    ucp_get_version(&maj, &min, &rel);
+    if (maj == 1 && (p[0] & 0x0f) > 1) return "unknown address version";
+    return NULL;
+}
+
+/* Check a packed rkey against UCX 1.x's layout before ucp_ep_rkey_unpack parses it
+ * (it takes no length): md_map (u64), memory type (u8), then per set md_map bit one
+ * size byte and that many bytes; newer versions append optional fields after them.
+ * Returns NULL if plausible, else what is wrong. */
+static const char *check_rkey_blob(const unsigned char *p, size_t len)
+{
+    if (len == 0) return "empty rkey";
+    if (len > MAX_RKEY_BLOB) return "rkey longer than 4096 bytes";
+    unsigned maj = 0, min = 0, rel = 0;
+    ucp_get_version(&maj, &min, &rel);
+    if (maj != 1) return NULL; /* unknown layout: bounds and padding only */
+    if (len < 9) return "rkey shorter than its header (9 bytes)";
+    uint64_t md_map;
+    memcpy(&md_map, p, sizeof(md_map));
+    if (p[8] >= UCS_MEMORY_TYPE_LAST) return "rkey names an unknown memory type";
+    size_t off = 9;
+    for (int bit = 0; bit < 64; bit++) {
+        if (!(md_map & (1ull << bit))) continue;
+        if (off >= len) return "rkey truncated (md entries past its end)";
+        off += 1 + (size_t)p[off];
+        if (off > len) return "rkey truncated (md entry past its end)";
+    }
+    return NULL;
+}
 
 /* ------------------------------------------------------------------ teardown (lock held) */
 
@@ -339,8 +410,8 @@ static void close_pipes(WorkerObject *w)
     w->stop_pipe[0] = w->stop_pipe[1] = -1;
 }
 
-/* Full teardown, pure C (no Python calls): call without the GIL, or with it from
- * tp_dealloc (safe: no lock holder ever waits for the GIL). */
+/* Full teardown, pure C (no Python calls): call without the GIL (check_open and w_live
+ * call it with the GIL only in a fork()ed child, where it returns before any lock). */
 static void worker_teardown_c(WorkerObject *w)
 {
     if (w->owner != getpid()) {
@@ -522,7 +593,7 @@ static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
 static void Worker_dealloc(WorkerObject *self)
 {
     if (self->lock_inited) {
-        worker_teardown(self, 0);
+        worker_teardown(self, 1); /* never wait for the lock (or the progress thread) with the GIL */
         pthread_mutex_destroy(&self->lock);
         self->lock_inited = 0;
     }
@@ -634,9 +705,24 @@ static PyObject *Worker_connect(WorkerObject *self, PyObject *args, PyObject *kw
         PyBuffer_Release(&addr);
         return NULL;
     }
+    if (addr.len < 1 || addr.len > MAX_WORKER_ADDRESS) {
+        Py_ssize_t alen = addr.len;
+        PyBuffer_Release(&addr);
+        return raise_ucx(UCS_ERR_INVALID_PARAM, "worker address of %zd bytes (1..%d allowed)", alen,
+                         MAX_WORKER_ADDRESS);
+    }
+    const char *bad = check_worker_address((const unsigned char *)addr.buf, (size_t)addr.len);
+    if (bad != NULL) {
+        PyBuffer_Release(&addr);
+        return raise_ucx(UCS_ERR_INVALID_PARAM, "refusing a worker address: %s", bad);
+    }
+    /* UCX parses the address without its length: give it a zero-padded copy */
+    void *abuf = padded_copy(addr.buf, (size_t)addr.len);
+    PyBuffer_Release(&addr);
+    if (abuf == NULL) return PyErr_NoMemory();
     EndpointObject *e = PyObject_New(EndpointObject, &EndpointType);
     if (e == NULL) {
-        PyBuffer_Release(&addr);
+        PyMem_RawFree(abuf);
         return NULL;
     }
     Py_INCREF(self);
@@ -651,7 +737,7 @@ static PyObject *Worker_connect(WorkerObject *self, PyObject *args, PyObject *kw
     memset(&ep_params, 0, sizeof(ep_params));
     ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                            UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep_params.address = (const ucp_address_t *)addr.buf;
+    ep_params.address = (const ucp_address_t *)abuf;
     ep_params.err_mode = peer ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     ep_params.err_handler.cb = ep_err_cb;
     ep_params.err_handler.arg = e;
@@ -670,7 +756,7 @@ static PyObject *Worker_connect(WorkerObject *self, PyObject *args, PyObject *kw
     }
     pthread_mutex_unlock(&self->lock);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&addr);
+    PyMem_RawFree(abuf);
     if (st != UCS_OK) {
         Py_DECREF(e);
         return raise_ucx(st, "ucp_ep_create (%s error handling) failed", peer ? "peer" : "none");
@@ -1005,11 +1091,17 @@ static PyObject *Worker_get(WorkerObject *self, PyObject *args, PyObject *kwds)
             }
         }
         if (timed_out) {
-            /* Try to cancel, then force-close PEER-mode endpoints that still hold
-             * requests (completes them with UCS_ERR_CANCELED). */
+            /* No request may outlive this call: a late completion would write into memory
+             * the caller owns again (and may already have filled from another source).
+             * Cancel every outstanding request; force-close the PEER-mode endpoints that
+             * still hold some (UCX then completes them with UCS_ERR_CANCELED); wait for
+             * every completion callback. RMA requests are rarely cancellable, so the
+             * force close is what normally ends them. NONE-mode (shared-memory)
+             * endpoints cannot be force-closed; their reads do not depend on the peer's
+             * progress and complete locally. */
             for (Py_ssize_t i = 0; i < window; i++)
                 if (batch->slots[i].req) ucp_request_cancel(self->worker, batch->slots[i].req);
-            double d2 = now_s() + 0.2;
+            double d2 = now_s() + 0.05;
             while (batch->outstanding && now_s() < d2) ucp_worker_progress(self->worker);
             if (batch->outstanding) {
                 for (Py_ssize_t i = 0; i < window; i++) {
@@ -1021,9 +1113,12 @@ static PyObject *Worker_get(WorkerObject *self, PyObject *args, PyObject *kwds)
                         ep_close_locked(eo, 1, 1.0);
                     }
                 }
-                d2 = now_s() + 1.0;
-                while (batch->outstanding && now_s() < d2) ucp_worker_progress(self->worker);
             }
+            /* Completion after a force close is local to UCX; the bound only guards
+             * against a UCX that never completes them (then the batch is leaked and the
+             * caller is told the destination may still be written). */
+            d2 = now_s() + 30.0;
+            while (batch->outstanding && now_s() < d2) ucp_worker_progress(self->worker);
             remaining_after = batch->outstanding;
             if (remaining_after) leak_batch = 1; /* callbacks may still reference it */
         }
@@ -1107,8 +1202,10 @@ static PyMethodDef Worker_methods[] = {
      "plan: C-contiguous (n, 5|6) 64-bit integer array of rows (endpoint index, rkey index, remote "
      "address, local address, length[, memh index or 2**64-1]). Runs the whole plan with at most "
      "`window` outstanding ucp_get_nbx requests and the GIL released. timeout < 0: no deadline; "
-     "otherwise outstanding requests are cancelled (PEER-mode endpoints force-closed) at the "
-     "deadline and UcxError(status=UCS_ERR_TIMED_OUT) is raised."},
+     "otherwise, at the deadline, outstanding requests are cancelled (PEER-mode endpoints "
+     "holding some are force-closed), their completions are waited for, so nothing writes "
+     "into the destination after the call returned, and UcxError(status=UCS_ERR_TIMED_OUT) is "
+     "raised."},
     {NULL}};
 
 static PyGetSetDef Worker_getset[] = {
@@ -1144,7 +1241,7 @@ static void Endpoint_dealloc(EndpointObject *self)
     WorkerObject *w = self->w;
     if (w) {
         if (w_live(w)) {
-            pthread_mutex_lock(&w->lock);
+            lock_gil_free(w);
             if (self->ep && !w->closed) ep_close_locked(self, ep_default_force(self), 1.0);
             wunlock(w);
         }
@@ -1215,9 +1312,19 @@ static PyObject *Endpoint_unpack_rkey(EndpointObject *self, PyObject *args)
         PyBuffer_Release(&buf);
         return raise_ucx(UCS_ERR_NOT_CONNECTED, "ucp_ep_rkey_unpack failed");
     }
+    const char *bad = check_rkey_blob((const unsigned char *)buf.buf, (size_t)buf.len);
+    if (bad != NULL) {
+        Py_ssize_t blen = buf.len;
+        PyBuffer_Release(&buf);
+        return raise_ucx(UCS_ERR_INVALID_PARAM, "refusing a packed rkey of %zd bytes: %s", blen, bad);
+    }
+    /* ucp_ep_rkey_unpack takes no length: a zero-padded copy bounds what it can read */
+    void *kbuf = padded_copy(buf.buf, (size_t)buf.len);
+    PyBuffer_Release(&buf);
+    if (kbuf == NULL) return PyErr_NoMemory();
     RkeyObject *r = PyObject_New(RkeyObject, &RkeyType);
     if (r == NULL) {
-        PyBuffer_Release(&buf);
+        PyMem_RawFree(kbuf);
         return NULL;
     }
     Py_INCREF(self);
@@ -1231,7 +1338,7 @@ static PyObject *Endpoint_unpack_rkey(EndpointObject *self, PyObject *args)
         st = UCS_ERR_NOT_CONNECTED;
     } else {
         ucp_rkey_h rk = NULL;
-        st = ucp_ep_rkey_unpack(self->ep, buf.buf, &rk);
+        st = ucp_ep_rkey_unpack(self->ep, kbuf, &rk);
         if (st == UCS_OK) {
             r->rkey = rk;
             LIST_PUSH(self->rkeys, r);
@@ -1239,7 +1346,7 @@ static PyObject *Endpoint_unpack_rkey(EndpointObject *self, PyObject *args)
     }
     pthread_mutex_unlock(&w->lock);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&buf);
+    PyMem_RawFree(kbuf);
     if (st != UCS_OK) {
         Py_DECREF(r);
         return raise_ucx(st, "ucp_ep_rkey_unpack failed");
@@ -1296,7 +1403,8 @@ static PyMethodDef Endpoint_methods[] = {
     {"flush", (PyCFunction)(void (*)(void))Endpoint_flush, METH_VARARGS | METH_KEYWORDS,
      "flush(timeout=-1.0): wait until the endpoint is connected and idle; raises UcxError."},
     {"unpack_rkey", (PyCFunction)Endpoint_unpack_rkey, METH_VARARGS,
-     "unpack_rkey(packed: bytes) -> RemoteKey"},
+     "unpack_rkey(packed: bytes) -> RemoteKey. The blob (at most 4096 bytes) is checked against "
+     "UCX's packed-rkey layout first (UcxError status ERR_INVALID_PARAM if implausible)."},
     {"info", (PyCFunction)Endpoint_info, METH_NOARGS, "info() -> str: lanes/transports in use."},
     {NULL}};
 
@@ -1326,7 +1434,7 @@ static void Rkey_dealloc(RkeyObject *self)
     if (e) {
         WorkerObject *w = e->w;
         if (w_live(w)) {
-            pthread_mutex_lock(&w->lock);
+            lock_gil_free(w);
             rkey_destroy_locked(self);
             wunlock(w);
         }
@@ -1385,7 +1493,7 @@ static void Mem_dealloc(MemObject *self)
     WorkerObject *w = self->w;
     if (w) {
         if (w_live(w)) {
-            pthread_mutex_lock(&w->lock);
+            lock_gil_free(w);
             if (!w->closed) mem_unmap_locked(self);
             wunlock(w);
         }
@@ -1643,6 +1751,9 @@ PyMODINIT_FUNC PyInit__ucx(void)
     ADD_INT("ERR_INVALID_ADDR", UCS_ERR_INVALID_ADDR);
     ADD_INT("ERR_CANCELED", UCS_ERR_CANCELED);
     ADD_INT("ERR_TIMED_OUT", UCS_ERR_TIMED_OUT);
+    ADD_INT("ERR_INVALID_PARAM", UCS_ERR_INVALID_PARAM);
+    ADD_INT("MAX_WORKER_ADDRESS", MAX_WORKER_ADDRESS);
+    ADD_INT("MAX_RKEY_BLOB", MAX_RKEY_BLOB);
     ADD_INT("ERR_REJECTED", UCS_ERR_REJECTED);
     ADD_INT("ERR_NOT_CONNECTED", UCS_ERR_NOT_CONNECTED);
     ADD_INT("ERR_CONNECTION_RESET", UCS_ERR_CONNECTION_RESET);

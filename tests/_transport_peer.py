@@ -47,3 +47,15 @@ def serve(conn: Any, mode: str, sizes: list[int]) -> None:
         pass
     finally:
         t.close()
+
+
+def hold_secret(conn: Any, nbytes: int) -> None:
+    """A process that is *not* a publisher: it holds bytes nobody was offered (a "secret")
+    and tells its pid and their address, so tests can forge descriptors pointing at it."""
+    secret = pattern(nbytes, seed=99)
+    conn.send({"pid": os.getpid(), "address": int(secret.ctypes.data), "nbytes": nbytes})
+    try:
+        conn.recv()  # any message (or EOF): exit
+    except EOFError:
+        pass
+    del secret

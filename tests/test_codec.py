@@ -44,7 +44,7 @@ pieces = st.builds(lambda s, e, r, w, l, b, m: {"step": s, "epoch": e, "rank": r
                    ints, ints, ints, st.integers(1, 10**6), st.text(), ints, hexid)
 descs = st.builds(lambda a, h, regs: {"kind": "ucx", "worker_address": a, "host": h, "regions": regs},
                   st.binary(max_size=200), st.text(max_size=20),
-                  st.lists(st.builds(lambda b, s, k, m: {"base": b, "size": s, "rkey": k, "mem_type": m},
+                  st.lists(st.builds(lambda b, s, k, m: {"base": b, "size": s, "rkey": k, "memory_type": m},
                                      ints, ints, st.binary(max_size=40), st.sampled_from(["host", "cuda"])),
                            max_size=4))
 

@@ -179,3 +179,105 @@ def test_mixing_snapshot_and_zero_copy_puts(etcd: Any) -> None:
             pub.put(step, {"w": live}, copy=copy)
             assert cons.get_into({"w": buf}, step=step, timeout=30) == step
             assert bool((buf == float(step)).all()), f"step {step} (copy={copy}) delivered other bytes"
+
+
+# ---- least exposure and registration hygiene ---------------------------------------------------
+
+def _data_regions(store: Store) -> list[Any]:
+    from astate_store.transport import PeerDescriptor
+
+    return [r for r in PeerDescriptor.from_dict(store.transport.descriptor()).regions if r.size]
+
+
+def test_in_place_registers_only_the_published_spans(etcd: Any) -> None:
+    from astate_store.registry import PAGE
+
+    ns = "span-" + uuid.uuid4().hex[:10]
+    big = torch.arange(1 << 20, dtype=torch.float32)  # one 4 MiB storage
+    views = {"head": big[:1000], "tail": big[-1000:],  # far apart: a small registration each
+             "mid": big[300_000:301_000], "mid2": big[300_500:302_000]}  # overlapping: one registration
+    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
+            Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+        pub.put(1, views, copy=False)
+        assert pub.stats["registrations"] == 3
+        regions = _data_regions(pub)
+        assert len(regions) == 3 and sum(r.size for r in regions) <= 6 * PAGE  # not the 4 MiB storage
+        lo, hi = big.data_ptr(), big.data_ptr() + big.nbytes
+        assert all(lo <= r.base and r.base + r.size <= hi for r in regions)  # never beyond the storage
+        bufs = {k: torch.zeros(v.shape) for k, v in views.items()}
+        assert cons.get_into(bufs, timeout=30) == 1
+        for k, v in views.items():
+            assert torch.equal(bufs[k], v), k
+
+
+def test_registrations_released_when_no_version_publishes_them(etcd: Any) -> None:
+    ns = "reg-" + uuid.uuid4().hex[:10]
+    a, b = torch.full((4096,), 1.0), torch.full((8192,), 2.0)
+    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
+            Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+        buf_a, buf_b = torch.empty(4096), torch.empty(8192)
+        pub.put(1, {"a": a}, copy=False)
+        assert cons.get_into({"a": buf_a}, step=1, timeout=30) == 1 and torch.equal(buf_a, a)
+        assert pub.stats["registrations"] == 1
+        live, layouts = pub.transport.num_regions, pub.stats["layouts_published"]
+        for step in (2, 3):  # steady state: the same tensors register nothing new, the layout stays
+            pub.retire()
+            a.fill_(float(step))
+            pub.put(step, {"a": a}, copy=False)
+            assert cons.get_into({"a": buf_a}, step=step, timeout=30) == step and torch.equal(buf_a, a)
+        assert pub.stats["registrations"] == 1 and pub.transport.num_regions == live
+        assert pub.stats["layouts_published"] == layouts
+        # "a" is no longer published: retired, then the next put releases its registration.
+        pub.retire()
+        pub.put(4, {"b": b}, copy=False)
+        assert pub.stats["registrations"] == 1 and pub.transport.num_regions == live
+        spans = [(r.base, r.base + r.size) for r in _data_regions(pub)]
+        assert not any(lo <= a.data_ptr() < hi for lo, hi in spans)  # a's memory is not readable any more
+        assert cons.get_into({"b": buf_b}, step=4, timeout=30) == 4 and torch.equal(buf_b, b)
+        # A snapshot put publishes nothing in place: b goes at the retire after the next one.
+        pub.retire()
+        pub.put(5, {"b": b}, copy=True)
+        assert cons.get_into({"b": buf_b}, step=5, timeout=30) == 5
+        before = pub.transport.num_regions
+        pub.retire()
+        assert pub.stats["registrations"] == 0 and pub.transport.num_regions == before - 1
+
+
+def test_unserve_releases_the_served_buffers(etcd: Any) -> None:
+    ns = "unserve-" + uuid.uuid4().hex[:10]
+    w = torch.arange(4096, dtype=torch.float32)
+    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
+            Store(ns, endpoint=etcd.endpoint, transport="shm") as relay:
+        pub.put(1, {"w": w})
+        buf = torch.empty(4096)
+        assert relay.get_into({"w": buf}, timeout=30) == 1
+        before = relay.transport.num_regions
+        relay.serve(1, {"w": buf})
+        assert relay.stats["registrations"] == 1 and relay.transport.num_regions == before + 1
+        relay.unserve()
+        assert relay.stats["registrations"] == 0 and relay.transport.num_regions == before
+        relay.serve(1, {"w": buf})  # offering again registers again
+        assert relay.stats["registrations"] == 1
+        pub.put(2, {"w": w + 1})
+        assert relay.get_into({"w": buf}, step=2, timeout=30) == 2  # withdraws (and releases) first
+        assert relay.stats["registrations"] == 0 and torch.equal(buf, w + 1)
+
+
+def test_consumer_disconnects_publishers_that_left(etcd: Any) -> None:
+    ns = "left-" + uuid.uuid4().hex[:10]
+    w = torch.arange(1024, dtype=torch.float32)
+    buf = torch.empty(1024)
+    with Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+        with Store(ns, endpoint=etcd.endpoint, transport="shm", session_id="first") as pub1:
+            pub1.put(1, {"w": w})
+            assert cons.get_into({"w": buf}, step=1, timeout=30) == 1
+        old = cons.transport.peers
+        assert len(old) == 1 and cons.transport.open_pidfds == 1
+        with Store(ns, endpoint=etcd.endpoint, transport="shm", session_id="second") as pub2:
+            for step in range(2, 8):
+                pub2.put(step, {"w": w + step})
+                assert cons.get_into({"w": buf}, step=step, timeout=30) == step
+                assert torch.equal(buf, w + step)
+            peers = cons.transport.peers
+        assert len(peers) == 1 and old[0] not in peers  # the departed publisher's endpoint is closed
+        assert cons.transport.open_pidfds == 1

@@ -6,6 +6,7 @@ import errno
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from typing import Any, Iterator
 
@@ -15,10 +16,11 @@ import pytest
 import torch
 
 from astate_store.errors import PeerUnreachable, TransportError
-from astate_store.transport import RegionInfo, UcxTransport, make_ops
+from astate_store.transport import PeerDescriptor, RegionInfo, UcxTransport, make_ops
+from astate_store.transport import base as transport_base
 from astate_store.transport.ucx import native
 
-from ._transport_peer import pattern, serve
+from ._transport_peer import hold_secret, pattern, serve
 
 MODES = ["shm", "tcp"]
 # (publisher/consumer mode, consumer's same-host process_vm_readv fast path)
@@ -586,3 +588,304 @@ def test_cuda_tensor_roundtrip() -> None:
         t.get(ops_for([(t.peer_index("me"), r, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
         torch.cuda.synchronize()
         assert torch.equal(src, dst)
+
+
+# ------------------------------------------------------------------------------ untrusted peers, hygiene
+
+
+class Victim:
+    """A process that is not a publisher, holding bytes nobody offered (see ``hold_secret``)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=hold_secret, args=(child, nbytes), daemon=True)
+        self.proc.start()
+        child.close()
+        assert self.conn.poll(60), "victim process did not start"
+        hello = self.conn.recv()
+        self.pid: int = hello["pid"]
+        self.address: int = hello["address"]
+        self.nbytes: int = hello["nbytes"]
+
+    def stop(self) -> None:
+        try:
+            self.conn.send("exit")
+        except OSError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+def _with_region0(d: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    regions = [dict(r) for r in d["regions"]]
+    regions[0].update(kw)
+    return {**d, "regions": regions}
+
+
+@pytest.mark.timeout(120)
+def test_forged_descriptor_never_reads_another_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever writes etcd may claim another pid and address: the fast path must never
+    read that process, and the pull must not return its bytes."""
+    n = 1 << 16
+    pub, victim = Peer("shm", [n]), Victim(n)
+    nat = native()
+    real = nat.cma_read
+    read_pids: list[int] = []
+
+    def spy(plan: np.ndarray, **k: Any) -> None:
+        read_pids.extend(int(x) for x in np.unique(plan[:, 0]))
+        return real(plan, **k)
+
+    try:
+        with UcxTransport("shm") as t:
+            t.connect("real", pub.descriptor)
+            assert t.peer_info("real").direct is True  # the proven publisher keeps the fast path
+            secret = pattern(n, 99)
+            forged = {
+                # the publisher's worker and keys, another process's pid
+                "pid": {**pub.descriptor, "pid": victim.pid},
+                # ... and a region pointing at that process's memory
+                "region": {**_with_region0(pub.descriptor, base=victim.address, size=n), "pid": victim.pid},
+            }
+            regions = [dict(r) for r in forged["region"]["regions"]]
+            regions[-1]["base"] = victim.address  # the proof entry too (last, tagged)
+            forged["proof"] = {**forged["region"], "regions": regions}
+            for name, d in forged.items():
+                t.connect(name, d)
+                assert t.peer_info(name).direct is False, name  # not proven: UCX only
+            monkeypatch.setattr(nat, "cma_read", spy)
+            dst = torch.zeros(n, dtype=torch.uint8)
+            t.get(ops_for([(t.peer_index("pid"), 0, 0, dst.data_ptr(), n)]), timeout=30)
+            assert np.array_equal(dst.numpy(), pattern(n, 0))  # the publisher's bytes, through UCX
+            for name in ("region", "proof"):
+                dst.zero_()
+                try:  # UCX reads the *publisher's* memory at that address (if mapped there at all)
+                    t.get(ops_for([(t.peer_index(name), 0, 0, dst.data_ptr(), n)]), timeout=30)
+                except TransportError:
+                    pass
+                assert not np.array_equal(dst.numpy(), secret), name
+            # One plan over the real and a forged peer: the real one still reads directly.
+            both = torch.zeros(2 * n, dtype=torch.uint8)
+            t.get(ops_for([(t.peer_index("real"), 0, 0, both.data_ptr(), n),
+                           (t.peer_index("pid"), 0, 0, both.data_ptr() + n, n)]), timeout=30)
+            assert np.array_equal(both.numpy(), np.concatenate([pattern(n, 0), pattern(n, 0)]))
+            assert victim.pid not in read_pids and pub.pid in read_pids
+    finally:
+        victim.stop()
+        pub.stop()
+
+
+def test_proof_region_is_in_the_descriptor_but_not_a_data_region(loop: UcxTransport) -> None:
+    x = torch.arange(256, dtype=torch.uint8)
+    i = loop.register_tensor(x)
+    d = loop.descriptor()
+    pd = PeerDescriptor.from_dict(d)
+    assert len(pd.regions) == i + 1 and pd.proof is not None and pd.proof.size >= 16
+    assert d["regions"][-1]["rkey"].startswith(transport_base.PROOF_TAG)  # on the wire: a tagged last entry
+    assert PeerDescriptor.from_dict(pd.to_dict()) == pd
+    assert loop.num_regions == 1  # the proof is not counted among registrations
+
+
+def test_bad_descriptors_raise_transport_error_at_connect(loop: UcxTransport, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.arange(4096, dtype=torch.uint8)
+    loop.register_tensor(x)
+    good = loop.descriptor()
+    addr = good["worker_address"]
+    bad = {
+        "rkey too long": _with_region0(good, rkey=b"\x01" * 5000),
+        "rkey not bytes": _with_region0(good, rkey=10**12),  # bytes(int) would allocate a terabyte
+        "rkey truncated": _with_region0(good, rkey=b"\xff" * 8 + b"\x00"),  # 64 domains announced, none there
+        "rkey memory type": _with_region0(good, rkey=(1).to_bytes(8, "little") + b"\xc8\x00"),
+        "rkey shorter than a header": _with_region0(good, rkey=b"\x01\x02\x03"),
+        "negative base": _with_region0(good, base=-1),
+        "overflowing range": _with_region0(good, base=2**64 - 10, size=100),
+        "bytes at address 0": _with_region0(good, base=0),
+        "size as text": _with_region0(good, size="12"),
+        "size as bool": _with_region0(good, size=True),
+        "memory type": _with_region0(good, memory_type="gpu"),
+        "region not a dict": {**good, "regions": [b"x"]},
+        "regions not a list": {**good, "regions": {"a": 1}},
+        "address too long": {**good, "worker_address": addr * (transport_base.MAX_WORKER_ADDRESS_BYTES // len(addr) + 1)},
+        "empty address": {**good, "worker_address": b""},
+        "address not bytes": {**good, "worker_address": 4096},
+        "address version": {**good, "worker_address": bytes([0x0E]) + addr[1:]},  # UCX would abort on it
+        "negative pid": {**good, "pid": -5},
+        "pid out of range": {**good, "pid": 2**40},
+        "pid as text": {**good, "pid": "1"},
+        "shm as text": {**good, "shm": "yes"},
+        "host not a string": {**good, "host": 5},
+        "not a dict": [good],
+    }
+    for what, d in bad.items():
+        with pytest.raises(TransportError):
+            loop.connect(f"bad {what}", d)  # type: ignore[arg-type]
+        assert f"bad {what}" not in loop.peers, what  # nothing left behind (no endpoint, no index)
+    monkeypatch.setattr(transport_base, "MAX_REGIONS", 4)
+    with pytest.raises(TransportError, match="regions"):
+        loop.connect("too many regions", {**good, "regions": [good["regions"][0]] * 6})
+    monkeypatch.undo()
+    # Random blobs where an rkey goes: a TransportError or a key, never a crash.
+    rng = np.random.default_rng(5)
+    for i in range(60):
+        blob = bytearray(rng.integers(0, 256, int(rng.integers(1, 64)), dtype=np.uint8).tobytes())
+        if i % 2 and len(blob) >= 9:
+            blob[:9] = (1 << int(rng.integers(0, 4))).to_bytes(8, "little") + b"\x00"  # a plausible header
+        try:
+            loop.connect(f"fuzz {i}", _with_region0(good, rkey=bytes(blob)))
+        except TransportError:
+            assert f"fuzz {i}" not in loop.peers
+        else:
+            loop.disconnect(f"fuzz {i}")
+    # The native checks hold on their own too (not only behind the Python ones).
+    nat = native()
+    ep = loop._worker.connect(addr, peer_error_handling=False)
+    with pytest.raises(nat.UcxError) as ei:
+        ep.unpack_rkey(b"\x07" + b"\x00" * 7 + b"\x00\x05")
+    assert ei.value.status == nat.ERR_INVALID_PARAM
+    with pytest.raises(nat.UcxError):
+        ep.unpack_rkey(b"\x00" * 5000)
+    with pytest.raises(nat.UcxError):
+        loop._worker.connect(b"\x00" * (nat.MAX_WORKER_ADDRESS + 1))
+    ep.close()
+    # The good descriptor still connects and reads.
+    loop.connect("good", good)
+    y = torch.zeros(4096, dtype=torch.uint8)
+    loop.get(ops_for([(loop.peer_index("good"), 0, 0, y.data_ptr(), 4096)]))
+    assert torch.equal(x, y)
+
+
+def test_register_range_exposes_only_that_range(loop: UcxTransport) -> None:
+    x = torch.arange(1 << 16, dtype=torch.int64)  # 512 KiB storage
+    page = 4096
+    r = loop.register_range(x, x.data_ptr() + 2 * page, 3 * page)
+    info = loop.region(r)
+    assert info.base == x.data_ptr() + 2 * page and info.size == 3 * page
+    assert loop.register_range(x, x.data_ptr() + 2 * page, 3 * page) == r  # idempotent per range
+    with pytest.raises(TransportError, match="not inside"):
+        loop.register_range(x, x.data_ptr() - 8, 16)
+    with pytest.raises(TransportError, match="not inside"):
+        loop.register_range(x, x.data_ptr() + x.numel() * 8 - 8, 16)
+    loop.connect("me", loop.descriptor())
+    p = loop.peer_index("me")
+    y = torch.zeros(3 * page, dtype=torch.uint8)
+    loop.get(ops_for([(p, r, 0, y.data_ptr(), 3 * page)]))
+    assert torch.equal(y, x.view(torch.uint8)[2 * page: 5 * page])
+    with pytest.raises(TransportError, match="out of bounds"):
+        loop.get(ops_for([(p, r, 3 * page - 8, y.data_ptr(), 16)]))
+
+
+def test_disconnect_closes_everything_and_tables_stay_bounded() -> None:
+    with UcxTransport("shm") as t, UcxTransport("shm") as pub:
+        x = torch.arange(4096, dtype=torch.uint8)
+        pub.register_tensor(x)
+        for i in range(150):  # peers come and go
+            t.connect(f"p{i}", pub.descriptor())
+            assert t.peer_info(f"p{i}").direct is True and t.open_pidfds == 1
+            t.disconnect(f"p{i}")
+            assert t.peers == [] and t.open_pidfds == 0
+        assert t._peers.index_space <= 70  # indices reused after a quarantine of 64
+        live = pub.num_regions
+        for i in range(150):  # registrations come and go
+            j = pub.register_tensor(torch.zeros(1024 + i, dtype=torch.uint8))
+            assert pub.num_regions == live + 1
+            pub.unregister(j)
+            assert pub.num_regions == live
+        assert pub.region_slots <= live + 66  # so is every descriptor
+
+
+@pytest.mark.timeout(120)
+def test_timed_out_get_leaves_no_read_in_flight() -> None:
+    """A get that times out returns only once no request can still write: the caller may
+    reuse its buffer at once (e.g. fill it from another source)."""
+    n = 64 << 20
+    peer = Peer("tcp", [n])
+    try:
+        with UcxTransport("tcp") as t:
+            t.connect("p", peer.descriptor)
+            dst = torch.zeros(n, dtype=torch.uint8)
+            ops = ops_for([(t.peer_index("p"), 0, 0, dst.data_ptr(), n)] * 32)  # 2 GiB over tcp: seconds
+            stopper = threading.Timer(0.05, os.kill, (peer.pid, signal.SIGSTOP))  # stopped mid-get
+            stopper.start()
+            with pytest.raises(PeerUnreachable, match="timed out") as ei:
+                t.get(ops, timeout=1.0)
+            stopper.join()
+            _wait_stopped(peer.pid)
+            assert "still outstanding" in str(ei.value) and "may still be written" not in str(ei.value)
+            dst.fill_(0x77)  # the caller owns its buffer again
+            os.kill(peer.pid, signal.SIGCONT)  # the peer answers what it was asked before it stopped
+            time.sleep(2.0)  # ... while this process's progress thread runs
+            assert bool((dst == 0x77).all()), "a read landed after get() returned"
+            t.connect("p", peer.descriptor)  # a fresh endpoint reads normally
+            t.get(ops_for([(t.peer_index("p"), 0, 0, dst.data_ptr(), n)]), timeout=60)
+            assert np.array_equal(dst.numpy(), pattern(n, 0))
+    finally:
+        try:
+            os.kill(peer.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        peer.stop()
+
+
+@pytest.mark.timeout(90)
+def test_dropping_native_objects_during_a_long_get_does_not_freeze_python() -> None:
+    """A get holds the worker lock for up to its timeout; an rkey or endpoint dropped meanwhile
+    must wait for it without holding the GIL."""
+    peer = Peer("tcp", [1 << 20])
+    try:
+        with UcxTransport("tcp") as t:
+            t.connect("p", peer.descriptor)
+            ep = t._peers.get("p").ep
+            keys = [ep.unpack_rkey(PeerDescriptor.from_dict(peer.descriptor).regions[0].rkey)]
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            ops = ops_for([(t.peer_index("p"), 0, 0, dst.data_ptr(), 1 << 20)])
+            t.get(ops, timeout=30)
+            os.kill(peer.pid, signal.SIGSTOP)
+            _wait_stopped(peer.pid)
+            errors: list[BaseException] = []
+
+            def long_get() -> None:
+                try:
+                    t.get(ops, timeout=3.0)
+                except PeerUnreachable as exc:
+                    errors.append(exc)
+
+            getter = threading.Thread(target=long_get)
+            getter.start()
+            time.sleep(0.5)  # the get holds the worker lock now
+            dropper = threading.Thread(target=keys.clear)  # the last reference: RemoteKey dealloc
+            t0 = last = time.monotonic()
+            gap = 0.0
+            dropper.start()
+            while last - t0 < 1.0:  # this thread must keep running meanwhile
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
+            waited = dropper.is_alive()
+            getter.join(30)
+            dropper.join(30)
+            assert errors and not getter.is_alive() and not dropper.is_alive()
+            assert gap < 0.9, f"the interpreter froze for {gap:.2f} s"
+            assert waited, "the dealloc did not wait for the lock: nothing was tested"
+    finally:
+        try:
+            os.kill(peer.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        peer.stop()
+
+
+def test_proof_must_sit_in_private_anonymous_memory() -> None:
+    import ctypes
+    import mmap
+
+    from astate_store.transport.same_host import _anonymous_at
+
+    page = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = np.frombuffer(page, dtype=np.uint8)
+    assert _anonymous_at(os.getpid(), int(view.ctypes.data))
+    code = ctypes.cast(ctypes.CDLL(None).printf, ctypes.c_void_p).value  # a shared library's text
+    assert code and not _anonymous_at(os.getpid(), code)
+    assert not _anonymous_at(os.getpid(), 8)  # nothing mapped there
+    del view
+    page.close()

@@ -47,6 +47,7 @@ from ..errors import CatalogError
 from .agreement import RecoveryAgreement
 from .checkpoints import CheckpointIndex
 from .client import EtcdClient
+from .config import EtcdConfig
 from .consumers import Consumers
 from .readers import Readers
 from .records import (
@@ -63,7 +64,7 @@ from .sessions import Sessions
 from .versions import Versions
 
 __all__ = ["Catalog", "Session", "Piece", "Layout", "Manifest", "Replica", "Version", "CheckpointEntry",
-           "EtcdClient"]
+           "EtcdClient", "EtcdConfig"]
 
 # The namespace becomes a key path segment: no '/' (it would reach into another namespace's keys).
 _NS_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
@@ -73,7 +74,8 @@ class Catalog:
     """One namespace's control plane in etcd.
 
     Args:
-        endpoint: ``host:port`` (comma-separated for several etcd members).
+        endpoint: an :class:`EtcdConfig` (endpoints, TLS, credentials), or ``host:port`` /
+            ``https://host:port`` (comma-separated for several etcd members; no credentials).
         namespace: the versioned state, e.g. ``"policy"``; namespaces never see each other's keys.
         retention: committed versions whose metadata is kept (older ones are deleted after each commit).
         lease_ttl: seconds without keep-alive after which a rank (or reader) is considered dead.
@@ -84,14 +86,15 @@ class Catalog:
         CatalogError: a bad namespace, or retention < 1.
     """
 
-    def __init__(self, endpoint: str, namespace: str, *, retention: int = 4, lease_ttl: float = 10.0,
+    def __init__(self, endpoint: str | EtcdConfig, namespace: str, *, retention: int = 4, lease_ttl: float = 10.0,
                  op_timeout: float = 5.0, retry_deadline: float = 15.0):
         if not isinstance(namespace, str) or not _NS_RE.match(namespace):
             raise CatalogError(f"bad namespace {namespace!r}: use 1-128 characters from [A-Za-z0-9_.-]")
         if retention < 1:
             raise CatalogError(f"retention must be >= 1, got {retention}")
-        self.endpoint, self.namespace, self.retention, self.lease_ttl = endpoint, namespace, retention, lease_ttl
-        self.client = EtcdClient(endpoint, namespace, lease_ttl=lease_ttl, op_timeout=op_timeout,
+        self.etcd = EtcdConfig.parse(endpoint)
+        self.endpoint, self.namespace, self.retention, self.lease_ttl = self.etcd.url, namespace, retention, lease_ttl
+        self.client = EtcdClient(self.etcd, namespace, lease_ttl=lease_ttl, op_timeout=op_timeout,
                                  retry_deadline=retry_deadline)
         self.sessions = Sessions(self.client)
         self.versions = Versions(self.client, self.sessions, retention)
@@ -100,6 +103,13 @@ class Catalog:
         self.replicas = Replicas(self.client, self.readers)
         self.checkpoints = CheckpointIndex(self.client)
         self.agreement = RecoveryAgreement(self.client, self.sessions)
+
+    @property
+    def skipped_records(self) -> int:
+        """Records read from etcd that failed their schema or key checks and were skipped
+        (counted each time one is met, logged once per key and revision), over every role."""
+        roles = (self.sessions, self.versions, self.readers, self.consumers, self.checkpoints, self.agreement)
+        return sum(r.skips.count for r in roles)
 
     @property
     def session(self) -> Session | None:

@@ -27,7 +27,7 @@ from pyetcd import transactions as tx
 from .. import codec
 from ..errors import CodecError
 from .client import EtcdClient
-from .records import pad20
+from .records import Skips, counter_value, pad20, parse_pad20
 from .sessions import Sessions
 
 __all__ = ["RecoveryAgreement", "RecoveryPlan", "RecoveryOutcome", "ACTIONS", "TERMINAL"]
@@ -72,7 +72,7 @@ class RecoveryAgreement:
 
     def __init__(self, client: EtcdClient, sessions: Sessions):
         self.client, self.sessions = client, sessions
-        self._logged: set[tuple[str, int]] = set()  # (key, mod revision) of bad records already logged
+        self.skips = Skips(client.namespace, "recovery")  # counted; logged once per (key, revision)
 
     # ---- keys -----------------------------------------------------------------------------
 
@@ -117,7 +117,7 @@ class RecoveryAgreement:
                 log.info("namespace %s: recovery round %d of epoch %d: %s (rank %d)", self.client.namespace, rnd,
                          s.epoch, action, s.rank)
                 return mine
-            epoch_now = codec.decode_counter(resp[0][0][0]) if resp[0] else None
+            epoch_now = counter_value(self.client.key("epoch"), resp[0][0][0]) if resp[0] else None
             if epoch_now != s.epoch or not resp[1]:
                 # Fenced by a newer session, or (the plan being absent) this rank's member key is gone.
                 raise self.sessions.fenced_error(f"recovery plan of round {rnd}")
@@ -208,19 +208,19 @@ class RecoveryAgreement:
         plans: dict[int, RecoveryPlan] = {}
         outcomes: dict[int, dict[int, RecoveryOutcome]] = {}
         for value, kv in kvs:
-            key = kv.key.decode()
+            key = kv.key.decode("utf-8", "replace")
             parts = key[len(pre):].split("/")
-            try:
-                rnd = int(parts[0])
-            except ValueError:
+            rnd = parse_pad20(parts[0])
+            rank = parse_pad20(parts[2]) if len(parts) == 3 and parts[1] == "ranks" else None
+            if rnd is None:
                 self._skip(key, kv.mod_revision, "not a recovery key")
                 continue
             if parts[1:] == ["plan"]:
                 plan = self._plan(key, value, kv.mod_revision, epoch, rnd)
                 if plan is not None:
                     plans[rnd] = plan
-            elif len(parts) == 3 and parts[1] == "ranks" and parts[2].isdigit():
-                out = self._outcome(key, value, kv.mod_revision, epoch, rnd, int(parts[2]))
+            elif rank is not None:
+                out = self._outcome(key, value, kv.mod_revision, epoch, rnd, rank)
                 if out is not None:
                     outcomes.setdefault(rnd, {})[out.rank] = out
             else:
@@ -253,6 +253,4 @@ class RecoveryAgreement:
         return RecoveryOutcome(epoch, rnd, rank, d["status"] == "ok", d.get("step"), d.get("error", ""))
 
     def _skip(self, key: str, mod_revision: int, why: str) -> None:
-        if (key, mod_revision) not in self._logged:
-            self._logged.add((key, mod_revision))
-            log.warning("namespace %s: skipping recovery record %s: %s", self.client.namespace, key, why)
+        self.skips(key, why, mod_revision)

@@ -71,7 +71,7 @@ def blob_from_kvs(key: str, kvs: Iterable[tuple[bytes, Any]]) -> bytes | None:
     head_raw = None
     chunks: dict[int, bytes] = {}
     for value, meta in kvs:
-        k = meta.key.decode()
+        k = bytes(meta.key).decode("utf-8", "replace")  # a stranger's key may not be UTF-8
         if k == key:
             head_raw = value
         elif k.startswith(key + "/") and k[len(key) + 1:].isdigit():
@@ -83,14 +83,17 @@ def blob_from_kvs(key: str, kvs: Iterable[tuple[bytes, Any]]) -> bytes | None:
     if n == 0:
         stored = head.get("data", b"")
     else:
-        if sorted(chunks) != list(range(n)):
+        # Compare counts before building anything sized by the head: it is a stranger's word.
+        if len(chunks) != n or sorted(chunks) != list(range(n)):
             raise CodecError(f"blob {key}: expected chunks 0..{n - 1}, found {sorted(chunks)[:8]}")
         stored = b"".join(chunks[i] for i in range(n))
     if _digest(stored) != head["digest"]:
         raise CodecError(f"blob {key}: digest mismatch (corrupted or foreign chunks)")
     if head["codec"] == "zlib":
+        # At most the size the head claims (+1 to notice more): no decompression bomb.
+        z = zlib.decompressobj()
         try:
-            data = zlib.decompress(stored)
+            data = z.decompress(stored, head["size"] + 1)
         except zlib.error as exc:
             raise CodecError(f"blob {key}: bad zlib data ({exc})") from None
     else:

@@ -6,8 +6,9 @@ Only the index lives here; writing and restoring checkpoints is :mod:`astate_sto
 from __future__ import annotations
 
 from .. import codec
+from ..errors import CodecError
 from .client import EtcdClient
-from .records import CheckpointEntry, pad20
+from .records import CheckpointEntry, Skips, pad20, parse_pad20
 
 __all__ = ["CheckpointIndex"]
 
@@ -17,6 +18,7 @@ class CheckpointIndex:
 
     def __init__(self, client: EtcdClient):
         self.client = client
+        self.skips = Skips(client.namespace, "bad checkpoint index")  # bad index records skipped
 
     def record(self, entry: CheckpointEntry) -> None:
         """Add (or replace) the entry of ``entry.step``."""
@@ -26,11 +28,24 @@ class CheckpointIndex:
         self.client.call("record checkpoint", lambda: self.client.raw.put(key, value))
 
     def list(self) -> list[CheckpointEntry]:
-        """Known complete checkpoints, oldest first."""
+        """Known complete checkpoints, oldest first. A record that does not decode, or whose step
+        is not its key's, is skipped (counted, logged once): the others are still listed."""
         pre = self.client.key("checkpoints") + "/"
         kvs = self.client.call("list checkpoints", lambda: list(self.client.raw.get_prefix(pre)))
         out = []
-        for v, _ in kvs:
-            d = codec.decode("checkpoint", v)
+        for v, meta in kvs:
+            key = meta.key.decode("utf-8", "replace")
+            step = parse_pad20(key[len(pre):])
+            if step is None:
+                self.skips(key, "not a checkpoint key (the step is 20 digits)", meta.mod_revision)
+                continue
+            try:
+                d = codec.decode("checkpoint", v)
+            except CodecError as exc:
+                self.skips(key, str(exc), meta.mod_revision)
+                continue
+            if d["step"] != step:
+                self.skips(key, f"checkpoint record of step {d['step']} under this key", meta.mod_revision)
+                continue
             out.append(CheckpointEntry(d["step"], d["uri"], d["world_size"], d["bytes"], d["written_at"]))
         return sorted(out, key=lambda e: e.step)

@@ -7,6 +7,8 @@ versions or readers, only how to talk to etcd without hanging and without leakin
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -15,10 +17,12 @@ import grpc
 import pyetcd
 import pyetcd.etcdrpc as etcdrpc
 import pyetcd.exceptions as etcd_exc
+import pyetcd.watch as etcd_watch
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
 from .. import codec
-from ..errors import CatalogRejected, CatalogUnavailable
+from ..errors import CatalogAuthError, CatalogError, CatalogRejected, CatalogUnavailable
+from .config import EtcdConfig, option
 
 __all__ = ["EtcdClient", "RETRYABLE", "range_end"]
 
@@ -65,6 +69,180 @@ def _refusal(exc: BaseException) -> str | None:
     return f"{status.name}: {why}" + (f" ({text})" if text else "")
 
 
+def _grpc_error(exc: BaseException | None) -> grpc.RpcError | None:
+    """The gRPC error behind ``exc`` (pyetcd re-raises UNAVAILABLE and friends as its own types)."""
+    seen = 0
+    while exc is not None and seen < 4:
+        if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+def _status(exc: BaseException | None) -> tuple[grpc.StatusCode | None, str]:
+    """(gRPC status code, details) of the error behind ``exc``; (None, "") when there is none."""
+    g = _grpc_error(exc)
+    if g is None:
+        return None, ""
+    try:
+        code = g.code()
+        details = g.details() if callable(getattr(g, "details", None)) else ""
+    except Exception:  # a grpc error object without a status
+        return None, ""
+    return code, details or ""
+
+
+def _token_rejected(exc: BaseException) -> bool:
+    """etcd did not accept this client's auth token (expired, server restarted, auth store changed):
+    what a fresh token fixes (etcd's own client refreshes its token on the same answers)."""
+    code, details = _status(exc)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return True
+    return code == grpc.StatusCode.INVALID_ARGUMENT and ("auth store is old" in details
+                                                          or "user name is empty" in details)
+
+
+class WatchRefused(etcd_exc.Etcd3Exception):
+    """etcd created and at once cancelled a watch: no read permission on the key (or no valid token;
+    etcd 3.5 gives no reason then), or another reason it names."""
+
+    @property
+    def denied(self) -> bool:
+        reason = str(self)
+        return not reason or "permission denied" in reason
+
+
+class WatchStreamEnded(etcd_exc.Etcd3Exception):
+    """Given to watch callbacks when their stream ended without an error (closed, re-authenticated)."""
+
+
+class _WatchStub:
+    """etcd's Watch stub, remembering the stream it opened (so :meth:`_Watcher.close` can end it)."""
+
+    def __init__(self, channel: Any):
+        self._stub = etcdrpc.WatchStub(channel)
+        self.call: Any = None
+
+    def Watch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (the gRPC method's name)
+        self.call = self._stub.Watch(*args, **kwargs)
+        return self.call
+
+
+class _Watcher(etcd_watch.Watcher):
+    """pyetcd's watcher, plus: a watch etcd refuses (``created`` and ``canceled`` in one answer, what
+    etcd does without read permission) raises :class:`WatchRefused` instead of looking created and
+    never firing; :meth:`close` ends the stream (etcd keeps a stream open after the client stops
+    sending, so pyetcd's close alone leaves it and its watches behind), and its callbacks get an
+    exception (never None), so their owners re-watch on a new stream."""
+
+    def close(self) -> None:
+        super().close()
+        call = getattr(self._watch_stub, "call", None)
+        if call is not None:
+            call.cancel()
+
+    def add_callback(self, key: Any, callback: Callable[[Any], None], **kwargs: Any) -> Any:
+        def cb(resp: Any) -> None:
+            callback(WatchStreamEnded("watch stream ended") if resp is None else resp)
+
+        return super().add_callback(key, cb, **kwargs)
+
+    def _handle_response(self, rs: Any) -> None:
+        if rs.created and rs.canceled and not rs.compact_revision:
+            with self._lock:
+                pending = self._new_watch
+                if pending is not None and pending.id is None:
+                    pending.err = WatchRefused(rs.cancel_reason)
+                    self._new_watch_cond.notify_all()
+            return
+        super()._handle_response(rs)
+
+
+# ---- telling a TLS mismatch from an etcd that does not answer -----------------------------------
+
+_PROBE_TIMEOUT = 1.0
+_PROBE_INTERVAL = 0.5  # at most one probe per endpoint per this many seconds
+# gRPC's words for a failed TLS handshake (what the probe cannot explain is trusted after a few tries)
+_HANDSHAKE_WORDS = ("handshake", "ssl", "tls", "certificate")
+_HANDSHAKE_TRIES = 3
+
+
+def _split_host(netloc: str) -> tuple[str, int]:
+    host, _, port = netloc.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _speaks_plain_http(host: str, port: int) -> bool:
+    """Whether ``host:port`` answers a plain HTTP/1.1 request (etcd's client port without TLS does)."""
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT) as s:
+            s.settimeout(_PROBE_TIMEOUT)
+            s.sendall(f"GET /version HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            return s.recv(16).startswith(b"HTTP/1.")
+    except OSError:
+        return False
+
+
+def _probe_tls(config: EtcdConfig, netloc: str) -> str | None:
+    """Why this client's TLS settings cannot talk to the etcd at ``netloc``, when a direct probe
+    (one TCP connection, one TLS handshake, bounded by 1 s each) shows it; None when it cannot tell
+    (nothing listens, no answer in time, or the handshake works)."""
+    host, port = _split_host(netloc)
+    try:
+        raw = socket.create_connection((host, port), timeout=_PROBE_TIMEOUT)
+    except OSError:
+        return None  # nothing listens (yet): etcd is down, not misconfigured
+    with raw:
+        raw.settimeout(_PROBE_TIMEOUT)
+        if not config.tls:
+            ctx = ssl.create_default_context()
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+            try:
+                with ctx.wrap_socket(raw, server_hostname=host):
+                    pass
+            except (OSError, ValueError):
+                return None  # not TLS either: some other failure
+            return (f"etcd at {netloc} speaks TLS, but this client connects in plain text (an http:// or "
+                    f"scheme-less endpoint and no CA): use https://{netloc} in {option('etcd')} and set "
+                    f"{option('etcd_ca')} to the CA that signed etcd's --cert-file")
+        try:
+            ctx = ssl.create_default_context(cafile=config.ca)
+            if config.cert and config.key:
+                ctx.load_cert_chain(config.cert, config.key)
+        except (OSError, ValueError) as exc:
+            return (f"the TLS files do not load ({exc}): check {option('etcd_ca')}, {option('etcd_cert')} "
+                    f"and {option('etcd_key')} (PEM; the key must match the certificate)")
+        try:
+            with ctx.wrap_socket(raw, server_hostname=host) as tls:
+                # A server that requires a client certificate may say so only after the handshake
+                # (TLS 1.3): send one small request and read the first bytes of the answer.
+                tls.sendall(f"GET /version HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+                tls.recv(16)
+        except ssl.SSLCertVerificationError as exc:
+            which = f"{option('etcd_ca')} = {config.ca}" if config.ca else \
+                f"the system's CAs (no {option('etcd_ca')} given)"
+            return (f"etcd at https://{netloc} presents a certificate this client does not trust "
+                    f"({exc.verify_message}; checked against {which}): set {option('etcd_ca')} to the CA "
+                    "that signed etcd's --cert-file, and connect by a host name or address that certificate "
+                    "names")
+        except ssl.SSLError as exc:
+            reason = str(getattr(exc, "reason", "") or exc)
+            if "CERTIFICATE_REQUIRED" in reason or "BAD_CERTIFICATE" in reason or "UNKNOWN_CA" in reason:
+                what = "a client certificate" if not config.cert else \
+                    f"a client certificate signed by a CA it trusts (not {config.cert})"
+                return (f"etcd at https://{netloc} requires {what} (it runs with --client-cert-auth): set "
+                        f"{option('etcd_cert')} and {option('etcd_key')} ({reason})")
+            if _speaks_plain_http(host, port):
+                return (f"etcd at {netloc} does not speak TLS (its client port is plain http), but this "
+                        f"client uses TLS (an https:// endpoint or {option('etcd_ca')}): use http://{netloc}, "
+                        f"or start etcd with --cert-file/--key-file and https:// client URLs ({reason})")
+            return None
+        except (OSError, ValueError):
+            return None  # reset or silent mid-handshake: cannot tell
+    return None
+
+
 # Set in threads that do background work, so their requests are counted apart from callers' paths.
 _BACKGROUND = threading.local()
 
@@ -85,9 +263,11 @@ class _KeepAlive(threading.Thread):
     A failed refresh is retried soon (another member may answer at once), not a whole ttl/3 later.
     """
 
-    def __init__(self, raw: MultiEndpointEtcd3Client, lease_id: int, ttl: float):
+    def __init__(self, raw: MultiEndpointEtcd3Client, lease_id: int, ttl: float,
+                 reauth: Callable[[BaseException], None] | None = None):
         super().__init__(name=f"astate-lease-{lease_id:x}", daemon=True)
         self.raw, self.lease_id, self.ttl = raw, lease_id, ttl
+        self.reauth = reauth  # called when etcd rejected the auth token: fetch a fresh one
         self.stop_event = threading.Event()
         self.lost = False
 
@@ -105,6 +285,8 @@ class _KeepAlive(threading.Thread):
                 last_ok = time.monotonic()
             except RETRYABLE as exc:
                 interval = min(self.ttl / 3, 0.25)
+                if self.reauth is not None and _token_rejected(exc):
+                    self.reauth(exc)  # the next refresh carries a fresh token
                 # One failed refresh is not fatal: etcd keeps the lease for the whole ttl.
                 if time.monotonic() - last_ok > self.ttl:
                     self.lost = True
@@ -116,20 +298,28 @@ class EtcdClient:
     """One namespace's connection to etcd.
 
     Args:
-        endpoint: ``host:port`` (comma-separated for several etcd members).
+        endpoint: an :class:`~astate_store.catalog.config.EtcdConfig` (endpoints, TLS, credentials),
+            or ``host:port`` / ``https://host:port`` (comma-separated for several etcd members; no
+            credentials).
         namespace: keys live under ``/astate/<namespace>/`` (validated by :class:`Catalog`).
         lease_ttl: seconds without keep-alive after which a lease (a rank, a reader) expires.
         op_timeout: seconds for one etcd request.
         retry_deadline: seconds of retries with backoff before :class:`CatalogUnavailable`.
+
+    With a user, the client authenticates on its first request and sends the token with every
+    request, watch and lease keep-alive; a token etcd no longer accepts (simple tokens expire after
+    ``--auth-token-ttl``, 5 min by default) is replaced once and the request retried.
     """
 
-    def __init__(self, endpoint: str, namespace: str, *, lease_ttl: float, op_timeout: float,
+    def __init__(self, endpoint: str | EtcdConfig, namespace: str, *, lease_ttl: float, op_timeout: float,
                  retry_deadline: float):
-        self.endpoint, self.namespace = endpoint, namespace
+        self.config = EtcdConfig.parse(endpoint)
+        self.endpoint, self.namespace = self.config.url, namespace
         self.lease_ttl, self.op_timeout, self.retry_deadline = lease_ttl, op_timeout, retry_deadline
         self.prefix = f"/astate/{namespace}/"
-        items = [i.strip() for i in endpoint.split(",") if i.strip()]
+        items = list(self.config.endpoints)
         several = len(items) > 1
+        creds = self.config.channel_credentials() if self.config.tls else None
         eps = []
         for item in items:
             host, _, port = item.rpartition(":")
@@ -137,46 +327,206 @@ class EtcdClient:
             # are skipped it raises NoServerAvailableError, which call() retries). One endpoint: 0
             # (pyetcd's default would refuse it for 5 min after one failure). Several: a short hold, so
             # the retry in call() goes to another member (with 0 the client stays on a dead member).
-            eps.append(Endpoint(host or "127.0.0.1", int(port), secure=False, time_retry=2.0 if several else 0.0,
+            eps.append(Endpoint(host or "127.0.0.1", int(port), secure=self.config.tls, creds=creds,
+                                time_retry=2.0 if several else 0.0,
                                 opts=[("grpc.max_receive_message_length", 64 << 20)]))
-        # pyetcd starts on a random member: clients spread over the cluster.
+        # pyetcd starts on a random member: clients spread over the cluster. Credentials are not given
+        # to pyetcd: it would authenticate once, untyped and unretried, and never refresh the token.
         self.raw = MultiEndpointEtcd3Client(endpoints=eps, timeout=op_timeout, failover=several)
+        self.raw.get_watcher = self._new_watcher  # type: ignore[method-assign]
         self._keepalives: list[_KeepAlive] = []
         self._reader_lease: int | None = None
         self.rpcs = 0  # etcd requests (attempts) made on callers' paths, for the control-plane figures
         self.background_rpcs = 0  # ... and by background work (retention)
         # Guards the shared reader lease: several consumer threads may register at once.
         self._lock = threading.Lock()
+        # Authentication: the current token (None before the first request), and whether etcd said
+        # its authentication is off (then requests go without a token, as etcd's own client does).
+        self._auth_lock = threading.Lock()
+        self._token: str | None = None
+        self._auth_off = False
+        self.authentications = 0
+        # Endpoints that answered once (their TLS settings work: no more probing) and when each was
+        # last probed after a failure.
+        self._verified: set[str] = set()
+        self._probed: dict[str, float] = {}
 
     def key(self, *parts: str) -> str:
         return self.prefix + "/".join(parts)
+
+    # ---- authentication ----------------------------------------------------------------------
+
+    def _new_watcher(self) -> etcd_watch.Watcher:
+        """A watch stream for the endpoint in use, carrying the current token."""
+        return _Watcher(_WatchStub(self.raw.channel), timeout=self.raw.timeout,
+                        call_credentials=None, metadata=self.raw.metadata)
+
+    def _authenticate(self) -> None:
+        """Get a token for the configured user. ``_auth_lock`` held."""
+        user, password = self.config.user, self.config.password
+        assert user is not None and password is not None
+        req = etcdrpc.AuthenticateRequest(name=user, password=password)
+        try:
+            resp = self.raw.authstub.Authenticate(req, self.op_timeout)
+        except grpc.RpcError as exc:
+            code, details = _status(exc)
+            if code == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in details:
+                log.warning("etcd at %s has authentication disabled; %s is not used", self.endpoint,
+                            option("etcd_user"))
+                self._auth_off = True
+                return
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.PERMISSION_DENIED):
+                raise CatalogAuthError(
+                    f"etcd at {self.endpoint} refused to authenticate user {user!r} ({code.name}: {details}): "
+                    f"check {option('etcd_user')} and {option('etcd_password')}") from exc
+            self.raw._manage_grpc_errors(exc)  # marks a failed endpoint (failover), re-raises typed
+        self.authentications += 1
+        self._token = str(resp.token)
+        self.raw.metadata = (("token", self._token),)
+        self.raw.call_credentials = None  # metadata works on plain and TLS channels alike
+        # A watch stream keeps the token it was opened with: later watches open a new stream; the old
+        # one is ended (its callbacks get the error and their owners re-watch).
+        old = self.raw._stubs.pop("watcher", None)
+        if old is not None:
+            old.close()
+
+    def _ensure_token(self) -> None:
+        if self.config.user is None or self._token is not None or self._auth_off:
+            return
+        with self._auth_lock:
+            if self._token is None and not self._auth_off:
+                self._authenticate()
+
+    def _reauthenticate(self, stale: str | None) -> None:
+        """Replace the token ``stale`` (unless another thread already did)."""
+        with self._auth_lock:
+            if self._token == stale:
+                log.info("etcd at %s rejected the auth token of %r; authenticating again", self.endpoint,
+                         self.config.user)
+                self._token, self._auth_off = None, False
+                self._authenticate()
+
+    def _reauth_quietly(self, exc: BaseException) -> None:
+        """For the keep-alive threads: a fresh token, errors logged (the refresh is retried anyway)."""
+        if self.config.user is None:
+            return
+        try:
+            self._reauthenticate(self._token)
+        except (CatalogError, *RETRYABLE) as err:
+            log.warning("re-authenticating to etcd at %s failed: %s", self.endpoint, err)
+
+    def _auth_problem(self, what: str, exc: BaseException) -> str | None:
+        """What is wrong with this client's credentials or permissions, when etcd's answer says so."""
+        code, details = _status(exc)
+        user = self.config.user
+        creds = f"{option('etcd_user')} and {option('etcd_password')}"
+        if (isinstance(exc, WatchRefused) and exc.denied) or code == grpc.StatusCode.PERMISSION_DENIED:
+            kind = "watch" if isinstance(exc, WatchRefused) else "request"
+            if user is None:
+                return (f"etcd at {self.endpoint} denied {what} ({kind}: permission denied) to a client "
+                        f"without credentials: set {creds}")
+            return (f"etcd at {self.endpoint} denied {what} to user {user!r} ({kind}: permission denied): its "
+                    f"roles do not grant {'read' if kind == 'watch' else 'this'} access to {self.prefix}; an "
+                    f"admin can run astate_store.security.grant_namespace(admin, {self.namespace!r}, {user!r}, "
+                    f"password) (read_only=True for a consumer), or use {option('etcd_user')} of a user "
+                    "who has such a role")
+        if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.INVALID_ARGUMENT and (
+                "user name is empty" in details or "auth" in details)):
+            if user is None:
+                return (f"etcd at {self.endpoint} requires authentication and this client has no "
+                        f"credentials ({code.name}: {details}): set {creds}")
+            return (f"etcd at {self.endpoint} did not accept the credentials of user {user!r} during {what}, "
+                    f"even with a fresh token ({code.name}: {details}): check {creds}")
+        return None
+
+    def _tls_problem(self, exc: BaseException, handshake_failures: int) -> str | None:
+        """Why this client's TLS settings cannot talk to the endpoint that just failed, when it is a
+        TLS mismatch (not etcd being down): probed directly (bounded), or, when the probe cannot tell
+        but gRPC keeps reporting a failed handshake, gRPC's own words."""
+        code, details = _status(exc)
+        if code != grpc.StatusCode.UNAVAILABLE:
+            return None
+        netloc = getattr(self.raw, "_current_ep_label", None)
+        if netloc is None or netloc in self._verified:
+            return None
+        now = time.monotonic()
+        if now - self._probed.get(netloc, -1e9) >= _PROBE_INTERVAL:
+            self._probed[netloc] = now
+            why = _probe_tls(self.config, netloc)
+            if why is not None:
+                return f"{why} [gRPC: {details}]"
+        if handshake_failures >= _HANDSHAKE_TRIES:
+            return (f"etcd at {netloc}: the TLS handshake keeps failing ({details}); check the endpoint's "
+                    f"scheme (http:// or https://) in {option('etcd')}, {option('etcd_ca')}, "
+                    f"{option('etcd_cert')} and {option('etcd_key')}")
+        return None
+
+    # ---- requests ----------------------------------------------------------------------------
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()``, retried with backoff while etcd does not answer, for at most ``retry_deadline``.
 
         Raises:
             CatalogUnavailable: etcd did not answer within the retry budget.
+            CatalogAuthError: TLS settings, credentials or permissions do not match etcd's: at once
+                (a rejected token is first replaced once).
             CatalogRejected: etcd answered with a refusal (size, permission, invalid argument): at once.
         """
         deadline = time.monotonic() + self.retry_deadline
         delay = 0.05
+        reauthenticated = False
+        handshake_failures = 0
         while True:
             if getattr(_BACKGROUND, "active", False):
                 self.background_rpcs += 1
             else:
                 self.rpcs += 1
+            token = self._token
             try:
-                return fn()
-            except RETRYABLE as exc:
+                self._ensure_token()
+                token = self._token  # the token this attempt carries
+                result = fn()
+                if len(self._verified) < len(self.config.endpoints):
+                    label = getattr(self.raw, "_current_ep_label", None)
+                    if label is not None:
+                        self._verified.add(label)
+                return result
+            except (WatchRefused, *RETRYABLE) as exc:  # type: ignore[misc]
+                if self.config.user is not None and not reauthenticated and (
+                        (isinstance(exc, WatchRefused) and exc.denied) or _token_rejected(exc)):
+                    reauthenticated = True  # an expired or stale token: once with a fresh one
+                    self._reauthenticate(token)  # (a no-op when another thread already replaced it)
+                    continue
+                auth = self._auth_problem(what, exc)
+                if auth is not None:
+                    raise CatalogAuthError(auth) from exc
+                if isinstance(exc, WatchRefused):
+                    raise CatalogRejected(f"etcd at {self.endpoint} refused {what}: {exc}") from exc
                 refused = _refusal(exc)
                 if refused is not None:
                     raise CatalogRejected(f"etcd at {self.endpoint} refused {what}: {refused}") from exc
+                _, details = _status(exc)
+                low = details.lower()
+                if self.config.tls and any(w in low for w in _HANDSHAKE_WORDS):
+                    handshake_failures += 1
+                tls = self._tls_problem(exc, handshake_failures)
+                if tls is not None:
+                    raise CatalogAuthError(tls) from exc
                 if time.monotonic() + delay > deadline:
                     raise CatalogUnavailable(
                         f"etcd at {self.endpoint} unreachable for {self.retry_deadline:.0f}s during {what}: "
-                        f"{type(exc).__name__}: {exc}"
+                        f"{type(exc).__name__}: {exc}" + (f" ({details})" if details else "")
                     ) from exc
                 log.debug("etcd %s failed (%s); retrying in %.2fs", what, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except etcd_exc.WatchTimedOut as exc:
+                # No answer to a watch request (etcd slow or down), or its stream was closed under it
+                # (a re-authentication replaced the stream): again, while a whole wait fits the budget.
+                if time.monotonic() + delay + self.op_timeout > deadline:
+                    raise CatalogUnavailable(f"etcd at {self.endpoint}: watch for {what} not created within "
+                                             f"{self.retry_deadline:.0f}s: {exc!r}") from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
@@ -189,7 +539,7 @@ class EtcdClient:
     def new_lease(self) -> int:
         """A fresh lease of ``lease_ttl`` seconds, kept alive by a thread until :meth:`close`."""
         lease = self.call("lease grant", lambda: self.raw.lease(max(1, int(round(self.lease_ttl)))))
-        ka = _KeepAlive(self.raw, lease.id, self.lease_ttl)
+        ka = _KeepAlive(self.raw, lease.id, self.lease_ttl, reauth=self._reauth_quietly)
         ka.start()
         self._keepalives.append(ka)
         return int(lease.id)
@@ -236,7 +586,7 @@ class EtcdClient:
         if start_revision is not None:
             kwargs["start_revision"] = start_revision
         try:
-            wid = self.call("watch", lambda: self.raw.add_watch_callback(key, cb, **kwargs))
+            wid = self.call(f"watch {key}", lambda: self.raw.add_watch_callback(key, cb, **kwargs))
         except etcd_exc.WatchTimedOut as exc:
             raise CatalogUnavailable(f"etcd watch on {key} could not be created: {exc}") from exc
         try:
@@ -272,14 +622,33 @@ class EtcdClient:
         req = self.raw._build_get_range_request(key, range_end(key) if prefix else None, count_only=True)
         return etcdrpc.RequestOp(request_range=req)
 
+    def revoke(self, lease_id: int) -> None:
+        """Revoke one lease now (its records vanish at once) and stop keeping it alive."""
+        for ka in [k for k in self._keepalives if k.lease_id == lease_id]:
+            ka.stop_event.set()
+            self._keepalives.remove(ka)
+        self._revoke(lease_id)
+
     def close(self, revoke: bool = True) -> None:
         """Stop keep-alives and (by default) revoke the leases, so every record on them vanishes at once."""
         for ka in self._keepalives:
             ka.stop_event.set()
             if revoke:
-                try:
-                    self.raw.revoke_lease(ka.lease_id)
-                except RETRYABLE:
-                    pass
+                self._revoke(ka.lease_id)
         self._keepalives.clear()
         self.raw.close()
+
+    def _revoke(self, lease_id: int) -> None:
+        """One revoke attempt (errors ignored: the lease then expires on its own), and one more with a
+        fresh token when etcd rejected the token (an idle client's token may have expired)."""
+        for attempt in range(2):
+            try:
+                self.raw.revoke_lease(lease_id)
+                return
+            except RETRYABLE as exc:
+                if attempt or self.config.user is None or not _token_rejected(exc):
+                    return
+                try:
+                    self._reauthenticate(self._token)
+                except (CatalogError, *RETRYABLE):
+                    return

@@ -15,6 +15,7 @@ from .. import codec
 from ..errors import CodecError
 from ..layout import Box
 from .client import EtcdClient, range_end
+from .records import Skips
 
 __all__ = ["Consumers"]
 
@@ -29,13 +30,21 @@ class Consumers:
     def __init__(self, client: EtcdClient):
         self.client = client
         self.prefix = client.key("consumers") + "/"
-        self.skipped_records = 0
+        self.skips = Skips(client.namespace, "bad consumer")  # bad consumer records skipped
         self._dirty = True
         self._watch: Any = None
         self._lock = threading.Lock()
+        self._mine: dict[str, tuple[int, bytes]] = {}  # reader id -> (lease, record) this process wrote
+        self._checked: dict[str, tuple[int, bool]] = {}  # key -> (mod revision, whether the record is good)
+
+    @property
+    def skipped_records(self) -> int:
+        return self.skips.count
 
     def register(self, reader_id: str, packs: Sequence[tuple[int, str, Box, str | None]]) -> None:
-        """Ask publishers for contiguous copies of (rank, tensor, box, dtype or None) pieces."""
+        """Ask publishers for contiguous copies of (rank, tensor, box, dtype or None) pieces.
+        The record hangs on the client's reader lease; the lease and the requests are remembered
+        so that :meth:`ensure_registered` can write them again on a new lease."""
         wire = []
         for r, n, b, dt in packs:
             item: dict[str, Any] = {"rank": r, "name": n, "offsets": list(b.offsets), "sizes": list(b.sizes)}
@@ -43,9 +52,32 @@ class Consumers:
                 item["dtype"] = dt
             wire.append(item)
         rec = codec.encode("consumer", {"reader_id": reader_id, "packs": wire})
+        self._put(reader_id, rec)
+
+    def _put(self, reader_id: str, rec: bytes) -> None:
         lease = self.client.reader_lease()
         key = self.prefix + reader_id
         self.client.call("register consumer", lambda: self.client.raw.put(key, rec, lease=lease))
+        with self._lock:
+            self._mine[reader_id] = (lease, rec)
+
+    def ensure_registered(self, reader_id: str) -> bool:
+        """Register ``reader_id`` (no pre-pack requests) if it never was, and register it again,
+        with the requests it last sent, when the reader lease it was registered on is gone (the
+        client re-created it: the record vanished with the old one). True when it wrote the record.
+        A steady call makes no etcd request."""
+        lease = self.client.reader_lease()
+        with self._lock:
+            mine = self._mine.get(reader_id)
+        if mine is not None and mine[0] == lease:
+            return False
+        if mine is None:
+            self.register(reader_id, [])
+        else:
+            log.info("namespace %s: consumer %s registers again (its lease was re-created)",
+                     self.client.namespace, reader_id)
+            self._put(reader_id, mine[1])
+        return True
 
     def _on_event(self, resp: Any) -> None:
         with self._lock:
@@ -74,7 +106,7 @@ class Consumers:
                 self._watch = wid
         out = []
         for v, meta in kvs:
-            key = meta.key.decode()
+            key = meta.key.decode("utf-8", "replace")
             try:
                 d = codec.decode("consumer", v)
                 if d["reader_id"] != key[len(self.prefix):]:
@@ -82,15 +114,44 @@ class Consumers:
                 out += [(d["reader_id"], p["name"], Box(tuple(p["offsets"]), tuple(p["sizes"])), p.get("dtype"))
                         for p in d["packs"] if p["rank"] == rank]
             except (CodecError, ValueError) as exc:
-                self.skipped_records += 1
-                log.warning("namespace %s: skipping bad consumer record %s: %s", c.namespace, key, exc)
+                self.skips(key, str(exc), meta.mod_revision)
         return tuple(sorted(out, key=lambda x: (x[0], x[1], x[2].offsets, x[2].sizes)))
 
+    def _good(self, key: str, value: bytes, mod_revision: int) -> bool:
+        """Whether a consumer record decodes and names its own key (skipped and counted if not)."""
+        try:
+            d = codec.decode("consumer", value)
+        except CodecError as exc:
+            self.skips(key, str(exc), mod_revision)
+            return False
+        if d["reader_id"] != key[len(self.prefix):]:
+            self.skips(key, f"reader_id {d['reader_id']!r} differs from its key", mod_revision)
+            return False
+        return True
+
     def ids(self) -> set[str]:
-        """Live consumers (each registers on its first pull)."""
-        kvs = self.client.call("list consumers", lambda: list(self.client.raw.get_prefix(self.prefix,
-                                                                                         keys_only=True)))
-        return {m.key.decode()[len(self.prefix):] for _v, m in kvs}
+        """Live consumers (each registers on its first pull). A key whose record is not a
+        consumer record of that id is no consumer (skipped, counted); records are read once per
+        revision, so a steady call lists keys only."""
+        c = self.client
+        kvs = c.call("list consumers", lambda: list(c.raw.get_prefix(self.prefix, keys_only=True)))
+        out: set[str] = set()
+        checked: dict[str, tuple[int, bool]] = {}
+        for _v, m in kvs:
+            key = m.key.decode("utf-8", "replace")
+            known = self._checked.get(key)
+            if known is None or known[0] != m.mod_revision:
+                value, meta = c.call("get consumer", lambda: c.raw.get(key))
+                if value is None or meta is None:
+                    continue  # gone in between (its lease ended)
+                known = (meta.mod_revision, self._good(key, value, meta.mod_revision))
+            elif not known[1]:
+                self.skips(key, "(still) not a consumer record", known[0])
+            checked[key] = known
+            if known[1]:
+                out.add(key[len(self.prefix):])
+        self._checked = checked
+        return out
 
     def close(self) -> None:
         with self._lock:

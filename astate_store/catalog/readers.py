@@ -12,19 +12,31 @@ import logging
 import os
 import socket
 import time
+from typing import Any, Iterable
 
 from pyetcd import transactions as tx
 
 from .. import codec
-from ..errors import VersionNotFound
+from ..errors import CodecError, VersionNotFound
 from .client import EtcdClient, range_end
 from .consumers import Consumers
-from .records import Version, pad20, version_from_kvs
+from .records import Skips, Version, pad20, version_from_kvs
 from .sessions import Sessions
 
-__all__ = ["Readers"]
+__all__ = ["Readers", "replica_source"]
 
 log = logging.getLogger("astate_store.catalog")
+
+# Up to this many publisher ranks (replica members) end_read compares each source's torn key; past
+# it, one range compare covers every rank (every replica): O(1) operations, conservative (a marker
+# of a source not read from then fails the read too). etcd allows 128 compares per transaction.
+_RANK_COMPARES = 16
+_REPLICA_COMPARES = 64
+
+
+def replica_source(member: str) -> str:
+    """The torn-marker name of a re-serving consumer (``torn/<step>/r-<member>``)."""
+    return "r-" + member
 
 
 class Readers:
@@ -37,49 +49,84 @@ class Readers:
     def __init__(self, client: EtcdClient, sessions: Sessions, *, consumers: Consumers | None = None):
         self.client, self.sessions = client, sessions
         self.consumers = consumers if consumers is not None else Consumers(client)
+        self.skips = Skips(client.namespace, "bad version or reader")  # bad version and reader records skipped
+        # (step, reader id) -> the revision that registered the reader: end_read succeeds only if
+        # its record is still that one (a record overwritten by anyone else fails the read).
+        self._open: dict[tuple[int, str], int] = {}
 
     def begin_read(self, step: int, reader_id: str) -> Version:
         """Register as a reader of ``step`` and read its commit and pieces, in one transaction.
 
         Raises:
             VersionNotFound: the version is not committed, was retired, or was dropped by retention.
+            CatalogCorrupted: its commit record, or a piece of the committing session, is bad.
         """
         c = self.client
         vkey = c.key("versions", pad20(step))
         retired = c.key("retired", pad20(step)) + "/"
         reader = codec.encode("reader", {"step": step, "reader_id": reader_id, "host": socket.gethostname(),
                                          "pid": os.getpid()})
-        ok, resp = c.txn(f"begin read {step}", [
+        resp = c.txn_raw(f"begin read {step}", [
             tx.Version(vkey + "/commit") > 0,
             tx.Version(retired, range_end(retired)) == 0,
         ], [
             tx.Put(c.key("readers", pad20(step), reader_id), reader, lease=c.reader_lease()),
             tx.Get(vkey + "/", range_end(vkey + "/")),
         ])
-        if not ok:
+        if not resp.succeeded:
             raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed or was retired")
+        self._open[(step, reader_id)] = int(resp.header.revision)
         try:
-            return version_from_kvs(c.namespace, step, resp[1])
+            kvs = [(kv.value, kv) for kv in resp.responses[1].response_range.kvs]
+            return version_from_kvs(c.namespace, step, kvs, self.skips)
         except BaseException:
             # Registered but unusable: do not leave a publisher waiting for this reader.
             self.end_read(step, reader_id)
             raise
 
-    def end_read(self, step: int, reader_id: str) -> bool:
-        """Unregister; True when no publisher changed the memory of ``step`` while this reader
-        was registered (and the version was not dropped), i.e. the bytes read are all of ``step``."""
+    def end_read(self, step: int, reader_id: str, sources: Iterable[int | str] | None = None) -> bool:
+        """Unregister; True when none of ``sources`` changed the memory of ``step`` while this
+        reader was registered (and the version was not dropped, and the reader's record is the
+        one it wrote), i.e. the bytes read are all of ``step``.
+
+        ``sources``: what the read used — publisher ranks (int; ``torn/<step>/<rank>``) and
+        :func:`replica_source` names of re-serving consumers (str; ``torn/<step>/r-<member>``);
+        a torn marker of any other source does not fail this read. None: every marker counts.
+        """
         c = self.client
         vkey = c.key("versions", pad20(step))
         rkey = c.key("readers", pad20(step), reader_id)
-        torn = c.key("torn", pad20(step)) + "/"
+        rev = self._open.pop((step, reader_id), None)
         ok, _ = c.txn(f"end read {step}", [
             tx.Version(vkey + "/commit") > 0,
-            tx.Version(torn, range_end(torn)) == 0,
-            # A reader whose lease expired was not waited for: its bytes may be torn.
-            tx.Version(rkey) > 0,
+            *self._torn_compares(step, sources),
+            # A reader whose lease expired was not waited for: its bytes may be torn. A record
+            # rewritten by someone else may not have been waited for either.
+            (tx.Version(rkey) > 0) if rev is None else (tx.Mod(rkey) == rev),
         ], [tx.Delete(rkey), tx.Put(c.key("delivered", pad20(step), reader_id), b"", lease=c.reader_lease())],
             [tx.Delete(rkey)])
         return bool(ok)
+
+    def _torn_compares(self, step: int, sources: Iterable[int | str] | None) -> list[Any]:
+        """Compares that hold while no torn marker of ``sources`` exists (see :meth:`end_read`)."""
+        torn = self.client.key("torn", pad20(step)) + "/"
+        if sources is None:
+            return [tx.Version(torn, range_end(torn)) == 0]
+        items = set(sources)
+        ranks = sorted(s for s in items if isinstance(s, int))
+        names = sorted(s for s in items if isinstance(s, str))
+        out: list[Any] = []
+        if len(ranks) > _RANK_COMPARES:
+            # Every rank marker is 20 digits: [torn/<step>/0, torn/<step>/:) holds them all.
+            out.append(tx.Version(torn + "0", (torn + ":").encode()) == 0)
+        else:
+            out += [tx.Version(torn + pad20(r)) == 0 for r in ranks]
+        if len(names) > _REPLICA_COMPARES:
+            pre = torn + replica_source("")
+            out.append(tx.Version(pre, range_end(pre)) == 0)
+        else:
+            out += [tx.Version(torn + n) == 0 for n in names]
+        return out
 
     def retire(self, step: int, *, timeout: float = 30.0) -> int:
         """Mark this rank's memory of ``step`` as about to change (no new readers), and wait
@@ -109,6 +156,9 @@ class Readers:
         deadline = time.monotonic() + timeout
         while True:
             kvs, rev = c.get_prefix_rev(pre)
+            # A record that is not a reader of this step under its own id is no reader to wait
+            # for (skipped): a real reader whose record was overwritten fails its own end_read.
+            kvs = [kv for kv in kvs if self._is_reader(step, pre, kv)]
             if not kvs:
                 return 0
             remaining = deadline - time.monotonic()
@@ -123,6 +173,28 @@ class Readers:
                 return len(kvs)
             c.wait_change(pre, remaining, prefix=True, start_revision=rev + 1)
 
+    def mark_torn(self, step: int, torn_as: str) -> None:
+        """Write ``torn/<step>/<torn_as>``: that source's memory of ``step`` is gone or changed, so
+        any read of it that has not ended yet — or starts from a cached plan — is discarded."""
+        c, s = self.client, self.sessions.current
+        rec = codec.encode("retired", {"step": step, "epoch": s.epoch if s else 0, "rank": s.rank if s else 0})
+        key = c.key("torn", pad20(step), torn_as)
+        c.call("mark torn", lambda: c.raw.put(key, rec))
+
+    def _is_reader(self, step: int, pre: str, kv: tuple[bytes, Any]) -> bool:
+        value, meta = kv
+        key = meta.key.decode("utf-8", "replace")
+        try:
+            d = codec.decode("reader", value)
+        except CodecError as exc:
+            self.skips(key, str(exc), meta.mod_revision)
+            return False
+        if (d["step"], d["reader_id"]) != (step, key[len(pre):]):
+            self.skips(key, f"reader record of step {d['step']} reader {d['reader_id']!r} under this key",
+                       meta.mod_revision)
+            return False
+        return True
+
     def wait_delivered(self, step: int, consumers: set[str], timeout: float) -> set[str]:
         """Wait (bounded) until each of ``consumers`` finished a good read of ``step``; returns
         those that did not (dead consumers' ids vanish with their lease and are not waited for)."""
@@ -131,7 +203,7 @@ class Readers:
         deadline = time.monotonic() + timeout
         while True:
             kvs, rev = c.get_prefix_rev(pre)
-            done = {m.key.decode().rsplit("/", 1)[1] for _v, m in kvs}
+            done = {m.key.decode("utf-8", "replace").rsplit("/", 1)[1] for _v, m in kvs}
             missing = (consumers & self.consumers.ids()) - done
             remaining = deadline - time.monotonic()
             if not missing or remaining <= 0:

@@ -7,23 +7,85 @@ Pure functions and data only: no etcd access here, so every role decodes a recor
 from __future__ import annotations
 
 import hashlib
+import logging
+import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from .. import codec
-from ..errors import CatalogError, CodecError, VersionNotFound
+from ..errors import CatalogCorrupted, CodecError, LayoutError, VersionNotFound
 from ..layout import DTYPES, Box, ShardRecord, contiguous_strides
 
 __all__ = ["Session", "Layout", "Piece", "Replica", "Version", "CheckpointEntry", "Manifest", "DTYPE_TABLE",
            "manifest_record", "manifest_from_record", "layout_record", "layout_from_record", "pad20",
-           "version_from_kvs"]
+           "parse_pad20", "is_record_id", "Skips", "SkipFn", "counter_value", "version_from_kvs"]
+
+log = logging.getLogger("astate_store.catalog")
 
 
 def pad20(v: int) -> str:
     """A step or epoch as it appears in keys and counters: 20 digits, so lexical order is numeric."""
     return "%020d" % v
+
+
+_PAD20 = re.compile(r"[0-9]{20}")
+_RECORD_ID = re.compile(r"[0-9a-f]{24}")
+
+
+def parse_pad20(segment: str) -> int | None:
+    """The number of a 20-digit key segment (a step, epoch, rank or round), or None when the
+    segment is anything else (``int()`` alone would take ``" 7"``, ``"+7"`` or ``"1_0"``)."""
+    return int(segment) if _PAD20.fullmatch(segment) else None
+
+
+def is_record_id(v: object) -> bool:
+    """Whether ``v`` has the form of a content-addressed manifest or layout id (24 hex digits)."""
+    return isinstance(v, str) and _RECORD_ID.fullmatch(v) is not None
+
+
+# (key, why, mod revision or None): how decoders report a record they skipped.
+SkipFn = Callable[[str, str, "int | None"], None]
+
+
+class Skips:
+    """The bad records one catalog role skipped: every skip is counted; each (key, revision) is
+    logged once, so a hostile or broken record that stays in etcd does not flood the log."""
+
+    _REMEMBER = 4096  # (key, revision) pairs remembered for logging once; older ones are forgotten
+
+    def __init__(self, namespace: str, what: str):
+        self.namespace, self.what = namespace, what  # what: the records, as in "skipping <what> record"
+        self.count = 0
+        self._logged: OrderedDict[tuple[str, int | None], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str, why: str, revision: int | None = None) -> None:
+        with self._lock:
+            self.count += 1
+            first = (key, revision) not in self._logged
+            if first:
+                self._logged[(key, revision)] = None
+                while len(self._logged) > self._REMEMBER:
+                    self._logged.popitem(last=False)
+        if first:
+            log.warning("namespace %s: skipping %s record %s: %s", self.namespace, self.what, key, why)
+
+
+def counter_value(key: str, raw: bytes | None) -> int | None:
+    """A counter record (``latest``, ``epoch``) read from ``key``.
+
+    Raises:
+        CatalogCorrupted: the value is not a counter (counters are authority records: nothing is
+            decided on a guess).
+    """
+    try:
+        return codec.decode_counter(raw)
+    except CodecError as exc:
+        raise CatalogCorrupted(f"the counter {key} is corrupted: {exc}", key=key) from None
 
 
 @dataclass(frozen=True)
@@ -201,7 +263,8 @@ def _table(rec: Mapping[str, Any], what: str) -> tuple[np.ndarray, ...]:
     gs = _i64(rec["global_shapes"], f"{what} global_shapes", total)
     of = _i64(rec["offsets"], f"{what} offsets", total)
     sz = _i64(rec["sizes"], f"{what} sizes", total)
-    if (gs < 0).any() or (of < 0).any() or (sz < 0).any() or (of + sz > gs).any():
+    # of > gs - sz would overflow for huge values; gs - of cannot (both are >= 0 by then).
+    if (gs < 0).any() or (of < 0).any() or (sz < 0).any() or (of > gs).any() or (sz > gs - of).any():
         raise CodecError(f"{what}: a box lies outside its tensor's global shape")
     return dtypes, ndims, gs, of, sz
 
@@ -217,7 +280,13 @@ def manifest_from_record(rec: Mapping[str, Any], key_id: str) -> Manifest:
     if rec["manifest_id"] != key_id or _columns_id(rec) != key_id:
         raise CodecError(f"{what}: content does not match its id")
     dtypes, ndims, gs, of, sz = _table(rec, what)
-    return Manifest(key_id, tuple(rec["names"]), dtypes, ndims, gs, of, sz)
+    try:
+        names = tuple(rec["names"])
+        if any("\0" in n for n in names):  # the content address joins names with NUL
+            raise CodecError(f"{what}: a tensor name holds a NUL character")
+    except TypeError as exc:
+        raise CodecError(f"{what}: bad names ({exc})") from None
+    return Manifest(key_id, names, dtypes, ndims, gs, of, sz)
 
 
 def layout_record(epoch: int, rank: int, manifest: Manifest | Mapping[str, Any], shards: Sequence[ShardRecord],
@@ -267,52 +336,115 @@ def layout_from_record(rec: Mapping[str, Any], manifest: Manifest, *, key_id: st
     boffs = _i64(rec["byte_offsets"], f"{what} byte_offsets", n)
     if (strides < 0).any() or (regions < 0).any() or (boffs < 0).any():
         raise CodecError(f"{what}: negative strides, regions or byte offsets")
-    shards = manifest.records(rec["rank"], strides, regions, boffs)
-    packed: tuple[ShardRecord, ...] = ()
-    if "packed" in rec:
-        p = rec["packed"]
-        dtypes, ndims, gs, of, sz = _table(p, f"{what} packed")
-        m = len(p["names"])
-        copies = Manifest("", tuple(p["names"]), dtypes, ndims, gs, of, sz)
-        packed = copies.records(rec["rank"], None, _i64(p["regions"], f"{what} packed regions", m),
-                                _i64(p["byte_offsets"], f"{what} packed byte_offsets", m))
+    try:
+        shards = manifest.records(rec["rank"], strides, regions, boffs)
+        packed: tuple[ShardRecord, ...] = ()
+        if "packed" in rec:
+            p = rec["packed"]
+            dtypes, ndims, gs, of, sz = _table(p, f"{what} packed")
+            m = len(p["names"])
+            pregions = _i64(p["regions"], f"{what} packed regions", m)
+            pboffs = _i64(p["byte_offsets"], f"{what} packed byte_offsets", m)
+            if (pregions < 0).any() or (pboffs < 0).any():
+                raise CodecError(f"{what}: negative packed regions or byte offsets")
+            copies = Manifest("", tuple(p["names"]), dtypes, ndims, gs, of, sz)
+            packed = copies.records(rec["rank"], None, pregions, pboffs)
+    except (LayoutError, TypeError, OverflowError) as exc:  # shards the layout module refuses
+        raise CodecError(f"{what}: bad shards ({exc})") from None
     return Layout(key_id, rec["epoch"], rec["rank"], shards, rec["transport"], packed, manifest.manifest_id)
 
 
-def version_from_kvs(namespace: str, step: int, kvs: Iterable[tuple[bytes, Any]]) -> Version:
+def version_from_kvs(namespace: str, step: int, kvs: Iterable[tuple[bytes, Any]],
+                     skip: SkipFn | None = None) -> Version:
     """The :class:`Version` of ``step`` from the (value, meta) pairs under ``versions/<step>/``.
 
-    Only pieces of the committing epoch count: a fenced session may have left pieces of the same
-    step behind.
+    Every record is checked against its schema and its key. Only pieces of the committing epoch
+    and ranks count: a fenced session may have left pieces of the same step behind. A record
+    that is not needed to trust the version (a replica, a piece of another epoch or of a rank
+    outside the world, a key that is none of these) and is bad is skipped and reported to
+    ``skip`` (key, why, mod revision); its source then simply is not there.
 
     Raises:
         VersionNotFound: no commit record among ``kvs``.
-        CatalogError: committed, but a piece of the committing session is missing.
+        CatalogCorrupted: the commit record is bad or not this step's, or a piece of the
+            committing session is missing or bad (the version cannot be trusted as a whole).
     """
-    commit = None
-    pieces_raw: dict[tuple[int, int], bytes] = {}
+    prefix = f"/astate/{namespace}/versions/{pad20(step)}/"
+    report: SkipFn = skip if skip is not None else (lambda _k, _w, _r: None)
+    commit: dict[str, Any] | None = None
+    commit_key = prefix + "commit"
+    pieces_raw: dict[tuple[int, int], tuple[str, bytes, int | None]] = {}
     replicas: dict[str, Replica] = {}
     for value, meta in kvs:
-        k = meta.key.decode()
-        tail = k.rsplit("/versions/", 1)[1].split("/")[1:]
+        raw_key = meta.key
+        k = raw_key.decode("utf-8", "replace") if isinstance(raw_key, (bytes, bytearray)) else str(raw_key)
+        rev = getattr(meta, "mod_revision", None)
+        if not k.startswith(prefix):
+            report(k, "not a key of this version", rev)
+            continue
+        tail = k[len(prefix):].split("/")
         if tail == ["commit"]:
-            commit = codec.decode("commit", value)
+            try:
+                commit = codec.decode("commit", value)
+            except CodecError as exc:
+                raise CatalogCorrupted(f"namespace {namespace!r}: the commit record {k} is corrupted: {exc}",
+                                       key=k) from None
+            if commit["step"] != step:
+                raise CatalogCorrupted(f"namespace {namespace!r}: the commit record {k} is of step {commit['step']}",
+                                       key=k)
         elif len(tail) == 3 and tail[0] == "pieces":
-            pieces_raw[(int(tail[1]), int(tail[2]))] = value
-        elif len(tail) == 3 and tail[0] == "replicas":
-            r = codec.decode("replica", value)
-            replicas[r["member"]] = Replica(r["step"], r["group"], r["member"], r["layout_id"], r["manifest_id"])
+            e, r = parse_pad20(tail[1]), parse_pad20(tail[2])
+            if e is None or r is None:
+                report(k, "not a piece key (epoch and rank are 20 digits)", rev)
+            else:
+                pieces_raw[(e, r)] = (k, value, rev)
+        elif len(tail) == 3 and tail[0] == "replicas" and tail[1] and tail[2]:
+            try:
+                rp = codec.decode("replica", value)
+            except CodecError as exc:
+                report(k, str(exc), rev)
+                continue
+            why = ("record of another step, group or member" if (rp["step"], rp["group"], rp["member"]) !=
+                   (step, tail[1], tail[2]) else
+                   "its layout id is not a content address" if not is_record_id(rp["layout_id"]) else None)
+            if why is not None:
+                report(k, why, rev)
+                continue
+            replicas[rp["member"]] = Replica(step, rp["group"], rp["member"], rp["layout_id"], rp["manifest_id"])
+        else:
+            report(k, "not a key of a version (commit, pieces/<epoch>/<rank>, replicas/<group>/<member>)", rev)
     if commit is None:
         raise VersionNotFound(f"namespace {namespace!r}: step {step} is not committed")
-    epoch = commit["epoch"]
-    pieces = {}
-    for (e, r), value in pieces_raw.items():
-        if e == epoch:
+    epoch, world = commit["epoch"], commit["world_size"]
+    pieces: dict[int, Piece] = {}
+    bad: list[str] = []
+    for (e, r), (k, value, rev) in sorted(pieces_raw.items()):
+        if e != epoch:
+            continue  # a fenced session's leftover: not read
+        if r >= world:
+            report(k, f"a piece of rank {r}, outside the committed world size {world}", rev)
+            continue
+        try:
             p = codec.decode("piece", value)
-            pieces[r] = Piece(p["step"], p["epoch"], p["rank"], p["world_size"], p["layout_id"], p["base_offset"],
-                              p["manifest_id"])
-    if set(pieces) != set(range(commit["world_size"])):
-        raise CatalogError(
-            f"namespace {namespace!r}: step {step} is committed but pieces of ranks "
-            f"{sorted(set(range(commit['world_size'])) - set(pieces))} are missing")
-    return Version(step, epoch, commit["world_size"], pieces, replicas)
+        except CodecError as exc:
+            report(k, str(exc), rev)
+            bad.append(k)
+            continue
+        if (p["step"], p["epoch"], p["rank"]) != (step, epoch, r):
+            report(k, f"piece of step {p['step']} epoch {p['epoch']} rank {p['rank']} under this key", rev)
+            bad.append(k)
+        elif p["world_size"] != world:  # the piece or the commit is wrong: the commit is named
+            report(k, f"piece of a world of {p['world_size']}, the commit says {world}", rev)
+        elif not is_record_id(p["layout_id"]):
+            report(k, "its layout id is not a content address", rev)
+            bad.append(k)
+        else:
+            pieces[r] = Piece(step, epoch, r, world, p["layout_id"], p["base_offset"], p["manifest_id"])
+    if len(pieces) != world:
+        # world can be anything a record says: never materialize range(world).
+        missing = [r for r in range(min(world, len(pieces) + 8)) if r not in pieces][:8]
+        raise CatalogCorrupted(
+            f"namespace {namespace!r}: step {step} is committed (epoch {epoch}, world size {world}) but pieces "
+            f"of ranks {missing}{' ...' if world - len(pieces) > len(missing) else ''} are missing or bad"
+            + (f" ({', '.join(bad[:4])})" if bad else ""), key=bad[0] if bad else commit_key)
+    return Version(step, epoch, world, pieces, replicas)

@@ -15,7 +15,7 @@ from ..errors import VersionNotFound
 from ..layout import ShardRecord
 from .blobs import blob_requests
 from .client import EtcdClient, range_end
-from .readers import Readers
+from .readers import Readers, replica_source
 from .records import layout_record, manifest_record, pad20
 
 __all__ = ["Replicas"]
@@ -63,7 +63,7 @@ class Replicas:
         c = self.client
         replica_key = c.key("versions", pad20(step), "replicas", group, member)
         c.call("remove replica", lambda: c.raw.delete(replica_key))
-        left = self.readers.wait_readers(step, timeout, torn_as="r-" + member)
+        left = self.readers.wait_readers(step, timeout, torn_as=replica_source(member))
         # The layout goes last: readers still planning with it must find it until they are done.
         # (Its manifest stays until the lease ends: the next offer of the same buffers reuses it.)
         layout_key = c.key("layouts", "replicas", member, layout_id)

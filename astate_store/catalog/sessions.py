@@ -17,13 +17,27 @@ from typing import Any
 from pyetcd import transactions as tx
 
 from .. import codec
-from ..errors import CatalogError, StaleSessionError, WaitTimeout
+from ..errors import CatalogCorrupted, CatalogError, CodecError, StaleSessionError, WaitTimeout
 from .client import EtcdClient
-from .records import Session, pad20
+from .records import Session, Skips, pad20, parse_pad20
 
-__all__ = ["Sessions"]
+__all__ = ["Sessions", "read_counter"]
 
 log = logging.getLogger("astate_store.catalog")
+
+
+def read_counter(client: EtcdClient, name: str) -> tuple[int | None, int]:
+    """A counter (``epoch``, ``latest``): its value (None when absent or empty) and mod revision.
+
+    Raises:
+        CatalogCorrupted: the key holds something that is not a counter.
+    """
+    try:
+        return client.get_counter(name)
+    except CodecError as exc:
+        key = client.key(name)
+        raise CatalogCorrupted(f"namespace {client.namespace!r}: the counter {key} is corrupted: {exc}",
+                               key=key) from None
 
 
 class Sessions:
@@ -32,6 +46,7 @@ class Sessions:
     def __init__(self, client: EtcdClient):
         self.client = client
         self._current: Session | None = None
+        self.skips = Skips(client.namespace, "bad member")  # bad member records skipped
 
     @property
     def current(self) -> Session | None:
@@ -62,7 +77,7 @@ class Sessions:
         c = self.client
         host, pid = socket.gethostname(), os.getpid()
         while True:
-            old, _rev = c.get_counter("epoch")
+            old, _rev = read_counter(c, "epoch")
             new = (old or 0) + 1
             # Compare-and-set on the epoch: of two rank-0s starting at once, one retries with the next epoch.
             cmp = (tx.Version(c.key("epoch")) == 0) if old is None else (
@@ -120,19 +135,52 @@ class Sessions:
         return self._current
 
     def record(self) -> dict[str, Any] | None:
-        """The namespace's session record (the newest session, while its rank 0 lives), or None."""
-        value, _ = self.client.call("get session", lambda: self.client.raw.get(self.client.key("session")))
-        return None if value is None else codec.decode("session", value)
+        """The namespace's session record (the newest session, while its rank 0 lives), or None.
+
+        Raises:
+            CatalogCorrupted: the record does not decode (ranks would join on a guess).
+        """
+        key = self.client.key("session")
+        value, _ = self.client.call("get session", lambda: self.client.raw.get(key))
+        if value is None:
+            return None
+        try:
+            return codec.decode("session", value)
+        except CodecError as exc:
+            raise CatalogCorrupted(f"namespace {self.client.namespace!r}: the session record {key} is corrupted: "
+                                   f"{exc}", key=key) from None
 
     def live_ranks(self, epoch: int) -> set[int]:
-        """Ranks of session ``epoch`` whose lease is alive."""
+        """Ranks of session ``epoch`` whose lease is alive. A member record that does not decode,
+        or whose epoch or rank is not its key's, is skipped (counted, logged once)."""
         pre = self.client.key("members", pad20(epoch)) + "/"
         kvs = self.client.call("get members", lambda: list(self.client.raw.get_prefix(pre)))
-        return {codec.decode("member", v)["rank"] for v, _ in kvs}
+        out = set()
+        for v, meta in kvs:
+            key = meta.key.decode("utf-8", "replace")
+            rank = parse_pad20(key[len(pre):])
+            if rank is None:
+                self.skips(key, "not a member key (the rank is 20 digits)", meta.mod_revision)
+                continue
+            try:
+                d = codec.decode("member", v)
+            except CodecError as exc:
+                self.skips(key, str(exc), meta.mod_revision)
+                continue
+            if (d["epoch"], d["rank"]) != (epoch, rank):
+                self.skips(key, f"member record of epoch {d['epoch']} rank {d['rank']} under this key",
+                           meta.mod_revision)
+                continue
+            out.add(rank)
+        return out
 
     def epoch(self) -> int | None:
-        """The newest session's epoch (the fencing token), or None before the first session."""
-        return self.client.get_counter("epoch")[0]
+        """The newest session's epoch (the fencing token), or None before the first session.
+
+        Raises:
+            CatalogCorrupted: the ``epoch`` key holds something that is not a counter.
+        """
+        return read_counter(self.client, "epoch")[0]
 
     def fence(self) -> list[Any]:
         """Transaction compares that hold only while this session is the newest and this rank alive."""

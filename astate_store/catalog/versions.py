@@ -30,15 +30,18 @@ from .client import EtcdClient, background_thread, range_end
 from .records import (
     Layout,
     Manifest,
+    Skips,
     Version,
+    counter_value,
     layout_from_record,
     layout_record,
     manifest_from_record,
     manifest_record,
     pad20,
+    parse_pad20,
     version_from_kvs,
 )
-from .sessions import Sessions
+from .sessions import Sessions, read_counter
 
 __all__ = ["Versions"]
 
@@ -61,14 +64,23 @@ class Versions:
 
     def __init__(self, client: EtcdClient, sessions: Sessions, retention: int):
         self.client, self.sessions, self.retention = client, sessions, retention
-        self._layouts: dict[str, Layout] = {}  # by layout id (immutable, content-addressed)
-        self._manifests: dict[str, Manifest] = {}  # by manifest id
+        # Layouts by the key they were read and verified at (layouts/<epoch>/<rank>/<id>, or
+        # layouts/replicas/<member>/<id>): the id is the content's, epoch and rank (or the
+        # member) are the key's, so a record naming a layout can only get the one at its own key.
+        self._layouts: dict[str, Layout] = {}
+        self._manifests: dict[str, Manifest] = {}  # by manifest id (verified: the id is the content's)
         self._written: dict[str, str] = {}  # layout id -> manifest id, of layouts this process wrote
         self._written_manifests: set[str] = set()
-        self.skipped_records = 0  # records that failed their schema or key checks (logged, skipped)
-        self._latest = _LatestWatch(client)
+        # (replica manifest id, publisher manifest ids) -> why the replica does not fit the version, or ""
+        self._fits: dict[tuple[str, tuple[str, ...]], str] = {}
+        self.skips = Skips(client.namespace, "bad")  # records that failed their schema or key checks
+        self._latest = _LatestWatch(client, self.skips)
         self._retention = _Background(f"astate-retention-{client.namespace}", self._apply_retention)
         self._drops = 0
+
+    @property
+    def skipped_records(self) -> int:
+        return self.skips.count
 
     # ---- publishing -----------------------------------------------------------------------
 
@@ -173,14 +185,14 @@ class Versions:
         if resp.responses[0].response_txn.succeeded:
             return False  # piece written; other ranks' pieces are still missing
         epoch_kv, latest_kv = resp.responses[1].response_range.kvs, resp.responses[2].response_range.kvs
-        epoch_now = codec.decode_counter(epoch_kv[0].value) if epoch_kv else None
+        epoch_now = counter_value(self.client.key("epoch"), epoch_kv[0].value) if epoch_kv else None
         mkey = self.client.key("members", pad20(s.epoch), pad20(s.rank))
         member = self.client.call("get member", lambda: self.client.raw.get(mkey))[0]
         if epoch_now != s.epoch or member is None:
             raise self.sessions.fenced_error(f"piece of step {step}")
         if int(resp.responses[3].response_range.count) == 0:
             return None  # the manifest key is missing
-        latest = codec.decode_counter(latest_kv[0].value) if latest_kv else None
+        latest = counter_value(self.client.key("latest"), latest_kv[0].value) if latest_kv else None
         if latest is not None and latest > step:
             raise StaleStepError(
                 f"namespace {self.client.namespace!r}: step {step} can never commit: step {latest} is already "
@@ -216,7 +228,7 @@ class Versions:
         c = self.client
         pre = c.key("commits") + "/"
         kvs = c.call("list commits", lambda: list(c.raw.get_prefix(pre, keys_only=True)))
-        steps = sorted(int(m.key.decode()[len(pre):]) for _v, m in kvs)
+        steps = sorted(self._committed_index(pre, kvs))
         drop = steps[: max(0, len(steps) - self.retention)]
         for old in drop:
             c.txn("retention", [], [tx.Delete(p, range_end(p)) for p in (c.key(f, pad20(old), "") for f in _PER_STEP)]
@@ -226,28 +238,60 @@ class Versions:
             self._drops = 0
             self._collect_manifests()
 
+    def _committed_index(self, pre: str, kvs: Sequence[tuple[Any, Any]]) -> list[int]:
+        """The steps of the ``commits/`` index that name a committed version. Keys that are not
+        20-digit steps, and entries without a commit record (nobody's commit writes one alone),
+        are skipped — and the latter deleted — so that they never push real versions out."""
+        c = self.client
+        steps = []
+        for _v, m in kvs:
+            key = m.key.decode("utf-8", "replace")
+            step = parse_pad20(key[len(pre):])
+            if step is None:
+                self.skips(key, "not a commit index key (the step is 20 digits)", m.mod_revision)
+            else:
+                steps.append(step)
+        if len(steps) <= self.retention:
+            return steps
+        real = []
+        for i in range(0, len(steps), 64):
+            batch = steps[i:i + 64]
+            resp = c.txn_raw("check commit index", [], [
+                c.count_op(c.key("versions", pad20(s), "commit"), prefix=False) for s in batch])
+            for s, r in zip(batch, resp.responses):
+                if int(r.response_range.count):
+                    real.append(s)
+                else:  # (another process's retention may have just dropped both: then nothing is deleted)
+                    key = pre + pad20(s)
+                    if c.call("drop index entry", lambda: c.raw.delete(key)):
+                        self.skips(key, "an index entry without a commit record (deleted)")
+        return real
+
     def _collect_manifests(self) -> None:
         """Delete manifests that no retained version names and that are older than every retained
         commit (a newer one may be about to be named by a piece)."""
         c = self.client
         vpre = c.key("versions") + "/"
         kvs, _ = c.get_prefix_rev(vpre)
-        named, oldest = set(), None
+        named, oldest, unsure = set(), None, False
         for value, meta in kvs:
-            tail = meta.key.decode()[len(vpre):].split("/")
+            key = meta.key.decode("utf-8", "replace")
+            tail = key[len(vpre):].split("/")
             if tail[1:] == ["commit"]:
                 oldest = meta.create_revision if oldest is None else min(oldest, meta.create_revision)
             elif len(tail) == 4 and tail[1] == "pieces":
                 try:
                     named.add(codec.decode("piece", value)["manifest_id"])
-                except CodecError:
-                    self.skipped_records += 1
-        if oldest is None:
+                except CodecError as exc:
+                    # Which manifest this piece named is unknown: collect nothing this time.
+                    self.skips(key, str(exc), meta.mod_revision)
+                    unsure = True
+        if oldest is None or unsure:
             return
         pre = c.key("manifests") + "/"
         heads = c.call("list manifests", lambda: list(c.raw.get_prefix(pre, keys_only=True)))
         for _v, meta in heads:
-            mid = meta.key.decode()[len(pre):]
+            mid = meta.key.decode("utf-8", "replace")[len(pre):]
             if "/" not in mid and mid not in named and meta.create_revision < oldest:
                 key = pre + mid
                 c.txn("drop manifest", [], [tx.Delete(key), tx.Delete(key + "/", range_end(key + "/"))])
@@ -258,12 +302,24 @@ class Versions:
         """Steps whose metadata is still held, oldest first."""
         pre = self.client.key("versions") + "/"
         kvs = self.client.call("list versions", lambda: list(self.client.raw.get_prefix(pre, keys_only=True)))
-        return sorted(int(m.key.decode()[len(pre):].split("/", 1)[0]) for _v, m in kvs
-                      if m.key.decode().endswith("/commit"))
+        steps = []
+        for _v, m in kvs:
+            tail = m.key.decode("utf-8", "replace")[len(pre):].split("/")
+            if tail[1:] == ["commit"]:
+                step = parse_pad20(tail[0])
+                if step is None:
+                    self.skips(pre + "/".join(tail), "not a version key (the step is 20 digits)", m.mod_revision)
+                else:
+                    steps.append(step)
+        return sorted(steps)
 
     def latest(self) -> int | None:
-        """The newest committed step, or None before the first commit (one etcd read)."""
-        return self.client.get_counter("latest")[0]
+        """The newest committed step, or None before the first commit (one etcd read).
+
+        Raises:
+            CatalogCorrupted: the ``latest`` key holds something that is not a counter.
+        """
+        return read_counter(self.client, "latest")[0]
 
     def wait_for(self, min_step: int | None = None, timeout: float | None = None) -> int:
         """Block until a committed version >= ``min_step`` exists (any version when None);
@@ -291,27 +347,27 @@ class Versions:
 
         Raises:
             VersionNotFound: the step is not committed (or its metadata was dropped by retention).
+            CatalogCorrupted: its commit record, or a piece of the committing session, is bad.
         """
         kvs, _ = self.client.get_prefix_rev(self.client.key("versions", pad20(step)) + "/")
-        return version_from_kvs(self.client.namespace, step, kvs)
+        return version_from_kvs(self.client.namespace, step, kvs, self.skips)
 
     def _read_blobs(self, keys: Sequence[str]) -> dict[str, bytes | None]:
-        """Blobs by key, ``_BLOBS_PER_TXN`` range reads per transaction."""
+        """Blobs by key, ``_BLOBS_PER_TXN`` range reads per transaction; a bad one is None (skipped)."""
         out: dict[str, bytes | None] = {}
         for i in range(0, len(keys), _BLOBS_PER_TXN):
             batch = keys[i:i + _BLOBS_PER_TXN]
             _ok, resp = self.client.txn("get blobs", [], [tx.Get(k, range_end(k)) for k in batch])
             for key, kvs in zip(batch, resp):
                 try:
-                    out[key] = blob_from_kvs(key, kvs)
-                except CodecError as exc:
+                    out[key] = blob_from_kvs(key, _checked_blob_kvs(key, kvs))
+                except (CodecError, ValueError) as exc:  # ValueError: e.g. a key that is not UTF-8
                     self._skip(key, exc)
                     out[key] = None
         return out
 
     def _skip(self, key: str, exc: Exception) -> None:
-        self.skipped_records += 1
-        log.warning("namespace %s: skipping bad record %s: %s", self.client.namespace, key, exc)
+        self.skips(key, str(exc))
 
     def manifests_of(self, version: Version) -> dict[int, Manifest]:
         """Every rank's manifest of a committed version (leaseless: whichever ranks are alive).
@@ -342,49 +398,121 @@ class Versions:
             self._skip(key, exc)
 
     def layouts_of(self, version: Version) -> Version:
-        """The version with the layouts of its live sources (cached by id: layouts are immutable).
-        A publisher whose layout lease expired (the rank died) — or whose layout is bad — is
-        listed in ``missing``; a re-serving consumer that died is left out."""
+        """The version with the layouts of its live sources (cached by key: layouts are immutable
+        and verified against the key they were read at). A publisher whose layout lease expired
+        (the rank died) — or whose layout is bad — is listed in ``missing``; a re-serving consumer
+        that died, whose records are bad, or whose tensors are not the version's, is left out."""
         k = self.client.key
         manifests = {p.manifest_id: k("manifests", p.manifest_id) for p in version.pieces.values()}
         manifests.update({rp.manifest_id: k("layouts", "replicas", m, rp.manifest_id)
                           for m, rp in version.replicas.items()})
         self._fetch_manifests(manifests)
+        pkeys = {r: k("layouts", pad20(p.epoch), pad20(p.rank), p.layout_id) for r, p in version.pieces.items()}
+        rkeys = {m: k("layouts", "replicas", m, rp.layout_id) for m, rp in version.replicas.items()}
         want: dict[str, tuple[str, int | None, int | None]] = {}  # layout key -> (manifest id, epoch, rank)
-        for p in version.pieces.values():
-            if p.layout_id not in self._layouts:
-                want[k("layouts", pad20(p.epoch), pad20(p.rank), p.layout_id)] = (p.manifest_id, p.epoch, p.rank)
+        for r, p in version.pieces.items():
+            if pkeys[r] not in self._layouts:
+                want[pkeys[r]] = (p.manifest_id, p.epoch, p.rank)
         for m, rp in version.replicas.items():
-            if rp.layout_id not in self._layouts:
-                want[k("layouts", "replicas", m, rp.layout_id)] = (rp.manifest_id, 0, 0)
+            if rkeys[m] not in self._layouts:
+                want[rkeys[m]] = (rp.manifest_id, 0, 0)
         for key, data in self._read_blobs(list(want)).items():
             mid, epoch, rank = want[key]
             if data is not None and mid in self._manifests:
                 self._decode(key, lambda: self._cache_layout(key, data, self._manifests[mid], epoch, rank))
-        layouts = {r: self._layouts[p.layout_id] for r, p in version.pieces.items() if p.layout_id in self._layouts}
-        rlayouts = {m: self._layouts[rp.layout_id] for m, rp in version.replicas.items()
-                    if rp.layout_id in self._layouts}
+        layouts = {r: self._layouts[pkeys[r]] for r, p in version.pieces.items()
+                   if self._usable(pkeys[r], p.manifest_id)}
+        pub = tuple(sorted({p.manifest_id for p in version.pieces.values()})) if version.replicas else ()
+        rlayouts = {m: self._layouts[rkeys[m]] for m, rp in version.replicas.items()
+                    if self._usable(rkeys[m], rp.manifest_id) and self._replica_fits(pub, rkeys[m], rp.manifest_id)}
         missing = frozenset(r for r in version.pieces if r not in layouts)
         return Version(version.step, version.epoch, version.world_size, version.pieces, version.replicas,
                        layouts, rlayouts, missing)
 
+    def _usable(self, key: str, manifest_id: str) -> bool:
+        """Whether the layout read at ``key`` is cached and describes the manifest its record names."""
+        lay = self._layouts.get(key)
+        if lay is None:
+            return False
+        if lay.manifest_id != manifest_id:
+            self.skips(key, f"the record naming this layout names manifest {manifest_id}, the layout "
+                            f"{lay.manifest_id}")
+            return False
+        return True
+
+    def _replica_fits(self, pub: tuple[str, ...], key: str, manifest_id: str) -> bool:
+        """Whether a re-serving consumer's tensors are tensors of the version (whose publishers'
+        manifests are ``pub``), of the same global shapes (dtypes may differ: buffers pulled with a
+        conversion). Skipped (counted) if not."""
+        if any(mid not in self._manifests for mid in pub):
+            return True  # the version's own tensors are unknown here: nothing to compare with
+        why = self._fits.get((manifest_id, pub))
+        if why is None:
+            shapes: dict[str, tuple[int, ...]] = {}
+            for mid in pub:
+                shapes.update(_global_shapes(self._manifests[mid]))
+            why = ""
+            for name, shape in _global_shapes(self._manifests[manifest_id]).items():
+                if shapes.get(name) != shape:
+                    why = (f"re-serves {name!r} of global shape {shape}, the version's is "
+                           f"{shapes.get(name, 'absent')}")
+                    break
+            if len(self._fits) > 256:
+                self._fits.clear()
+            self._fits[(manifest_id, pub)] = why
+        if why:
+            self.skips(key, why)
+        return not why
+
     def _cache_layout(self, key: str, data: bytes, manifest: Manifest, epoch: int | None, rank: int | None) -> None:
         lid = key.rsplit("/", 1)[1]
         rec = codec.decode("layout", data)
-        self._layouts[lid] = layout_from_record(rec, manifest, key_id=lid, epoch=epoch, rank=rank)
+        self._layouts[key] = layout_from_record(rec, manifest, key_id=lid, epoch=epoch, rank=rank)
 
     def close(self) -> None:
         self._latest.close()
         self._retention.close()
 
 
+def _global_shapes(m: Manifest) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> global shape of a manifest's shards."""
+    st, gs = m.starts.tolist(), m.global_shapes.tolist()
+    return {n: tuple(gs[st[i]:st[i + 1]]) for i, n in enumerate(m.names)}
+
+
+def _checked_blob_kvs(key: str, kvs: Sequence[tuple[bytes, Any]]) -> list[tuple[bytes, Any]]:
+    """The (value, meta) pairs of one blob range read, checked before they are put together: keys
+    are UTF-8, and the head asks for no more chunks than are there (so a head claiming 10^15
+    chunks is refused before anything is sized by it).
+
+    Raises:
+        CodecError: either does not hold.
+    """
+    chunks = 0
+    for _v, meta in kvs:
+        try:
+            k = meta.key.decode()
+        except UnicodeDecodeError:
+            raise CodecError(f"blob {key}: a key under it is not UTF-8 ({bytes(meta.key)[:60]!r})") from None
+        if k.startswith(key + "/"):
+            chunks += 1
+    head = next((v for v, meta in kvs if meta.key == key.encode()), None)
+    if head is not None:
+        n = codec.decode("blob", head)["chunks"]
+        if n > chunks:
+            raise CodecError(f"blob {key}: the head names {n} chunks, {chunks} are there")
+    return list(kvs)
+
+
 class _LatestWatch:
     """The newest committed step, kept current by a watch on ``latest``. Re-established (with
     one read) when the watch stream breaks, and re-read after a quiet wait of 5 s in case a
-    watch is stuck without saying so."""
+    watch is stuck without saying so. A value that is not a counter is skipped (counted in
+    ``skips``) on the watch; :meth:`wait` raises ``CatalogCorrupted`` when a read finds one."""
 
-    def __init__(self, client: EtcdClient):
+    def __init__(self, client: EtcdClient, skips: Skips | None = None):
         self.client = client
+        self.skips = skips
         self.key = client.key("latest")
         self._cond = threading.Condition()
         self._value: int | None = None
@@ -400,7 +528,9 @@ class _LatestWatch:
                 for ev in getattr(resp, "events", ()):
                     try:
                         v = codec.decode_counter(ev.value)
-                    except CodecError:
+                    except CodecError as exc:
+                        if self.skips is not None:
+                            self.skips(self.key, f"not a counter: {exc}", getattr(ev, "mod_revision", None))
                         continue
                     if v is not None and (self._value is None or v > self._value):
                         self._value = v
@@ -409,7 +539,7 @@ class _LatestWatch:
     def _refresh(self) -> None:
         """Read ``latest`` and (re)start the watch right after the revision read."""
         resp = self.client.call("get latest", lambda: self.client.raw.get_response(self.key))
-        value = codec.decode_counter(resp.kvs[0].value) if resp.kvs else None
+        value = counter_value(self.key, resp.kvs[0].value) if resp.kvs else None
         rev = int(resp.header.revision)
         with self._cond:
             if value is not None and (self._value is None or value > self._value):

@@ -28,6 +28,10 @@ import numpy as np
 from ..errors import TransportError
 
 __all__ = [
+    "MAX_REGIONS",
+    "MAX_RKEY_BYTES",
+    "MAX_WORKER_ADDRESS_BYTES",
+    "PROOF_TAG",
     "OP_PEER",
     "OP_REGION",
     "OP_OFFSET",
@@ -42,6 +46,42 @@ __all__ = [
 
 OP_PEER, OP_REGION, OP_OFFSET, OP_LOCAL, OP_LENGTH = range(5)
 OP_COLUMNS = 5
+
+# Descriptors come from etcd, i.e. from anyone who can write there: every field is checked
+# (type, sign, range, length) before any of it reaches the extension.
+MAX_WORKER_ADDRESS_BYTES = 16 << 10  # UCX worker addresses are ~100 B per transport/device
+MAX_RKEY_BYTES = 4096  # a packed rkey is ~10-100 B per memory domain
+MAX_REGIONS = 1 << 20  # regions (registrations) one descriptor may list
+MAX_NAME_CHARS = 4096  # host / node strings
+_PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT
+_MEMORY_TYPES = ("host", "cuda", "unknown")
+# The ``rkey`` of a descriptor's proof entry starts with this tag (see PeerDescriptor); UCX's
+# packed rkeys start with a 64-bit memory-domain map, which is never all ones.
+PROOF_TAG = b"\xff\xff\xff\xff\xff\xff\xff\xffastate-proof\x00"
+
+
+def _int_field(d: Mapping[str, Any], key: str, what: str) -> int:
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TransportError(f"malformed {what}: {key!r} must be an integer, got {type(v).__name__}")
+    return v
+
+
+def _bytes_field(d: Mapping[str, Any], key: str, what: str, limit: int) -> bytes:
+    v = d[key]
+    if not isinstance(v, (bytes, bytearray, memoryview)):  # bytes(int) would allocate that many zeros
+        raise TransportError(f"malformed {what}: {key!r} must be bytes, got {type(v).__name__}")
+    b = bytes(v)
+    if len(b) > limit:
+        raise TransportError(f"malformed {what}: {key!r} of {len(b)} bytes (at most {limit})")
+    return b
+
+
+def _str_field(d: Mapping[str, Any], key: str, what: str) -> str:
+    v = d.get(key, "")
+    if not isinstance(v, str) or len(v) > MAX_NAME_CHARS:
+        raise TransportError(f"malformed {what}: {key!r} must be a string of at most {MAX_NAME_CHARS} characters")
+    return v
 
 
 @dataclass(frozen=True)
@@ -67,14 +107,29 @@ class RegionInfo:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RegionInfo":
+        """Parse and check one region entry (from another process: nothing is trusted).
+
+        Raises:
+            TransportError: a missing field, a wrong type, a negative or overflowing range,
+                a non-null size at address 0, an rkey over ``MAX_RKEY_BYTES``, an unknown
+                memory type.
+        """
+        what = "region entry"
+        if not isinstance(d, Mapping):
+            raise TransportError(f"malformed {what}: expected a dict, got {type(d).__name__}")
         try:
-            base, size, rkey = int(d["base"]), int(d["size"]), bytes(d["rkey"])
-            mtype = str(d.get("memory_type", "host"))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise TransportError(f"malformed region entry {d!r}: {exc}") from exc
+            base, size = _int_field(d, "base", what), _int_field(d, "size", what)
+            rkey = _bytes_field(d, "rkey", what, MAX_RKEY_BYTES)
+        except KeyError as exc:
+            raise TransportError(f"malformed {what}: missing {exc}") from None
+        mtype = d.get("memory_type", "host")
+        if mtype not in _MEMORY_TYPES:
+            raise TransportError(f"malformed {what}: memory_type {mtype!r} is not one of {_MEMORY_TYPES}")
         if base < 0 or size < 0 or base + size > 2**64:
             raise TransportError(f"region entry out of range: base={base} size={size}")
-        return cls(base, size, rkey, mtype)
+        if size > 0 and base == 0:
+            raise TransportError(f"region entry out of range: {size} bytes at address 0")
+        return cls(base, size, rkey, str(mtype))
 
 
 @dataclass(frozen=True)
@@ -86,6 +141,15 @@ class PeerDescriptor:
     pid/ipc/mount namespaces), ``pid`` (int), ``shm`` (bool: the publisher's UCX
     context has shared-memory/CMA transports) and ``regions`` (list of
     ``{"base", "size", "rkey"[, "memory_type"]}``).
+
+    ``proof``: the publisher's proof region (a small registered buffer holding a random
+    nonce, see ``same_host``). On the wire it is the *last* entry of ``regions``, its
+    ``rkey`` prefixed with :data:`PROOF_TAG` (the descriptor schema has no field of its
+    own for it); parsed, ``regions`` holds the data regions only, so region indices are
+    unchanged.
+
+    Every field is checked by :meth:`from_dict` (types, ranges, lengths within
+    ``MAX_*``): a bad descriptor raises :class:`TransportError`, never reaches UCX.
     """
 
     kind: str
@@ -96,9 +160,15 @@ class PeerDescriptor:
     pid: int = 0
     shm: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    proof: RegionInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = dict(self.extra)
+        regions = [r.to_dict() for r in self.regions]
+        if self.proof is not None:
+            p = self.proof.to_dict()
+            p["rkey"] = PROOF_TAG + p["rkey"]
+            regions.append(p)
         d.update(
             kind=self.kind,
             worker_address=self.worker_address,
@@ -106,7 +176,7 @@ class PeerDescriptor:
             node=self.node,
             pid=self.pid,
             shm=self.shm,
-            regions=[r.to_dict() for r in self.regions],
+            regions=regions,
         )
         return d
 
@@ -116,22 +186,49 @@ class PeerDescriptor:
             return d
         if not isinstance(d, Mapping):
             raise TransportError(f"transport descriptor must be a dict, got {type(d).__name__}")
+        what = "transport descriptor"
         try:
-            kind = str(d["kind"])
-            addr = bytes(d["worker_address"])
-            regions = tuple(RegionInfo.from_dict(r) for r in d["regions"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TransportError(f"malformed transport descriptor: missing/invalid {exc}") from exc
+            kind = d["kind"]
+            addr = _bytes_field(d, "worker_address", what, MAX_WORKER_ADDRESS_BYTES)
+            raw = d["regions"]
+        except KeyError as exc:
+            raise TransportError(f"malformed {what}: missing/invalid {exc}") from None
+        if not isinstance(kind, str):
+            raise TransportError(f"malformed {what}: 'kind' must be a string")
+        if not addr:
+            raise TransportError(f"malformed {what}: empty worker address")
+        if not isinstance(raw, (list, tuple)):
+            raise TransportError(f"malformed {what}: 'regions' must be a list, got {type(raw).__name__}")
+        if len(raw) > MAX_REGIONS + 1:
+            raise TransportError(f"malformed {what}: {len(raw)} regions (at most {MAX_REGIONS})")
+        proof = None
+        if raw and isinstance(raw[-1], Mapping) and isinstance(raw[-1].get("rkey"), (bytes, bytearray)) \
+                and bytes(raw[-1]["rkey"][: len(PROOF_TAG)]) == PROOF_TAG:
+            last = dict(raw[-1])
+            last["rkey"] = bytes(last["rkey"])[len(PROOF_TAG):]
+            proof = RegionInfo.from_dict(last)
+            raw = raw[:-1]
+        elif len(raw) > MAX_REGIONS:
+            raise TransportError(f"malformed {what}: {len(raw)} regions (at most {MAX_REGIONS})")
+        regions = tuple(RegionInfo.from_dict(r) for r in raw)
+        pid = d.get("pid", 0)
+        pid = 0 if pid is None else pid
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid <= _PID_MAX:
+            raise TransportError(f"malformed {what}: pid {pid!r} is not a process id")
+        shm = d.get("shm", False)
+        if not isinstance(shm, bool):
+            raise TransportError(f"malformed {what}: 'shm' must be a bool")
         known = {"kind", "worker_address", "regions", "host", "node", "pid", "shm"}
         return cls(
             kind=kind,
             worker_address=addr,
             regions=regions,
-            host=str(d.get("host", "")),
-            node=str(d.get("node", "")),
-            pid=int(d.get("pid", 0) or 0),
-            shm=bool(d.get("shm", False)),
+            host=_str_field(d, "host", what),
+            node=_str_field(d, "node", what),
+            pid=pid,
+            shm=shm,
             extra={k: v for k, v in d.items() if k not in known},
+            proof=proof,
         )
 
 
@@ -166,9 +263,19 @@ class Transport(ABC):
         region with byte offsets from ``tensor.untyped_storage().data_ptr()``.
         """
 
+    def register_range(self, tensor: Any, address: int, nbytes: int) -> int:
+        """Register ``[address, +nbytes)``, a part of ``tensor``'s storage (least exposure:
+        only what is published becomes readable). Keeps a reference to the storage until
+        unregistered; idempotent per ``(address, nbytes)``.
+
+        The default registers the whole storage (backends that cannot do better).
+        """
+        return self.register_tensor(tensor)
+
     @abstractmethod
     def unregister(self, region: int) -> None:
-        """Release a region. Its index stays (size 0, empty rkey); indices are never reused."""
+        """Release a region. Its index stays (size 0, empty rkey) and is not handed out again
+        before many newer slots were freed after it (a bounded table; see the backend)."""
 
     @abstractmethod
     def region(self, region: int) -> RegionInfo:

@@ -8,6 +8,7 @@ the next ``connect``/``disconnect`` (or a peer leaving the same-host path) drops
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -17,6 +18,12 @@ from .base import PeerDescriptor, RegionInfo
 from .binding import native, typed_error
 
 __all__ = ["Peer", "PeerInfo", "PeerSnapshot", "PeerTable", "open_endpoint"]
+
+# A disconnected peer's index is handed out again only once this many newer peers were
+# disconnected after it: the per-index tables stay bounded under peer churn, and a plan
+# built against a departed peer keeps failing ("not connected") for a long while instead of
+# reading from whoever took its index.
+_REUSE_AFTER = 64
 
 
 @dataclass(frozen=True)
@@ -28,9 +35,10 @@ class PeerInfo:
     worker address, or the old one failed/closed), so equal ids mean "reused".
     ``peer_error_handling``: the endpoint's error mode (True: PEER, i.e. tcp; False:
     NONE, i.e. shared memory). ``direct``: whether reads of this peer's host regions
-    use ``process_vm_readv`` (None: not decided yet, the peer has no host region to
-    probe). ``direct_regions``: per region of its descriptor, whether rows may take
-    that path.
+    use ``process_vm_readv``: True only once the claimed pid was proven to be the
+    process behind the endpoint (``same_host``); None is not produced any more (kept
+    for callers that test for it). ``direct_regions``: per region of its descriptor,
+    whether rows may take that path.
     """
 
     index: int
@@ -52,6 +60,7 @@ class Peer:
     rkeys: list[Any] = field(default_factory=list)  # per region: RemoteKey or None
     direct: bool | None = None  # process_vm_readv path: None = not probed yet, False = UCX only
     pidfd: int = -1  # pidfd of desc.pid while direct
+    proof_rkey: Any = None  # RemoteKey of desc.proof (the same-host identity check)
 
     def needs_new_endpoint(self, d: PeerDescriptor) -> bool:
         """Whether ``d`` cannot be served by the current endpoint."""
@@ -69,22 +78,31 @@ class Peer:
         """
         nat = native()
         new_rkeys: list[Any] = []
+        proof_rkey = self.proof_rkey
         try:
             for i, r in enumerate(d.regions):
                 if i < len(prev_regions) and prev_regions[i] == r and i < len(self.rkeys):
                     new_rkeys.append(self.rkeys[i])
                     continue
                 new_rkeys.append(self.ep.unpack_rkey(r.rkey) if r.size > 0 and r.rkey else None)
+            if d.proof != self.desc.proof or (proof_rkey is None and d.proof is not None):
+                p = d.proof
+                proof_rkey = self.ep.unpack_rkey(p.rkey) if p is not None and p.size > 0 and p.rkey else None
         except nat.UcxError as exc:
             for rk in new_rkeys:
                 if rk is not None and rk not in self.rkeys:
                     rk.destroy()
+            if proof_rkey is not None and proof_rkey is not self.proof_rkey:
+                proof_rkey.destroy()
             raise typed_error(exc, f"unpacking rkeys of peer {self.key!r}") from exc
         kept = {id(rk) for rk in new_rkeys if rk is not None}
         for rk in self.rkeys:
             if rk is not None and id(rk) not in kept:
                 rk.destroy()
+        if self.proof_rkey is not None and self.proof_rkey is not proof_rkey:
+            self.proof_rkey.destroy()
         self.rkeys = new_rkeys
+        self.proof_rkey = proof_rkey
         self.desc = d
 
     def info(self) -> PeerInfo:
@@ -138,7 +156,8 @@ def open_endpoint(worker: Any, d: PeerDescriptor, *, peer_mode: bool, timeout: f
 
 
 class PeerTable:
-    """Peers by key. Peer indices are never reused, except by a reconnect of the same key.
+    """Peers by key. A reconnect of the same key keeps its index; a disconnected peer's
+    index is reused only after ``_REUSE_AFTER`` newer disconnects (bounded tables).
 
     Not locked itself: ``UcxTransport`` calls every method under its own lock (``get``
     only takes the lock to fetch the snapshot).
@@ -149,6 +168,15 @@ class PeerTable:
         self._next_index = 0
         self._next_endpoint_id = 0
         self._snapshot: PeerSnapshot | None = None
+        self._free: deque[int] = deque()  # indices of disconnected peers, oldest first
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    @property
+    def index_space(self) -> int:
+        """Size of the per-index tables (connected peers + freed indices not reused yet)."""
+        return self._next_index
 
     def get(self, key: Hashable) -> Peer | None:
         return self._peers.get(key)
@@ -172,21 +200,34 @@ class PeerTable:
         Leaves the snapshot alone: the caller invalidates it once the peer's keys are in.
         """
         if index is None:
-            index = self._next_index
-            self._next_index += 1
+            if len(self._free) > _REUSE_AFTER:
+                index = self._free.popleft()
+            else:
+                index = self._next_index
+                self._next_index += 1
         p = Peer(key, index, d, ep, self._next_endpoint_id)
         self._next_endpoint_id += 1
         self._peers[key] = p
         return p
 
-    def remove(self, p: Peer) -> None:
-        """Destroy the peer's keys (before its endpoint, as UCX wants) and close its endpoint."""
+    def remove(self, p: Peer, *, recycle: bool = True) -> None:
+        """Destroy the peer's keys (before its endpoint, as UCX wants) and close its endpoint.
+
+        ``recycle``: its index may be handed out again later (False for a reconnect,
+        which keeps the index for the same key).
+        """
         for rk in p.rkeys:
             if rk is not None:
                 rk.destroy()
         p.rkeys = []
+        if p.proof_rkey is not None:
+            p.proof_rkey.destroy()
+            p.proof_rkey = None
         p.ep.close()
-        self._peers.pop(p.key, None)
+        if self._peers.get(p.key) is p:
+            del self._peers[p.key]
+            if recycle:
+                self._free.append(p.index)
         self._snapshot = None
 
     def invalidate(self) -> None:

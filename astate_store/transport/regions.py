@@ -8,6 +8,7 @@ the ``process_vm_readv`` path.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,10 @@ from .binding import native, typed_error
 __all__ = ["LocalRegion", "LocalSnapshot", "LocalRegions"]
 
 _MEMORY_TYPES = ("host", "cuda", "unknown")
+# A freed slot is handed out again only once this many newer slots were freed after it: the
+# table (and every descriptor, which lists all slots) stays bounded under register/unregister
+# churn, while a consumer holding an old descriptor still finds the slot freed for a long time.
+_REUSE_AFTER = 64
 
 
 @dataclass
@@ -49,7 +54,8 @@ class LocalSnapshot:
 
 
 class LocalRegions:
-    """The registration table: indices are stable and never reused.
+    """The registration table: indices are stable; a freed index is reused only after
+    ``_REUSE_AFTER`` newer frees (so the table is bounded by live slots + that many).
 
     Not locked itself: ``UcxTransport`` calls every method under its own lock.
     """
@@ -59,6 +65,8 @@ class LocalRegions:
         self._slots: list[LocalRegion] = []
         self._by_range: dict[tuple[int, int], int] = {}  # live (base, nbytes) -> index
         self._snapshot: LocalSnapshot | None = None  # cached until the table changes
+        self._free: deque[int] = deque()  # freed indices, oldest first
+        self._live = 0  # slots with a UCX registration
 
     @staticmethod
     def memory_type_code(address: int, nbytes: int, memory_type: str) -> int:
@@ -91,9 +99,15 @@ class LocalRegions:
             except native().UcxError as exc:
                 raise typed_error(exc, f"registering {nbytes} bytes at 0x{address:x} ({memory_type})") from exc
             rkey = memh.rkey()
-        idx = len(self._slots)
-        self._slots.append(LocalRegion(RegionInfo(address, nbytes, rkey, memory_type), memh, keepalive, memory_type))
+        reg = LocalRegion(RegionInfo(address, nbytes, rkey, memory_type), memh, keepalive, memory_type)
+        if len(self._free) > _REUSE_AFTER:
+            idx = self._free.popleft()
+            self._slots[idx] = reg
+        else:
+            idx = len(self._slots)
+            self._slots.append(reg)
         self._by_range[key] = idx
+        self._live += memh is not None
         self._snapshot = None
         return idx
 
@@ -109,7 +123,9 @@ class LocalRegions:
             del self._by_range[key]
         if reg.memh is not None:
             reg.memh.unmap()
+            self._live -= 1
         self._slots[region] = LocalRegion(RegionInfo(reg.info.base, 0, b""))
+        self._free.append(region)
         self._snapshot = None
 
     def info(self, region: int) -> RegionInfo:
@@ -121,7 +137,13 @@ class LocalRegions:
         return tuple(r.info for r in self._slots)
 
     def __len__(self) -> int:
+        """Slots in the table, freed ones included (the descriptor's ``regions``)."""
         return len(self._slots)
+
+    @property
+    def live(self) -> int:
+        """Slots holding a UCX registration now."""
+        return self._live
 
     def snapshot(self) -> LocalSnapshot:
         """The live regions for ``get`` (cached; rebuilt after a change)."""
@@ -148,4 +170,6 @@ class LocalRegions:
                 r.memh.unmap()
         self._slots = []
         self._by_range.clear()
+        self._free.clear()
+        self._live = 0
         self._snapshot = None

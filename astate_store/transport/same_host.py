@@ -6,10 +6,20 @@ UCX's CMA transport pays ~3.7 us per row (one ``ucp_get_nbx`` each); the extensi
 Rules (the module docstring of ``ucx.py`` has the user-facing summary):
 
 * Who: a peer on this node (:meth:`ProcessIdentity.same_node`) whose endpoint uses
-  error mode NONE (shared memory), when the path is enabled. ``connect`` probes it
-  with a 1-byte read of the peer's first host region; a refusal (EPERM from ptrace
-  rules, ENOSYS, no ``pidfd_open``) keeps the peer on UCX for good. A peer without a
-  host region stays undecided until a later ``connect`` brings one.
+  error mode NONE (shared memory), when the path is enabled, and only once the pid its
+  descriptor claims is *proven* to be the process behind its UCX endpoint: descriptors
+  come from etcd, and whoever can write there could otherwise point this process's
+  ``process_vm_readv`` at any process it may ptrace. The proof (:class:`Proof`): every
+  transport registers a small buffer holding a random nonce and lists it in its
+  descriptor; ``connect`` reads it once through UCX (the endpoint reaches the worker at
+  the descriptor's address, and that worker's registered memory) and once with
+  ``process_vm_readv`` from the claimed pid at the same address, with a pidfd of the
+  pid opened before both reads and checked after them. Only equal, nonce-like bytes, in
+  private anonymous memory of that pid (``/proc/<pid>/maps``: not constant data anyone
+  could predict), enable the path; anything else (no proof, a mismatch, a refusal such
+  as EPERM from ptrace rules, ENOSYS, no ``pidfd_open``) keeps the peer on UCX for good,
+  logged. What this proves: the pid holds, at the proof's address, the bytes the UCX
+  endpoint's worker serves there, i.e. it is that worker's process (or a fork of it).
 * What: rows of host regions, into local memory that is not registered non-host
   memory. Everything else goes through UCX.
 * Failures at ``get`` time: EFAULT, EPERM or ENOSYS send the whole plan through UCX
@@ -21,23 +31,30 @@ Rules (the module docstring of ``ucx.py`` has the user-facing summary):
 from __future__ import annotations
 
 import errno
+import logging
+import mmap
 import os
 import select
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Any, Hashable
 
 import numpy as np
 
 from ..errors import PeerUnreachable, TransportError
-from .base import PeerDescriptor
-from .binding import native
+from .base import PeerDescriptor, RegionInfo
+from .binding import native, typed_error
 from .peers import Peer, PeerSnapshot, PeerTable
 from .regions import LocalSnapshot
 from .rows import Rows
 
-__all__ = ["ProcessIdentity", "SameHostReader", "node_id"]
+__all__ = ["Proof", "ProcessIdentity", "SameHostReader", "node_id"]
+
+log = logging.getLogger("astate_store")
+
+NONCE_BYTES = 32
+_MIN_DISTINCT = 12  # 32 random bytes have ~30 distinct values; < 12 happens with odds ~1e-20
 
 _SPLIT_BYTES = 64 << 20  # plans above this use the copy threads
 _FALLBACK = (errno.EFAULT, errno.EPERM, errno.ENOSYS)  # -> run the plan through UCX
@@ -79,6 +96,49 @@ class ProcessIdentity:
         return bool(d.host) and d.host == self.host
 
 
+class Proof:
+    """This transport's proof region: a page of its own holding a random nonce, registered
+    with the worker (only this region: the page holds nothing else, so its registration
+    exposes nothing). Its ``info`` goes into the descriptor (``PeerDescriptor.proof``)."""
+
+    def __init__(self, worker: Any) -> None:
+        self._page = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # page-aligned
+        self._page.write(os.urandom(NONCE_BYTES))
+        self._view = np.frombuffer(self._page, dtype=np.uint8)
+        address = int(self._view.ctypes.data)
+        nat = native()
+        try:
+            self._memh = worker.mem_map(address, NONCE_BYTES, nat.MEMORY_TYPE_HOST)
+        except nat.UcxError as exc:
+            raise typed_error(exc, "registering the proof region") from exc
+        self.info = RegionInfo(address, NONCE_BYTES, self._memh.rkey())
+
+    def close(self) -> None:
+        """Unmap the registration (the page itself goes with this object)."""
+        self._memh.unmap()
+
+
+def _nonce_like(b: np.ndarray) -> bool:
+    return b.size >= 16 and np.unique(b).size >= min(_MIN_DISTINCT, b.size // 2)
+
+
+def _anonymous_at(pid: int, address: int) -> bool:
+    """Whether ``address`` lies in a private anonymous mapping of ``pid`` (as a proof page
+    does). Rules out bytes anyone could predict at a known address of another process,
+    such as a shared library's constant data when address randomization is off."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, _, hi = parts[0].partition("-")
+                if int(lo, 16) <= address < int(hi, 16):
+                    path = parts[5].strip() if len(parts) > 5 else ""
+                    return parts[1].startswith("rw") and parts[1].endswith("p") and parts[4] == "0" and not path
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def _cut_rows(cp: np.ndarray, cap: int) -> np.ndarray:
     """Rows (pid, remote, local, length) with every row over ``cap`` bytes cut into pieces.
 
@@ -105,28 +165,61 @@ class SameHostReader:
     reads run without it).
     """
 
-    def __init__(self, peers: PeerTable, lock: threading.RLock, host: str) -> None:
+    def __init__(self, peers: PeerTable, lock: threading.RLock, host: str, worker: Any = None,
+                 timeout: float = 10.0) -> None:
         self._peers = peers
         self._lock = lock
         self._host = host
+        self._worker = worker  # reads the proof through UCX
+        self._timeout = timeout
         self._pidpoll = select.poll()  # pidfds of direct peers (readable once exited)
         self._pidfd_keys: dict[int, Hashable] = {}
         self._poll_lock = threading.Lock()  # one poll() at a time (select.poll's rule)
 
+    @property
+    def pidfds(self) -> int:
+        """Open pidfds (one per peer on this path)."""
+        return len(self._pidfd_keys)
+
     def probe(self, p: Peer, *, enabled: bool, same_node: bool) -> None:
-        """Decide the path for ``p``: one 1-byte read of its first host region."""
+        """Decide the path for ``p``: the pid its descriptor claims must prove to be the
+        process behind its endpoint (the module docstring); else UCX only."""
         d = p.desc
         if not (enabled and d.pid > 0 and not p.ep.peer_error_handling and same_node):
             p.direct = False
             return
-        r = next((r for r in d.regions if r.size > 0 and r.memory_type == "host"), None)
-        if r is None:
-            return  # nothing to probe yet: decided on a later connect
-        byte = np.zeros(1, dtype=np.uint8)
+        proof = d.proof
+        if proof is None or p.proof_rkey is None or proof.size < 16 or proof.size > 4096 \
+                or proof.memory_type != "host" or self._worker is None:
+            log.warning("peer %r (pid %d): its descriptor carries no usable proof region; reads stay on UCX",
+                        p.key, d.pid)
+            p.direct = False
+            return
+        n = proof.size
+        via_ucx = np.zeros(n, dtype=np.uint8)
+        via_pid = np.ones(n, dtype=np.uint8)
+        nat = native()
+        fd = -1
         try:
-            native().cma_read(np.array([[d.pid, r.base, byte.ctypes.data, 1]], dtype=np.uint64))
-            fd = os.pidfd_open(d.pid)
-        except (OSError, AttributeError):  # EPERM (ptrace rules), ENOSYS, ESRCH, no pidfd_open
+            fd = os.pidfd_open(d.pid)  # first: the pid cannot be reused under the reads below
+            self._worker.get(np.array([[0, 0, proof.base, via_ucx.ctypes.data, n]], dtype=np.uint64),
+                             [p.ep], [p.proof_rkey], None, self._timeout, 1)
+            nat.cma_read(np.array([[d.pid, proof.base, via_pid.ctypes.data, n]], dtype=np.uint64))
+            anonymous = _anonymous_at(d.pid, proof.base)
+            alive = not select.select([fd], [], [], 0)[0]
+        except (OSError, AttributeError, nat.UcxError) as exc:  # EPERM, ENOSYS, ESRCH, EFAULT, UCX failures
+            if fd >= 0:
+                os.close(fd)
+            log.info("peer %r (pid %d): same-host read refused or failed (%s); reads stay on UCX", p.key, d.pid, exc)
+            p.direct = False
+            return
+        if not (alive and anonymous and np.array_equal(via_ucx, via_pid) and _nonce_like(via_ucx)):
+            os.close(fd)
+            why = ("it exited" if not alive else "its proof bytes differ" if not np.array_equal(via_ucx, via_pid)
+                   else "its proof is not in private anonymous memory" if not anonymous
+                   else "its proof is not a nonce")
+            log.warning("peer %r: pid %d is not proven to be the process behind its UCX endpoint (%s); "
+                        "its reads stay on UCX", p.key, d.pid, why)
             p.direct = False
             return
         p.direct, p.pidfd = True, fd

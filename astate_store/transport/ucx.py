@@ -30,9 +30,13 @@ Same-host fast path (``direct=True``, the default; ``ASTATE_SHM_DIRECT=0`` or
 (shared memory), ``get`` reads that peer's rows of host regions itself with batched
 ``process_vm_readv`` (up to 1024 rows per syscall, GIL released, ``copy_threads``
 threads for plans over 64 MiB) instead of one ``ucp_get_nbx`` per row; UCX's CMA pays
-~3.7 us per row, this ~1 us. ``connect`` probes it with a 1-byte read of the first host
-region; a peer that refuses it (EPERM: ptrace restrictions such as
-``/proc/sys/kernel/yama/ptrace_scope``, ENOSYS) stays on UCX. At ``get`` time EFAULT,
+~3.7 us per row, this ~1 us. Only a pid proven to be the process behind the peer's UCX
+endpoint is read this way: ``connect`` reads the peer's proof region (a random nonce every
+transport registers and lists in its descriptor) once through UCX and once with
+``process_vm_readv`` from the claimed pid, and enables the path only if both match (see
+``same_host``); a peer without a proof, with a mismatch, or that refuses the read (EPERM:
+ptrace restrictions such as ``/proc/sys/kernel/yama/ptrace_scope``, ENOSYS) stays on UCX,
+logged. At ``get`` time EFAULT,
 EPERM or ENOSYS send the whole plan through UCX instead; ESRCH (peer gone) raises
 :class:`~astate_store.errors.PeerUnreachable`. A pidfd per peer, polled after the
 reads, catches a peer that exited mid-plan (so a reused pid cannot supply the bytes).
@@ -42,6 +46,18 @@ all rows of tcp / remote peers use UCX. ``timeout`` applies to the UCX part only
 The progress thread (default on in every mode) sleeps on the worker's event fd and
 progresses the worker when something arrives; during ``get`` the calling thread
 progresses instead.
+
+Descriptors are untrusted input (they come from etcd): ``connect`` checks every field
+(``PeerDescriptor.from_dict``: types, ranges, worker address and rkey lengths, region
+count) and the extension checks each packed rkey's layout before UCX parses it, so a bad
+descriptor raises :class:`~astate_store.errors.TransportError` at ``connect``.
+
+Least exposure and hygiene: ``register_range`` registers only part of a storage (what
+is published); ``unregister`` unmaps at once, and freed region slots and disconnected
+peers' indices are reused after 64 newer ones, so the tables stay bounded. ``disconnect``
+destroys the peer's rkeys, closes its endpoint and its pidfd. A ``get`` that times out
+cancels or force-closes every outstanding request and waits for their completion before it
+raises, so no late read lands in the destination afterwards.
 
 Errors: UCX failures raise :class:`~astate_store.errors.TransportError` whose message
 carries UCX's status text (``exc.status`` / ``exc.status_text`` hold the raw status);
@@ -64,10 +80,15 @@ from .config import MODES, Mode, direct_from_env, effective_config, tls_has_shm
 from .peers import Peer, PeerInfo, PeerTable, open_endpoint
 from .regions import LocalRegions
 from .rows import check_ops, resolve_rows
-from .same_host import ProcessIdentity, SameHostReader
+from .same_host import ProcessIdentity, Proof, SameHostReader
 from .ucx_get import UcxReader
 
 __all__ = ["UcxTransport", "PeerInfo", "native", "MODES", "Mode"]
+
+
+def _mtype(tensor: Any) -> str:
+    dev = tensor.device.type
+    return "cuda" if dev == "cuda" else ("host" if dev == "cpu" else "unknown")
 
 
 class UcxTransport(Transport):
@@ -127,7 +148,13 @@ class UcxTransport(Transport):
             raise typed_error(exc, f"UCX init failed (mode={mode}, UCX_TLS={self.tls!r})") from exc
         self._regions = LocalRegions(self._worker)
         self._peers = PeerTable()
-        self._same_host = SameHostReader(self._peers, self._lock, self._me.host)
+        try:
+            self._proof = Proof(self._worker)
+        except BaseException:
+            self._worker.close()
+            raise
+        self._same_host = SameHostReader(self._peers, self._lock, self._me.host, self._worker,
+                                         self.connect_timeout)
         self._ucx_reader = UcxReader(self._worker, self._peers, self._lock, self._me)
         self._closed = False
 
@@ -179,9 +206,16 @@ class UcxTransport(Transport):
 
     def register_tensor(self, tensor: Any) -> int:
         storage = tensor.untyped_storage()
-        dev = tensor.device.type
-        mtype = "cuda" if dev == "cuda" else ("host" if dev == "cpu" else "unknown")
-        return self._register(int(storage.data_ptr()), int(storage.nbytes()), mtype, storage)
+        return self._register(int(storage.data_ptr()), int(storage.nbytes()), _mtype(tensor), storage)
+
+    def register_range(self, tensor: Any, address: int, nbytes: int) -> int:
+        storage = tensor.untyped_storage()
+        lo, n = int(storage.data_ptr()), int(storage.nbytes())
+        address, nbytes = int(address), int(nbytes)
+        if nbytes < 0 or address < lo or address + nbytes > lo + n:
+            raise TransportError(f"range [0x{address:x}, +{nbytes}) is not inside the tensor's storage "
+                                 f"[0x{lo:x}, +{n})")
+        return self._register(address, nbytes, _mtype(tensor), storage)
 
     def _register(self, address: int, nbytes: int, memory_type: str, keepalive: Any) -> int:
         mt = LocalRegions.memory_type_code(address, nbytes, memory_type)
@@ -200,7 +234,20 @@ class UcxTransport(Transport):
 
     @property
     def num_regions(self) -> int:
-        return len(self._regions)
+        """Regions registered now (freed slots not counted): goes down with ``unregister``."""
+        with self._lock:
+            return self._regions.live
+
+    @property
+    def region_slots(self) -> int:
+        """Entries of the descriptor's ``regions`` (freed slots included; bounded)."""
+        with self._lock:
+            return len(self._regions)
+
+    @property
+    def open_pidfds(self) -> int:
+        """pidfds held for peers on the same-host path."""
+        return self._same_host.pidfds
 
     def descriptor(self) -> dict[str, Any]:
         with self._lock:
@@ -213,6 +260,7 @@ class UcxTransport(Transport):
                 node=self._me.node,
                 pid=self._me.pid,
                 shm=self.shm,
+                proof=self._proof.info,
             ).to_dict()
 
     # ------------------------------------------------------------------ consuming
@@ -234,14 +282,26 @@ class UcxTransport(Transport):
             cur = self._peers.get(peer)
             index: int | None = None  # None: a new peer, a fresh index
             if cur is not None and cur.needs_new_endpoint(d):
-                self._drop_peer(cur)  # a reconnect keeps the peer's index
+                self._drop_peer(cur, recycle=False)  # a reconnect keeps the peer's index
                 index, cur = cur.index, None
+            fresh = cur is None
             if cur is None:
                 cur = self._peers.add(peer, d, self._open_endpoint(peer, d), index)
+                prev: PeerDescriptor | None = None
                 prev_regions: tuple[RegionInfo, ...] = ()
             else:
-                prev_regions = cur.desc.regions
-            cur.adopt(d, prev_regions)
+                prev, prev_regions = cur.desc, cur.desc.regions
+            try:
+                cur.adopt(d, prev_regions)
+            except BaseException:
+                if fresh:  # a bad descriptor leaves nothing behind (no endpoint, no index)
+                    self._drop_peer(cur)
+                raise
+            if prev is not None and cur.direct is not None and \
+                    (d.pid, d.proof, d.node, d.host) != (prev.pid, prev.proof, prev.node, prev.host):
+                # Same endpoint, another claimed process: the old proof says nothing about it.
+                self._same_host.forget(cur)
+                cur.direct = None
             if cur.direct is None:
                 self._same_host.probe(cur, enabled=self.direct, same_node=self._me.same_node(d))
             self._peers.invalidate()
@@ -254,9 +314,9 @@ class UcxTransport(Transport):
         where = f"peer {peer!r} (host {d.host!r}, pid {d.pid}, {'tcp/PEER' if peer_mode else 'shm/NONE'})"
         return open_endpoint(self._worker, d, peer_mode=peer_mode, timeout=self.connect_timeout, where=where)
 
-    def _drop_peer(self, p: Peer) -> None:
+    def _drop_peer(self, p: Peer, *, recycle: bool = True) -> None:
         self._same_host.forget(p)
-        self._peers.remove(p)
+        self._peers.remove(p, recycle=recycle)
 
     def disconnect(self, peer: Hashable) -> None:
         with self._lock:
@@ -291,6 +351,7 @@ class UcxTransport(Transport):
             for p in self._peers.values():
                 self._drop_peer(p)
             self._regions.clear()
+            self._proof.close()
             self._peers.invalidate()
             self._worker.close()
 
