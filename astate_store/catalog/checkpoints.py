@@ -6,9 +6,8 @@ Only the index lives here; writing and restoring checkpoints is :mod:`astate_sto
 from __future__ import annotations
 
 from .. import codec
-from ..errors import CodecError
 from .client import EtcdClient
-from .records import CheckpointEntry, Skips, pad20, parse_pad20
+from .records import CheckpointEntry, Skips, numbered_records, pad20
 
 __all__ = ["CheckpointIndex"]
 
@@ -33,19 +32,9 @@ class CheckpointIndex:
         pre = self.client.key("checkpoints") + "/"
         kvs = self.client.call("list checkpoints", lambda: list(self.client.raw.get_prefix(pre)))
         out = []
-        for v, meta in kvs:
-            key = meta.key.decode("utf-8", "replace")
-            step = parse_pad20(key[len(pre):])
-            if step is None:
-                self.skips(key, "not a checkpoint key (the step is 20 digits)", meta.mod_revision)
-                continue
-            try:
-                d = codec.decode("checkpoint", v)
-            except CodecError as exc:
-                self.skips(key, str(exc), meta.mod_revision)
-                continue
+        for key, step, d, rev in numbered_records(kvs, pre, "checkpoint", self.skips, "checkpoint"):
             if d["step"] != step:
-                self.skips(key, f"checkpoint record of step {d['step']} under this key", meta.mod_revision)
+                self.skips(key, f"checkpoint record of step {d['step']} under this key", rev)
                 continue
             out.append(CheckpointEntry(d["step"], d["uri"], d["world_size"], d["bytes"], d["written_at"]))
         return sorted(out, key=lambda e: e.step)

@@ -12,7 +12,7 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Iterator, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -49,6 +49,25 @@ def is_record_id(v: object) -> bool:
 
 # (key, why, mod revision or None): how decoders report a record they skipped.
 SkipFn = Callable[[str, str, "int | None"], None]
+
+
+def numbered_records(kvs: Iterable[tuple[bytes, Any]], pre: str, kind: str, skips: "Skips", what: str
+                     ) -> Iterator[tuple[str, int, dict[str, Any], int]]:
+    """(key, number, record, mod revision) of each record under ``pre`` whose key ends in a 20-digit number and
+    whose value decodes as ``kind``; the others are skipped (counted, logged once). Callers still
+    check the record's own fields against the number."""
+    for value, meta in kvs:
+        key = meta.key.decode("utf-8", "replace")
+        n = parse_pad20(key[len(pre):])
+        if n is None:
+            skips(key, f"not a {what} key (it ends in a 20-digit number)", meta.mod_revision)
+            continue
+        try:
+            rec = codec.decode(kind, value)
+        except CodecError as exc:
+            skips(key, str(exc), meta.mod_revision)
+            continue
+        yield key, n, rec, meta.mod_revision
 
 
 class Skips:

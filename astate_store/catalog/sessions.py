@@ -19,7 +19,7 @@ from pyetcd import transactions as tx
 from .. import codec
 from ..errors import CatalogCorrupted, CatalogError, CodecError, StaleSessionError, WaitTimeout
 from .client import EtcdClient
-from .records import Session, Skips, pad20, parse_pad20
+from .records import Session, Skips, numbered_records, pad20
 
 __all__ = ["Sessions", "read_counter"]
 
@@ -156,20 +156,9 @@ class Sessions:
         pre = self.client.key("members", pad20(epoch)) + "/"
         kvs = self.client.call("get members", lambda: list(self.client.raw.get_prefix(pre)))
         out = set()
-        for v, meta in kvs:
-            key = meta.key.decode("utf-8", "replace")
-            rank = parse_pad20(key[len(pre):])
-            if rank is None:
-                self.skips(key, "not a member key (the rank is 20 digits)", meta.mod_revision)
-                continue
-            try:
-                d = codec.decode("member", v)
-            except CodecError as exc:
-                self.skips(key, str(exc), meta.mod_revision)
-                continue
+        for key, rank, d, rev in numbered_records(kvs, pre, "member", self.skips, "member"):
             if (d["epoch"], d["rank"]) != (epoch, rank):
-                self.skips(key, f"member record of epoch {d['epoch']} rank {d['rank']} under this key",
-                           meta.mod_revision)
+                self.skips(key, f"member record of epoch {d['epoch']} rank {d['rank']} under this key", rev)
                 continue
             out.add(rank)
         return out
