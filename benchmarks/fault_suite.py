@@ -421,6 +421,15 @@ def case_consumer_kill(suite: Suite, entry: Entry) -> None:
     entry.extra["retire_timeout"] = RETIRE_TIMEOUT
 
 
+def _after_outage(t: Any, pubs: Any, con: Any, ep: str, ns: str, committed: list[int]) -> None:
+    """After an etcd outage: steps 5-8 must sync, and a fresh reader must find every committed step."""
+    _steady(t, pubs, con, range(5, 9), committed)
+    con.must("con_open", "v", ep, ns, size="small", timeout=t.left(60))
+    view = _view(t, con, "v", sorted(set(committed)))
+    if view is not None:
+        t.check_lost(view, committed, 16)
+
+
 def _steady(t: Trial, pubs: Sequence[Actor], con: Actor, steps: Iterator[int] | Sequence[int], committed: list[int],
             layout: str = "whole") -> None:
     for s in steps:
@@ -459,11 +468,7 @@ def case_etcd_restart(suite: Suite, entry: Entry) -> None:
                     committed.append(4)
                 t.reply("put 4 across the outage", r)
                 t.pull("pull 4 waiting across the outage", con.result(pid, t.left(90)))
-                _steady(t, pubs, con, range(5, 9), committed)
-                con.must("con_open", "v", ep, ns, size="small", timeout=t.left(60))
-                view = _view(t, con, "v", sorted(set(committed)))
-                if view is not None:
-                    t.check_lost(view, committed, 16)
+                _after_outage(t, pubs, con, ep, ns, committed)
                 t.extra.setdefault("modes", mode)
             finally:
                 etcd.stop()
@@ -497,11 +502,7 @@ def case_etcd_member_loss(suite: Suite, entry: Entry) -> None:
                     committed.append(4)
                 t.reply("put 4 after the member died", r)
                 t.pull("pull 4 waiting while the member died", con.result(pid, t.left(90)))
-                _steady(t, pubs, con, range(5, 9), committed)
-                con.must("con_open", "v", ep, ns, size="small", timeout=t.left(60))
-                view = _view(t, con, "v", sorted(set(committed)))
-                if view is not None:
-                    t.check_lost(view, committed, 16)
+                _after_outage(t, pubs, con, ep, ns, committed)
             finally:
                 cluster.stop()
         suite.trial(entry, i, run)
