@@ -61,10 +61,11 @@ class Publisher:
         self._items_of_packs: list[Entry] | None = None
         self._packs_refused: tuple[Copy, ...] = ()
 
-    def begin(self, tensors: Mapping[str, TensorLike], what: str) -> list[Entry]:
+    def begin(self, tensors: Mapping[str, TensorLike], what: str, *, every_step: bool = False) -> list[Entry]:
         """Validate a publishing call's tensors, then make sure a transport (near their device)
         and the publisher session exist: nothing is created for bad input."""
-        entries = self._tensors.validate(tensors) if what == self._tensors.what else validate_tensors(tensors, what)
+        # ``put`` passes the same tensors every step: its validation is cached (see ``validated``).
+        entries = self._tensors.validate(tensors) if every_step else validate_tensors(tensors, what)
         self.ctx.ensure_transport(entries[0].tensor.device)
         self.ctx.ensure_session()
         return entries

@@ -207,7 +207,7 @@ class Store:
             StaleSessionError: a newer session of the namespace fenced this one.
             CatalogUnavailable: etcd unreachable.
         """
-        entries = self._publisher.begin(tensors, "put(tensors)")
+        entries = self._publisher.begin(tensors, "put(tensors)", every_step=True)
         return self._publisher.put(step, entries, copy=copy)
 
     def retire(self, timeout: float | None = None) -> int:
