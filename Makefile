@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.astate-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-peers clean
 
 $(STAMP): pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,12 +18,23 @@ $(STAMP): pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 demo: $(STAMP)
 	$(BIN)/python -m astate_store.demo
 
+# Two workers: most tests wait on processes, etcd and sockets, so two cores run two at once.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_scale.py
 	$(BIN)/python benchmarks/sync_bench.py
+
+# The peers of benchmarks/peers.py (NIXL, Mooncake TE) next to ours: torch stays pinned (a plain
+# `pip install nixl-cu12` pulls a multi-GB CUDA torch); Mooncake TE imports only with libibverbs1.
+bench-peers: $(STAMP)
+	$(BIN)/pip install -q torch==2.13.0 --no-build-isolation -e ".[peers]"
+	@$(BIN)/python -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null || echo "bench-peers: \
+	Mooncake TE needs the system library libibverbs1 (Debian/Ubuntu: apt-get install -y libibverbs1); \
+	until it is installed peers.py reports mooncake_gbps as null with the reason." >&2
+	$(BIN)/python benchmarks/peers.py
+	$(BIN)/python benchmarks/peers.py --transport tcp
 
 clean:
 	rm -rf $(VENV) build *.egg-info astate_store/_ucx*.so

@@ -7,7 +7,8 @@ the newest committed one into preallocated buffers of any layout.
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .layout import Shard
+from .metrics import PullStats, Stats
 from .store import Store, connect
 
 __version__ = "0.1.0"
-__all__ = ["connect", "Store", "Shard", *_errors_all]
+__all__ = ["connect", "Store", "Shard", "Stats", "PullStats", *_errors_all]

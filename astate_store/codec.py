@@ -51,7 +51,7 @@ def schema_of(kind: str) -> dict[str, Any]:
 
 
 KINDS = ("session", "member", "layout", "piece", "commit", "reader", "retired", "replica", "consumer", "ucx_descriptor",
-         "checkpoint", "blob", "manifest", "recovery_plan", "recovery_outcome")
+         "checkpoint", "blob", "manifest", "recovery_plan", "recovery_outcome", "meta")
 
 
 def _fail(kind: str, path: str, msg: str) -> CodecError:

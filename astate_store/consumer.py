@@ -12,14 +12,23 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from . import codec, plan as planner
 from .catalog import Version
 from .context import StoreContext
 from .conversion import Conversion, Converter
-from .errors import PeerUnreachable, TornReadError, TransportError, VersionNotFound
+from .errors import (
+    CatalogCorrupted,
+    PeerUnreachable,
+    TornReadError,
+    TransportError,
+    VersionNotFound,
+    WaitTimeout,
+)
+from .metrics import PullTimes
+from .progress import Progress, ProgressCounter
 from .layout import Entry, ShardRecord, TensorLike
 from .prepack import consumer_requests
 from .validated import ValidatedTensors
@@ -43,9 +52,20 @@ _MAX_TORN_RETRIES = 8
 _CACHE = 8  # source-group sets and ready-made batches kept (consumers and re-servers come and go)
 _KEEP_PEERS = 4  # pulls a peer stays connected after its last appearance in a version's sources
 
-# A ready-made pull: the batched ops, the local conversions, and the sources the ops read from
-# (publisher ranks, or ``r-<member>`` of re-serving consumers: the torn markers end_read checks).
-Work = tuple[np.ndarray, list[Conversion], frozenset[object]]
+_PROGRESS_BATCH = 64 << 20  # with a progress callback, the batched reads go in parts of this many bytes
+_now = time.perf_counter
+
+
+class Work(NamedTuple):
+    """A ready-made pull: the batched ops, the local conversions, the sources the ops read from
+    (publisher ranks, or ``r-<member>`` of re-serving consumers: the torn markers end_read
+    checks), and its size — computed once, so a steady pull does no per-tensor accounting."""
+
+    ops: np.ndarray
+    conversions: list[Conversion]
+    sources: frozenset[object]
+    nbytes: int  # over the transport: same-dtype reads plus the conversions' staged reads
+    reads: int  # transport read operations
 
 
 class Consumer:
@@ -61,18 +81,46 @@ class Consumer:
         self._ops_cache: OrderedDict[object, Work] = OrderedDict()
         self._pack_key: object = None
         self._registered = False
+        self._last: Work | None = None  # the batch the last good attempt ran
 
-    def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None) -> int:
+    def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
+                 progress: Progress | None = None) -> int:
         """Pull the newest committed version >= ``step`` into the buffers; see ``Store.get_into``."""
         dests = self.buffers.validate(buffers)
         self.ctx.ensure_transport(dests[0].tensor.device)
         self._register()
+        return self._timed(dests, step, timeout, progress)
+
+    def _timed(self, dests: list[Entry], step: int | None, timeout: float | None, progress: Progress | None) -> int:
+        """The pull, counted once (not per tensor) in the store's figures: outcome, bytes, phases."""
+        t, start = PullTimes(progress), _now()
+        try:
+            s = self._pull_newest(dests, step, timeout, t)
+        except BaseException as exc:
+            self.ctx.stats.pull_failed(_outcome(exc))
+            raise
+        work = self._last
+        assert work is not None
+        if t.counter is not None:
+            t.counter.finish()
+        seconds = _now() - start
+        self.ctx.stats.pulled(t, s, work.nbytes, work.reads, len(work.conversions), seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("namespace %s: pulled step %d: %d bytes in %d reads, %.4fs (wait %.4f, metadata %.4f, "
+                      "plan %.4f, transfer %.4f, convert %.4f)", self.ctx.namespace, s, work.nbytes, work.reads,
+                      seconds, t.wait, t.metadata, t.plan, t.transfer, t.convert)
+        return s
+
+    def _pull_newest(self, dests: list[Entry], step: int | None, timeout: float | None, t: PullTimes) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         want, torn = step, 0
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            t0 = _now()
             s = self.ctx.catalog.versions.wait_for(want, timeout=remaining)
-            got = self._read(s, dests)
+            t.wait += _now() - t0
+            self.ctx.stats.saw_step(s)
+            got = self._read(s, dests, t)
             if got:
                 self.delivered_step = s
                 return s
@@ -80,8 +128,10 @@ class Consumer:
             if got is None:
                 continue
             torn += 1
-            self.ctx.stats["torn_retries"] += 1
-            log.info("step %d was retired while being read; retrying on a newer version", s)
+            t.torn += 1
+            self.ctx.stats.torn_retries += 1
+            log.info("namespace %s: step %d was retired while being read (torn); its bytes are discarded, "
+                     "retrying on a newer version", self.ctx.namespace, s)
             if torn > _MAX_TORN_RETRIES:
                 raise TornReadError(f"namespace {self.ctx.namespace!r}: step {s} and {torn - 1} newer ones "
                                     "were retired while being read; the publisher changes memory faster "
@@ -95,22 +145,29 @@ class Consumer:
         self.ctx.catalog.consumers.ensure_registered(self.ctx.reader_id)
         self._registered = True
 
-    def _read(self, step: int, dests: list[Entry]) -> bool | None:
+    def _read(self, step: int, dests: list[Entry], t: PullTimes) -> bool | None:
         """One attempt at ``step``: True when the buffers hold it, False when a source retired
         its memory during the read (the bytes are discarded), None when the version was retired
         or dropped before the read could start."""
         readers = self.ctx.catalog.readers
+        t0 = _now()
         try:
             version = readers.begin_read(step, self.ctx.reader_id)
         except VersionNotFound:
+            t.metadata += _now() - t0
             return None
         try:
-            sources = self._pull(self.ctx.catalog.versions.layouts_of(version), dests)
+            version = self.ctx.catalog.versions.layouts_of(version)
+            t.metadata += _now() - t0
+            sources = self._pull(version, dests, t)
         except BaseException:
             readers.end_read(step, self.ctx.reader_id)
             raise
         # Only the torn markers of the sources actually read from count.
-        return readers.end_read(step, self.ctx.reader_id, sources)
+        t0 = _now()
+        ok = readers.end_read(step, self.ctx.reader_id, sources)
+        t.metadata += _now() - t0
+        return ok
 
     # ---- one pull -------------------------------------------------------------------------
 
@@ -125,7 +182,7 @@ class Consumer:
             self._groups_cache.move_to_end(key)
         return hit
 
-    def _pull(self, version: Version, dests: list[Entry]) -> frozenset[object]:
+    def _pull(self, version: Version, dests: list[Entry], t: PullTimes) -> frozenset[object]:
         """Read every buffer from one set of sources; a source may have died without its lease
         expiring yet, so a failed read falls back to the other sets before it raises. Returns
         the sources read from."""
@@ -137,17 +194,22 @@ class Consumer:
         tries = failover_order(groups, dests)
         for i, gs in enumerate(tries):
             try:
-                return self._pull_from(version, gs, dests)
-            except TransportError:
+                return self._pull_from(version, gs, dests, t)
+            except TransportError as exc:
                 # Endpoints of a failed read may be closed: connect and plan afresh next time.
                 self._connected.clear()
                 self._ops_cache.clear()
                 if i == len(tries) - 1:
                     raise
-                log.info("step %d: a source failed; retrying with other sources", version.step)
+                t.failovers += 1
+                self.ctx.stats.failovers += 1
+                log.warning("namespace %s: step %d: reading from %s failed (%s); failing over to %s",
+                            self.ctx.namespace, version.step, "+".join(sorted(gs)), exc,
+                            "+".join(sorted(tries[i + 1])))
 
-    def _pull_from(self, version: Version, groups: Mapping[str, SourceGroup], dests: list[Entry]
+    def _pull_from(self, version: Version, groups: Mapping[str, SourceGroup], dests: list[Entry], t: PullTimes
                    ) -> frozenset[object]:
+        t0 = _now()
         # Steady state: same sources, same buffers, same staging slots -> the ready-made batch.
         slots = tuple(p.base_offset for _r, p in sorted(version.pieces.items()))
         key = (version.layout_key, version.missing, tuple(sorted(groups)), self.buffers.fingerprint, slots)
@@ -158,16 +220,39 @@ class Consumer:
                 self._ops_cache.popitem(last=False)
         else:
             self._ops_cache.move_to_end(key)
-            self.ctx.stats["plan_hits"] += 1
-        ops, conversions, sources = work
-        self.ctx.stats["reads"] = len(ops) + sum(len(c[0]) for conv in conversions for c in conv.chunks)
-        self.ctx.stats["local_conversions"] = len(conversions)
-        if len(ops):
-            self.ctx.transport.get(ops, timeout=self.ctx.options.read_timeout)  # every same-dtype read in one call
-        for conv in conversions:
+            self.ctx.stats.plan_hits += 1
+        t1 = _now()
+        t.plan += t1 - t0
+        done = self._transfer(work, t)
+        t2 = _now()
+        t.transfer += t2 - t1
+        for conv in work.conversions:
             self.converter.run(conv)
+            if t.progress is not None:
+                done += _nbytes(conv)
+                _report(t, done, work.nbytes)
+        t3 = _now()
+        t.convert += t3 - t2
         self._disconnect_departed(version)
-        return sources
+        t.plan += _now() - t3  # connection upkeep counts with planning
+        self._last = work
+        return work.sources
+
+    def _transfer(self, work: Work, t: PullTimes) -> int:
+        """Every same-dtype read in one batched call; with a progress callback, in parts of
+        ``_PROGRESS_BATCH`` bytes, reporting after each. Returns the bytes read."""
+        ops, tr, timeout = work.ops, self.ctx.transport, self.ctx.options.read_timeout
+        if t.progress is None:
+            if len(ops):
+                tr.get(ops, timeout=timeout)
+            return 0
+        _report(t, 0, work.nbytes)
+        done = 0
+        for part in _parts(ops, _PROGRESS_BATCH):
+            tr.get(part, timeout=timeout)
+            done += int(part[:, 4].sum())
+            _report(t, done, work.nbytes)
+        return done
 
     def _disconnect_departed(self, version: Version) -> None:
         """After a good pull: close the endpoints (rkeys, pidfds) of peers that no source group
@@ -226,7 +311,9 @@ class Consumer:
             if self.ctx.options.prepack and gid == PUBLISHERS:
                 self._request_packs(g, same, cp, convert)
         ops = np.concatenate(batches) if batches else np.empty((0, 5), dtype=np.int64)
-        return ops, conversions, self._sources_read(groups, ops, conversions)
+        reads = len(ops) + sum(len(c[0]) for conv in conversions for c in conv.chunks)
+        nbytes = int(ops[:, 4].sum()) + sum(_nbytes(conv) for conv in conversions)
+        return Work(ops, conversions, self._sources_read(groups, ops, conversions), nbytes, reads)
 
     def _sources_read(self, groups: Mapping[str, SourceGroup], ops: np.ndarray, conversions: list[Conversion]
                       ) -> frozenset[object]:
@@ -273,7 +360,10 @@ class Consumer:
         packed = {self.ctx.reader_id: g.packed} if g.packed else None
         cp = self._planner.plan_consumer(g.layouts, dests, consumer=self.ctx.reader_id, rotation=self.ctx.rotation,
                                          packed=packed, key=(g.key, dests))
-        self.ctx.stats["plans" if self._planner.misses != before else "plan_hits"] += 1
+        if self._planner.misses != before:
+            self.ctx.stats.plans += 1
+        else:
+            self.ctx.stats.plan_hits += 1
         return cp
 
     def _request_packs(self, g: SourceGroup, same: list[Entry], cp: Any, convert: list[Entry]) -> None:
@@ -293,3 +383,39 @@ class Consumer:
         self._pack_key = key
         if packs:
             log.info("asked publishers for %d pre-packed pieces", len(packs))
+
+
+def _report(t: PullTimes, done: int, total: int) -> None:
+    """Bytes done in this attempt, to the pull's progress callback: first ``(0, total)``; an
+    attempt retried after a torn read counts only past what the torn one reached (``done``
+    never goes down; see ``progress``)."""
+    if t.counter is None:
+        t.counter = ProgressCounter(t.progress, total)
+    t.counter.add(done - t.counter.done)
+
+
+def _nbytes(conv: Conversion) -> int:
+    """Bytes one conversion reads over the transport (into its staging)."""
+    return sum(int(ops[:, 4].sum()) for ops, _src, _dst in conv.chunks)
+
+
+def _parts(ops: np.ndarray, nbytes: int) -> list[np.ndarray]:
+    """The rows cut into consecutive parts of about ``nbytes`` each (a larger row is a part alone)."""
+    if not len(ops):
+        return []
+    ends = np.cumsum(ops[:, 4])
+    cuts = np.unique(np.searchsorted(ends, np.arange(nbytes, int(ends[-1]), nbytes), side="right"))
+    return [p for p in np.split(ops, cuts) if len(p)]
+
+
+def _outcome(exc: BaseException) -> str:
+    """A failed pull's ``outcome`` label (astate_pulls_total)."""
+    if isinstance(exc, WaitTimeout):
+        return "timeout"
+    if isinstance(exc, TornReadError):
+        return "torn"
+    if isinstance(exc, (PeerUnreachable, TransportError)):
+        return "unreachable"
+    if isinstance(exc, CatalogCorrupted):
+        return "corrupted"
+    return "error"

@@ -1,8 +1,9 @@
 """What the publisher, consumer, serving and recovery roles of one store share.
 
 One ``StoreContext`` per ``Store``: the namespace's catalog, the options, this process's
-consumer identity, the counters behind ``Store.stats``, and the transport — created lazily,
-near the device of the first tensors it will move (NUMA node, NICs, progress-thread CPUs).
+consumer identity, the figures behind ``Store.stats`` and ``/metrics`` (``metrics.StoreMetrics``),
+and the transport — created lazily, near the device of the first tensors it will move (NUMA
+node, NICs, progress-thread CPUs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 
 from .catalog import Catalog
+from .metrics import StoreMetrics
 from .topology import AffinityChoice, AffinityConfig, affinity_for, alloc_on_node, apply_env, pinned
 from .transport import Transport, UcxTransport
 
@@ -36,6 +38,8 @@ class StoreOptions:
     retire_timeout: float = 30.0
     window: int = 256
     prepack: bool = True
+    replicas: int = 0  # replica servers that must hold a version before put returns
+    replica_timeout: float = 60.0
 
 
 TransportFactory = Callable[[str, int], Transport]
@@ -55,15 +59,22 @@ class StoreContext:
         self.reader_id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
         # Consumers spread over replicas and groups without talking to each other.
         self.rotation = zlib.crc32(self.reader_id.encode()) & 0xFFFF
-        # "registrations": caller memory registered for in-place puts and serve (the registry's
-        # count, kept current by the publisher and serving).
-        self.stats: dict[str, int] = {"plans": 0, "plan_hits": 0, "torn_retries": 0, "reads": 0,
-                                      "local_conversions": 0, "streamed_puts": 0, "layouts_published": 0,
-                                      "registrations": 0}
+        # The figures behind Store.stats and /metrics (``metrics``); ``registrations`` is kept
+        # current by the publisher and serving; ``staging_bytes`` is set by the store.
+        self.stats = StoreMetrics(namespace, rank, self._live_figures)
+        self.staging_bytes: Callable[[], tuple[int, int]] = lambda: (0, 0)  # (snapshot, conversion)
         self.affinity: AffinityChoice | None = None
         self._affinity_cfg = affinity
         self._factory = transport_factory
         self._transport: Transport | None = None
+
+    def _live_figures(self) -> dict[str, int]:
+        """The figures owned by the catalog and the staging, read when stats are taken."""
+        client = self.catalog.client
+        snapshot, conversion = self.staging_bytes()
+        return {"bad_records": self.catalog.skipped_records, "etcd_rpcs": client.rpcs,
+                "etcd_background_rpcs": client.background_rpcs, "etcd_retries": client.retries,
+                "snapshot_bytes": snapshot, "conversion_bytes": conversion}
 
     @property
     def transport(self) -> Transport:

@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointNotFound",
     "CheckpointCorrupted",
     "RecoveryError",
+    "ReplicationTimeout",
 ]
 
 
@@ -81,6 +82,18 @@ class StaleStepError(CatalogError):
 
 class StaleSessionError(CatalogError):
     """A write from a session that a newer session of the namespace has fenced."""
+
+
+class ReplicationTimeout(CatalogError):
+    """A put with ``replicas=K`` is committed, but fewer than K replica servers (``astate serve``)
+    held it within ``replica_timeout``. ``step``: that version; ``held``: servers that held it."""
+
+    def __init__(self, message: str, *, step: int | None = None, held: int = 0):
+        super().__init__(message)
+        self.step, self.held = step, held
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep step and held across processes (pickle)
+        return (type(self), self.args, {"step": self.step, "held": self.held})
 
 
 class VersionNotFound(CatalogError, KeyError):

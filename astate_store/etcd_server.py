@@ -180,6 +180,7 @@ class EmbeddedEtcd:
         client_cert_auth: with ``tls``, also require client certificates signed by ``tls.ca``
             (``--client-cert-auth``).
         extra_args: more etcd flags (e.g. ``["--auth-token-ttl", "2"]``).
+        port: client port (0: a free one).
 
     Raises:
         CatalogUnavailable: etcd did not become healthy in time.
@@ -187,8 +188,9 @@ class EmbeddedEtcd:
 
     def __init__(self, binary: str | None = None, data_dir: str | None = None, start_timeout: float = 20.0,
                  host: str = "127.0.0.1", *, tls: "CertPaths | None" = None, auth: bool | str = False,
-                 client_cert_auth: bool = False, extra_args: Sequence[str] = ()):
+                 client_cert_auth: bool = False, extra_args: Sequence[str] = (), port: int = 0):
         self.host = host
+        self.port = port  # the client port to listen on; 0: a free one (``astate etcd --port``)
         self.binary = binary or find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="astate-etcd-")
@@ -255,6 +257,8 @@ class EmbeddedEtcd:
         context = self._ssl_context()
         for _attempt in range(3):  # a free port can be taken between probe and bind
             self.client_port, peer = _free_ports(2, self.host)
+            if self.port:
+                self.client_port, peer = self.port, next(q for q in _free_ports(2, self.host) if q != self.port)
             c, p = f"{scheme}://{self.host}:{self.client_port}", f"{scheme}://{self.host}:{peer}"
             cmd = _etcd_command(self.binary, "astate", os.path.join(self.data_dir, "data"), c, p, f"astate={p}")
             cmd += self._tls_flags() + self.extra_args

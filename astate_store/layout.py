@@ -38,6 +38,7 @@ __all__ = [
     "local_box",
     "Entry",
     "validate_tensors",
+    "with_aliases",
     "MAX_STEP",
     "check_step",
     "check_fit",
@@ -398,6 +399,9 @@ class Entry:
     box: Box
     global_shape: tuple[int, ...]
     dtype: str
+    # other names of the very same memory view (tied weights): published as records of this
+    # entry's bytes, filled once (set by validate_tensors; a class default for the common case)
+    aliases: tuple[str, ...] = ()
 
     def record(self, rank: int, region: int = 0, byte_offset: int = 0, *, strides: Sequence[int] | None = None
                ) -> ShardRecord:
@@ -407,12 +411,19 @@ class Entry:
         return ShardRecord(self.name, self.dtype, self.global_shape, self.box, st, rank, region, byte_offset)
 
 
-def validate_tensors(tensors: Mapping[str, TensorLike], what: str) -> list[Entry]:
-    """Every entry of a user mapping checked (name, dtype, box, memory, device), sorted by name.
+def validate_tensors(tensors: Mapping[str, TensorLike | Sequence[Shard]], what: str) -> list[Entry]:
+    """Every entry of a user mapping checked (name, dtype, box, memory, device), sorted by name
+    (the boxes of one name by offsets).
+
+    A value may be a list of ``Shard``s: several boxes of one tensor held by this rank (they must
+    agree on dtype and global shape and must not overlap). Entries that are the very same memory
+    view under several names (tied weights) become one entry, under the first name in sorted
+    order, listing the others in ``Entry.aliases``.
 
     Raises:
         LayoutError: not a mapping, empty, or an entry that fails :func:`local_box` or sits on a
-            device other than cpu/cuda; the message names ``what`` or the tensor.
+            device other than cpu/cuda; boxes of one name that overlap or disagree; the message
+            names ``what`` or the tensor.
     """
     if not isinstance(tensors, Mapping):
         raise LayoutError(f"{what} must map names to tensors or Shards, got {type(tensors).__name__}")
@@ -420,13 +431,122 @@ def validate_tensors(tensors: Mapping[str, TensorLike], what: str) -> list[Entry
         raise LayoutError(f"{what} is empty")
     out = []
     append = out.append
+    multi = False
     with GCPaused():
         for name in sorted(tensors):
-            t, box, gshape, dtype = _local_box(name, tensors[name])
-            if not (t.is_cpu or t.is_cuda):
-                raise LayoutError(f"tensor {name!r}: device {t.device} is not supported (cpu or cuda)")
-            append(_frozen(Entry, {"name": name, "tensor": t, "box": box, "global_shape": gshape,
-                                   "dtype": dtype}))
+            value = tensors[name]
+            if isinstance(value, (list, tuple)):
+                _append_boxes(out, name, value)
+                multi = True
+                continue
+            append(_entry(name, value))
+        if multi:
+            out.sort(key=_ENTRY_ORDER)
+        return _tie(out)
+
+
+def _entry(name: str, value: object) -> Entry:
+    if _is_dtensor(value.tensor if isinstance(value, Shard) else value):
+        raise LayoutError(f"tensor {name!r}: a DTensor reached validation unconverted; pass the DTensor itself to "
+                          "put/get_into (they derive its box from the placements), not wrapped in a Shard")
+    t, box, gshape, dtype = _local_box(name, value)
+    if not (t.is_cpu or t.is_cuda):
+        raise LayoutError(f"tensor {name!r}: device {t.device} is not supported (cpu or cuda)")
+    return _frozen(Entry, {"name": name, "tensor": t, "box": box, "global_shape": gshape, "dtype": dtype})
+
+
+def _is_dtensor(value: object) -> bool:
+    """A torch DTensor (or a Parameter of one), told by its class name: this module imports no
+    torch.distributed."""
+    cls = type(value)
+    return cls is not torch.Tensor and isinstance(value, torch.Tensor) and \
+        any(c.__name__ == "DTensor" for c in cls.__mro__)
+
+
+def _append_boxes(out: list[Entry], name: str, value: Sequence[object]) -> None:
+    """The entries of a list of ``Shard``s of one name (several boxes on this rank).
+
+    Raises:
+        LayoutError: an empty list, an element that is not a Shard, boxes disagreeing on dtype
+            or global shape, or two boxes that overlap.
+    """
+    if not value:
+        raise LayoutError(f"tensor {name!r}: an empty list of Shards")
+    es = []
+    for v in value:
+        if not isinstance(v, Shard):
+            raise LayoutError(f"tensor {name!r}: a list value must hold astate_store.Shard boxes, got "
+                              f"{type(v).__name__}")
+        es.append(_entry(name, v))
+    first = es[0]
+    for e in es[1:]:
+        if e.dtype != first.dtype or e.global_shape != first.global_shape:
+            raise LayoutError(f"tensor {name!r}: its boxes disagree: {first.dtype} {first.global_shape} and "
+                              f"{e.dtype} {e.global_shape}")
+    _check_disjoint(name, [e.box for e in es])
+    out.extend(es)
+
+
+def _check_disjoint(name: str, boxes: list[Box]) -> None:
+    """No two boxes of one name on one rank share an element (the store could not say which
+    one's bytes a reader gets, nor fill both). A sweep along dim 0 keeps it near-linear."""
+    order = sorted((b for b in boxes if b.numel), key=attrgetter("offsets"))
+    active: list[Box] = []
+    for b in order:
+        active = [a for a in active if a.ndim == 0 or a.ends[0] > b.offsets[0]]
+        for a in active:
+            if a.intersect(b) is not None or a.ndim == 0:
+                raise LayoutError(f"tensor {name!r}: boxes {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} "
+                                  "overlap (the boxes of one name must be disjoint)")
+        active.append(b)
+
+
+_ENTRY_ORDER = attrgetter("name", "box.offsets")
+_TENSOR = attrgetter("tensor")
+
+
+def _tie(entries: list[Entry]) -> list[Entry]:
+    """Entries viewing the very same memory the same way (tied weights: one Parameter under two
+    names) folded into the first, in sorted order, which lists the others as aliases. Empty
+    tensors tie nothing (they may share an address with anything)."""
+    ptrs = list(map(torch.Tensor.data_ptr, map(_TENSOR, entries)))  # C-level: the common case costs this
+    if len(set(ptrs)) == len(ptrs):
+        return entries
+    counts = Counter(ptrs)
+    seen: dict[tuple, int] = {}
+    tied: dict[int, list[str]] = {}
+    drop = []
+    for i, e in enumerate(entries):
+        if counts[ptrs[i]] < 2:
+            continue
+        t = e.tensor
+        if not t.numel():
+            continue
+        key = (ptrs[i], t.device, e.dtype, e.box.offsets, e.box.sizes, e.global_shape, t.stride())
+        j = seen.setdefault(key, i)
+        if j != i:
+            if entries[j].name == e.name:
+                raise LayoutError(f"tensor {e.name!r}: the box {e.box.offsets}+{e.box.sizes} is listed twice")
+            tied.setdefault(j, []).append(e.name)
+            drop.append(i)
+    if not tied:
+        return entries
+    for j, names in tied.items():
+        e = entries[j]
+        entries[j] = _frozen(Entry, {**e.__dict__, "aliases": tuple(names)})
+    gone = set(drop)
+    return [e for i, e in enumerate(entries) if i not in gone]
+
+
+def with_aliases(entries: Sequence[Entry], records: list[ShardRecord]) -> list[ShardRecord]:
+    """``records`` (one per entry, in order) plus, for tied weights, a record of the same bytes
+    under each alias: a consumer may ask for any of the names, and the bytes are staged once."""
+    if not any(e.aliases for e in entries):
+        return records
+    out = []
+    for e, r in zip(entries, records):
+        out.append(r)
+        out.extend(_frozen(ShardRecord, {**r.__dict__, "name": a}) for a in e.aliases)
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Mapping, Sequence
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from . import codec
 from .context import StoreContext, sync_device
 from .errors import CheckpointError, LayoutError
-from .layout import Entry, ShardRecord, TensorLike, torch_dtype, validate_tensors
+from .layout import Entry, ShardRecord, TensorLike, torch_dtype, validate_tensors, with_aliases
 from .catalog.records import pad20
 from .prepack import Copy, servable
 from .registry import Registry
@@ -60,6 +61,8 @@ class Publisher:
         self._packs_entries: list[Entry] | None = None  # the entries self._packs index into
         self._items_of_packs: list[Entry] | None = None
         self._packs_refused: tuple[Copy, ...] = ()
+        self._nbytes_of: list[Entry] | None = None  # the entries _nbytes_cached was computed for
+        self._nbytes_cached = 0
 
     def begin(self, tensors: Mapping[str, TensorLike], what: str, *, every_step: bool = False) -> list[Entry]:
         """Validate a publishing call's tensors, then make sure a transport (near their device)
@@ -70,13 +73,49 @@ class Publisher:
         self.ctx.ensure_session()
         return entries
 
-    def put(self, step: int, entries: list[Entry], *, copy: bool) -> bool:
-        """Publish this rank's piece of ``step``; True when this put completed the version."""
+    def put(self, step: int, entries: list[Entry], *, copy: bool, meta: bytes | None = None) -> bool:
+        """Publish this rank's piece of ``step`` (with its encoded ``meta``, see ``usermeta``);
+        True when this put completed the version."""
+        t0 = time.perf_counter()
+        try:
+            committed, mode = self._put(step, entries, copy, meta)
+        except BaseException:
+            self.ctx.stats.put_errors += 1  # a fence is logged where it is found (catalog.sessions)
+            raise
+        seconds = time.perf_counter() - t0
+        self.ctx.stats.put_done(mode, self._nbytes(entries), seconds, step, committed)
+        log.debug("rank %d: put step %d (%s, %d bytes, %.4fs, committed: %s)", self.ctx.rank, step, mode,
+                  self._nbytes_cached, seconds, committed)
+        return committed
+
+    def wait_replicated(self, step: int) -> None:
+        """With ``replicas=K``: wait (bounded by ``replica_timeout``) until K replica servers
+        offer committed ``step`` — a rank whose piece did not complete the version waits for the
+        commit too (servers can only offer committed steps). Watch-based, O(1) requests.
+
+        Raises:
+            ReplicationTimeout: fewer than K servers held it in time (the step stays committed).
+        """
+        k = self.ctx.options.replicas
+        if k:
+            held = self.ctx.catalog.replicas.wait_servers(step, k, timeout=self.ctx.options.replica_timeout)
+            log.debug("rank %d: step %d held by %d replica servers", self.ctx.rank, step, held)
+
+    def _nbytes(self, entries: list[Entry]) -> int:
+        """This rank's bytes of a put, computed once per validated list (a steady put reuses it)."""
+        if entries is not self._nbytes_of:
+            self._nbytes_of, self._nbytes_cached = entries, sum(e.tensor.numel() * e.tensor.element_size()
+                                                               for e in entries)
+        return self._nbytes_cached
+
+    def _put(self, step: int, entries: list[Entry], copy: bool, meta: bytes | None) -> tuple[bool, str]:
+        """(committed, how it was published: ``copy``, ``in_place`` or ``streamed``)."""
         if copy:
             try:
                 lid, base = self._stage(step, entries)
             except StagingCapExceeded as exc:
-                return self._put_streamed(step, entries, exc)
+                return self._put_streamed(step, entries, exc, meta), "streamed"
+            return self.ctx.catalog.versions.put_piece(step, lid, base, meta), "copy"
         else:
             lid, base = self._in_place(entries), 0
             if self._zero_copy_live:
@@ -84,7 +123,7 @@ class Publisher:
                             "before changing published tensors", step, self._zero_copy_live)
             self._zero_copy_live.append(step)
             self._zero_copy_entries = entries
-        return self.ctx.catalog.versions.put_piece(step, lid, base)
+        return self.ctx.catalog.versions.put_piece(step, lid, base, meta), "in_place"
 
     # ---- snapshots ------------------------------------------------------------------------
 
@@ -146,7 +185,7 @@ class Publisher:
         if self._configure(pool, entries) or self._stage_lid is None:
             assert pool.region is not None
             recs = [(se, se.record(self.ctx.rank, pool.region, se.offset)) for se in pool.entries]
-            self._stage_lid = self._publish_layout([r for se, r in recs if se.source < 0],
+            self._stage_lid = self._publish_layout(with_aliases(entries, [r for se, r in recs if se.source < 0]),
                                                    [r for se, r in recs if se.source >= 0])
         k, old = pool.next_slot()
         if old is not None:
@@ -156,7 +195,7 @@ class Publisher:
         sync_device(entries[0].tensor.device)  # the slot must hold step's bytes before the commit
         return self._stage_lid, k * pool.slot_size
 
-    def _put_streamed(self, step: int, entries: list[Entry], why: Exception) -> bool:
+    def _put_streamed(self, step: int, entries: list[Entry], why: Exception, meta: bytes | None) -> bool:
         """A snapshot larger than the staging cap: publish the tensors in place and return only
         once every live consumer has pulled this step (then retire it), so the caller may still
         change its tensors as soon as ``put`` returns; no staging memory is used."""
@@ -164,13 +203,13 @@ class Publisher:
         log.warning("rank %d: %s; streaming step %d from the tensors themselves (put waits for consumers)",
                     self.ctx.rank, why, step)
         consumers = cat.consumers.ids() - {self.ctx.reader_id}
-        committed = cat.versions.put_piece(step, self._in_place(entries), 0)
+        committed = cat.versions.put_piece(step, self._in_place(entries), 0, meta)
         late = cat.readers.wait_delivered(step, consumers, timeout=timeout)
         if late:
             log.warning("rank %d: %d consumers did not pull step %d within %.0fs", self.ctx.rank, len(late), step,
                         timeout)
         cat.readers.retire(step, timeout=timeout)
-        self.ctx.stats["streamed_puts"] += 1
+        self.ctx.stats.streamed_puts += 1
         return committed
 
     # ---- in place -------------------------------------------------------------------------
@@ -179,7 +218,7 @@ class Publisher:
         """Register the entries' published spans (once; ``Registry``) and publish their layout
         when it changed. Registrations the earlier, retired in-place steps used and this put
         no longer publishes are released here (``_release_unused``)."""
-        shards = self.registry.acquire("put", entries, self.ctx.rank)
+        shards = with_aliases(entries, self.registry.acquire("put", entries, self.ctx.rank))
         if not self._zero_copy_live:
             # Every earlier in-place step was retired (retire(), or streamed and retired by
             # _put_streamed): only this put's references still matter.
@@ -196,7 +235,7 @@ class Publisher:
     def _publish_layout(self, shards: list[ShardRecord], packed: Sequence[ShardRecord] = ()) -> str:
         desc = codec.encode("ucx_descriptor", self.ctx.transport.descriptor())
         lid = self.ctx.catalog.versions.write_layout(shards, desc, packed)
-        self.ctx.stats["layouts_published"] += 1
+        self.ctx.stats.layouts_published += 1
         log.info("rank %d: publishing layout %s (%d shards, %d pre-packed copies)", self.ctx.rank, lid,
                  len(shards), len(packed))
         return lid
@@ -218,9 +257,9 @@ class Publisher:
 
     def _release_unused(self) -> None:
         """Release hook: unregister registrations no live version and no offer holds, and
-        keep ``stats["registrations"]`` current."""
+        keep ``stats.registrations`` current."""
         self.registry.sweep()
-        self.ctx.stats["registrations"] = self.registry.count
+        self.ctx.stats.registrations = self.registry.count
 
     def retire_all(self) -> int:
         """Before this rank's memory is freed or handed back (``close``): leave the session (its
@@ -259,9 +298,13 @@ class Publisher:
                     continue  # a pre-packed copy, not a shard
                 t = pool.buffer[base + se.offset: base + se.offset + se.nbytes]
                 out.append((se.record(self.ctx.rank, 0, 0), t.view(torch_dtype(se.dtype)).view(se.box.sizes)))
+            staged = self._items_of or []  # the entries the slots were laid out for, in slot order
+            if any(e.aliases for e in staged):  # tied weights: their bytes under every name
+                out = [(a, t) for e, (r, t) in zip(staged, out) for a in with_aliases([e], [r])]
             return out
         if step in self._zero_copy_live and self._zero_copy_entries:
-            return [(e.record(self.ctx.rank), e.tensor) for e in self._zero_copy_entries]
+            return [(r, e.tensor) for e in self._zero_copy_entries
+                    for r in with_aliases([e], [e.record(self.ctx.rank)])]
         raise CheckpointError(f"rank {self.ctx.rank} no longer holds step {step} (its staging slot was reused); "
                               "checkpoint a step right after putting it")
 

@@ -16,9 +16,10 @@ from . import checkpoint as ckpt
 from .catalog import CheckpointEntry
 from .catalog.agreement import RecoveryPlan
 from .context import StoreContext
-from .errors import CheckpointError, CheckpointNotFound, RecoveryError
+from .errors import CheckpointError, CheckpointNotFound, RecoveryError, VersionNotFound
 from .layout import TensorLike, group_layouts
 from .publisher import Publisher
+from .progress import Progress
 
 __all__ = ["Recovery"]
 
@@ -33,8 +34,10 @@ class Recovery:
     def __init__(self, ctx: StoreContext, publisher: Publisher, get_into: GetInto):
         self.ctx, self.publisher, self._get_into = ctx, publisher, get_into
         self._async: Any = None
+        self._restored: dict[int, str] = {}  # step -> checkpoint uri this store restored it from
+        self._fetched_meta: bytes | None = None  # this rank's meta of the step recover() fetched
 
-    def checkpoint(self, step: int, uri: str, asynchronous: bool) -> Any:
+    def checkpoint(self, step: int, uri: str, asynchronous: bool, progress: Progress | None = None) -> Any:
         """Write this rank's shards of committed ``step``; see ``Store.checkpoint``."""
         cat = self.ctx.catalog
         s = cat.session
@@ -47,6 +50,7 @@ class Recovery:
         layouts = group_layouts(x for r, m in sorted(manifests.items()) for x in m.records(r))
         shards = ckpt.owned_shards(self.publisher.held(step), layouts, self.ctx.rank)
         world = self.ctx.world_size
+        meta = cat.versions.read_meta(step, self.ctx.rank)  # put(meta=...) travels with the part
 
         def finish() -> bool:
             done = ckpt.try_commit(uri, step, world, attempt=s.session_id)
@@ -56,14 +60,17 @@ class Recovery:
             return done
 
         if not asynchronous:
-            ckpt.write_part(uri, step, self.ctx.rank, world, shards, attempt=s.session_id)
+            ckpt.write_part(uri, step, self.ctx.rank, world, shards, attempt=s.session_id, progress=progress,
+                            meta=meta)
             return finish()
         if self._async is None:
             self._async = ckpt.AsyncCheckpointer()
-        part = self._async.save(uri, step, self.ctx.rank, world, shards, attempt=s.session_id)
+        part = self._async.save(uri, step, self.ctx.rank, world, shards, attempt=s.session_id, progress=progress,
+                                meta=meta)
         return _then(part, finish)
 
-    def restore(self, buffers: Mapping[str, TensorLike], uri: str | None, step: int | None) -> int:
+    def restore(self, buffers: Mapping[str, TensorLike], uri: str | None, step: int | None,
+                progress: Progress | None = None) -> int:
         """Fill buffers from ``uri``, or the newest checkpoint the catalog knows; see ``Store.restore``."""
         if uri is None:
             known = [c for c in self.ctx.catalog.checkpoints.list() if step is None or c.step == step]
@@ -71,7 +78,33 @@ class Recovery:
                 raise CheckpointNotFound(f"namespace {self.ctx.namespace!r}: the catalog knows no checkpoint"
                                          + ("" if step is None else f" of step {step}"))
             uri, step = known[-1].uri, known[-1].step
-        return int(ckpt.restore(uri, buffers, step=step))
+        got = int(ckpt.restore(uri, buffers, step=step, progress=progress))
+        self._restored[got] = str(uri)
+        return got
+
+    def meta(self, step: int | None, rank: int, uri: str | None) -> bytes | None:
+        """The meta bytes ``rank`` put with ``step``: from checkpoint ``uri`` when given, else the
+        catalog (the newest committed step by default), else the checkpoint this store restored
+        that step from (the catalog may have dropped it); see ``Store.meta``.
+
+        Raises:
+            VersionNotFound: no such committed step, and none was restored here.
+            CheckpointNotFound / CheckpointCorrupted: from ``uri``.
+        """
+        if uri is not None:
+            return ckpt.read_meta(uri, step, rank)[1]
+        if step is None:
+            step = self.ctx.catalog.versions.latest()
+            if step is None and self._restored:
+                step = max(self._restored)
+            if step is None:
+                raise VersionNotFound(f"namespace {self.ctx.namespace!r}: nothing is committed yet")
+        try:
+            return self.ctx.catalog.versions.read_meta(step, rank)
+        except VersionNotFound:
+            if step not in self._restored:
+                raise
+            return ckpt.read_meta(self._restored[step], step, rank)[1]
 
     def recover(self, tensors: Mapping[str, TensorLike], timeout: float, uri: str | None) -> int | None:
         """Fill ``tensors`` with the newest committed state and republish it; see ``Store.recover``.
@@ -134,7 +167,7 @@ class Recovery:
             log.warning("rank %d: recovered step %d from a checkpoint older than the newest committed step %d; "
                         "not republished (number the next step from %d)", s.rank, plan.step, latest, latest + 1)
             return plan.step
-        self.publisher.put(plan.step, entries, copy=True)
+        self.publisher.put(plan.step, entries, copy=True, meta=self._fetched_meta)
         return plan.step
 
     # ---- recovery rounds (helpers of ``recover``) ----------------------------------------
@@ -204,6 +237,7 @@ class Recovery:
                 got = int(ckpt.restore(str(plan.uri), tensors, step=plan.step))
             if got != plan.step:
                 raise RecoveryError(f"fetched step {got} instead of step {plan.step}")
+            self._fetched_meta = self._meta_of_fetched(plan)
         except Exception as exc:  # reported to the other ranks; raised (as RecoveryError) by all of them
             log.warning("rank %d: recovery round %d: step %s from %s failed: %s", self.ctx.rank, plan.round,
                         plan.step, _source_text(plan), _why(exc))
@@ -211,6 +245,14 @@ class Recovery:
         log.info("rank %d: recovery round %d: holds step %d from %s", self.ctx.rank, plan.round, got,
                  _source_text(plan))
         return None
+
+    def _meta_of_fetched(self, plan: RecoveryPlan) -> bytes | None:
+        """This rank's meta of the fetched step, republished with it (from the same source)."""
+        assert plan.step is not None
+        if plan.source == "live":
+            return self.ctx.catalog.versions.read_meta(plan.step, self.ctx.rank)
+        self._restored[plan.step] = str(plan.uri)
+        return ckpt.read_meta(str(plan.uri), plan.step, self.ctx.rank)[1]
 
     def _newest_checkpoint(self, uri: str | None) -> tuple[tuple[int, str] | None, str]:
         """(step, uri) of the newest complete checkpoint (under ``uri``, else in the catalog), or

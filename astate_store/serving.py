@@ -14,7 +14,7 @@ from typing import Callable, Mapping
 from . import codec
 from .context import StoreContext
 from .errors import LayoutError
-from .layout import Entry, TensorLike, validate_tensors
+from .layout import Entry, TensorLike, validate_tensors, with_aliases
 from .registry import Registry
 
 __all__ = ["Serving"]
@@ -50,8 +50,8 @@ class Serving:
                 raise LayoutError(f"tensor {e.name!r}: serve() of step {step} needs buffers that get_into "
                                   "filled with that step")
         # Rank 0: a group's members are numbered by the consumer when it plans against them.
-        shards = self.registry.acquire(_HOLDER, entries, 0)
-        self.ctx.stats["registrations"] = self.registry.count
+        shards = with_aliases(entries, self.registry.acquire(_HOLDER, entries, 0))  # tied weights: every name
+        self.ctx.stats.registrations = self.registry.count
         desc = codec.encode("ucx_descriptor", self.ctx.transport.descriptor())
         grp = group or f"solo-{self.ctx.reader_id}"
         lid = self.ctx.catalog.replicas.add(step, grp, self.ctx.reader_id, shards, desc)
@@ -67,5 +67,5 @@ class Serving:
         self._offers.clear()
         # Nobody reads the offered buffers any more: stop exposing them.
         self.registry.sweep(self.registry.release(_HOLDER))
-        self.ctx.stats["registrations"] = self.registry.count
+        self.ctx.stats.registrations = self.registry.count
         return left

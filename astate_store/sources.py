@@ -96,6 +96,9 @@ def assign(groups: Mapping[str, SourceGroup], dests: Sequence[Entry], rotation: 
     order = sorted(groups)
     for i, e in enumerate(dests):
         cands = [g for g in order if e.name in groups[g].layouts]
+        if not cands and e.aliases:  # a tied buffer: fill it from whichever of its names is published
+            e = _published_alias(groups, order, e)
+            cands = [g for g in order if e.name in groups[g].layouts]
         if not cands:
             names = sorted({n for g in groups.values() for n in g.layouts})
             raise LayoutError(f"tensor {e.name!r} is not in step's published tensors ({', '.join(names[:8])}"
@@ -105,14 +108,27 @@ def assign(groups: Mapping[str, SourceGroup], dests: Sequence[Entry], rotation: 
     return out
 
 
+def _published_alias(groups: Mapping[str, SourceGroup], order: list[str], e: Entry) -> Entry:
+    """``e`` under the first of its aliases some group publishes (``e`` itself when none is)."""
+    for a in e.aliases:
+        if any(a in groups[g].layouts for g in order):
+            return replace(e, name=a, aliases=tuple(n for n in (e.name, *e.aliases) if n != a))
+    return e
+
+
 def failover_order(groups: Mapping[str, SourceGroup], dests: Sequence[Entry]) -> list[dict[str, SourceGroup]]:
     """The group sets to try in turn: all of them, then without the publishers, then the
-    publishers alone; sets that cannot serve every buffer are left out."""
+    publishers alone, then (with several re-serving groups) each of those alone — a dead
+    replica server whose lease has not expired yet must not fail a pull another one can
+    serve; sets that cannot serve every buffer are left out."""
     tries = [dict(groups)]
     if PUBLISHERS in groups and len(groups) > 1:
         tries += [{k: v for k, v in groups.items() if k != PUBLISHERS}, {PUBLISHERS: groups[PUBLISHERS]}]
+    replicas = sorted(k for k in groups if k != PUBLISHERS)
+    if len(replicas) > 1:
+        tries += [{k: groups[k]} for k in replicas]
     return [gs for i, gs in enumerate(tries)
-            if i == 0 or all(any(e.name in g.layouts for g in gs.values()) for e in dests)]
+            if i == 0 or all(any(n in g.layouts for g in gs.values() for n in (e.name, *e.aliases)) for e in dests)]
 
 
 def bases(version: Version, g: SourceGroup) -> dict[int, int]:

@@ -13,22 +13,30 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .catalog import Catalog
 from .catalog.config import EtcdConfig
-from .context import StoreContext, StoreOptions
+from .context import StoreContext, StoreOptions, TransportFactory
+from . import kv, metrics
 from .consumer import Consumer
 from .conversion import Converter
 from .etcd_server import shared_endpoint
 from .errors import LayoutError
 from .layout import TensorLike, check_step
+from .metrics import Stats
+from .progress import Progress
 from .publisher import Publisher
 from .recovery import Recovery
 from .registry import Registry
 from .serving import Serving
+from .state_dict import NonTensors, StateDictConverter, normalize
 from .topology import AffinityChoice, AffinityConfig
+from .usermeta import decode_meta, encode_meta
 from .transport import Transport
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["connect", "Store", "StagingInfo"]
 
@@ -38,7 +46,7 @@ log = logging.getLogger("astate_store")
 def connect(namespace: str, *, etcd: str | Sequence[str] | EtcdConfig | None = None, etcd_ca: str | None = None,
             etcd_cert: str | None = None, etcd_key: str | None = None, etcd_user: str | None = None,
             etcd_password: str | None = None, rank: int | None = None, world_size: int | None = None,
-            **options: Any) -> "Store":
+            metrics_port: int | None = None, metrics_addr: str | None = None, **options: Any) -> "Store":
     """Open the store of one namespace (one versioned state, e.g. ``"policy"``).
 
     Args:
@@ -51,14 +59,19 @@ def connect(namespace: str, *, etcd: str | Sequence[str] | EtcdConfig | None = N
         etcd_user, etcd_password: etcd user (token authentication).
         rank: this process's publisher rank; default ``$RANK`` or 0.
         world_size: publisher group size; default ``$WORLD_SIZE`` or 1.
+        metrics_port: serve Prometheus metrics at ``http://metrics_addr:PORT/metrics`` (0: any free
+            port; see ``Store.metrics_port``); default ``$ASTATE_METRICS_PORT``, else no server.
+        metrics_addr: the address that server binds; default ``$ASTATE_METRICS_ADDR`` or 127.0.0.1.
         **options: see :class:`Store`.
 
     Each ``etcd*`` argument left None is read from its environment variable: ``ASTATE_ETCD``,
     ``ASTATE_ETCD_CA``, ``ASTATE_ETCD_CERT``, ``ASTATE_ETCD_KEY``, ``ASTATE_ETCD_USER``,
-    ``ASTATE_ETCD_PASSWORD``; an explicit argument always wins.
+    ``ASTATE_ETCD_PASSWORD``; an explicit argument always wins (so do ``metrics_port`` and
+    ``metrics_addr`` over ``ASTATE_METRICS_PORT`` and ``ASTATE_METRICS_ADDR``).
 
     Raises:
         CatalogError: a malformed endpoint, half a credential, a TLS file that does not exist.
+        ValueError: ``metrics_port`` (or ``$ASTATE_METRICS_PORT``) is not a port number.
         CatalogUnavailable: etcd could not be reached or started.
         CatalogAuthError: (at the first request) TLS settings, credentials or permissions that do
             not match etcd's.
@@ -69,7 +82,14 @@ def connect(namespace: str, *, etcd: str | Sequence[str] | EtcdConfig | None = N
                                   password=etcd_password, default_endpoint=shared_endpoint)
     r = int(os.environ.get("RANK", 0)) if rank is None else rank
     w = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    return Store(namespace, etcd=config, rank=r, world_size=w, **options)
+    if metrics_port is None and os.environ.get("ASTATE_METRICS_PORT", "").strip():
+        env = os.environ["ASTATE_METRICS_PORT"].strip()
+        if not env.isdigit():
+            raise ValueError(f"ASTATE_METRICS_PORT must be a port number (0: any free port), got {env!r}")
+        metrics_port = int(env)
+    addr = metrics_addr or os.environ.get("ASTATE_METRICS_ADDR") or "127.0.0.1"
+    return Store(namespace, etcd=config, rank=r, world_size=w, metrics_port=metrics_port, metrics_addr=addr,
+                 **options)
 
 
 @dataclass(frozen=True)
@@ -110,6 +130,17 @@ class Store:
         prepack: consumers ask publishers for contiguous copies of pieces they would otherwise read
             as many small runs (the planner's cost model decides), and publishers build them in
             their snapshot slots.
+        metrics_port: serve this process's Prometheus metrics (every store's, labelled
+            ``namespace`` and ``rank``) at ``/metrics`` on this port (0: any free one); None: no
+            server (nothing read from the environment here; :func:`connect` reads it).
+        metrics_addr: the address the metrics server binds (loopback unless told otherwise).
+        replicas: replica servers (``astate serve``, docs/replicas.md) that must hold a version
+            before :meth:`put` returns (0: do not wait). Every rank's put waits (bounded by
+            ``replica_timeout``) until that many servers offer the committed step.
+        replica_timeout: seconds a put waits for ``replicas`` servers before
+            :class:`~astate_store.errors.ReplicationTimeout` (the version stays committed).
+        catalog, transport_factory: injected by :class:`~astate_store.SessionHub`, whose stores
+            share one etcd connection, lease, retention thread and UCX worker; leave them None.
     """
 
     def __init__(self, namespace: str, *, endpoint: str | EtcdConfig | None = None, etcd: EtcdConfig | None = None,
@@ -117,29 +148,54 @@ class Store:
                  transport: str = "auto", session_id: str | None = None, retention: int = 4,
                  lease_ttl: float = 10.0, staging_depth: int = 2, staging_cap_bytes: int | None = None,
                  read_timeout: float = 120.0, retire_timeout: float = 30.0, window: int = 256,
-                 affinity: AffinityConfig | bool | None = None, prepack: bool = True):
+                 affinity: AffinityConfig | bool | None = None, prepack: bool = True,
+                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", replicas: int = 0,
+                 replica_timeout: float = 60.0, catalog: Catalog | None = None,
+                 transport_factory: TransportFactory | None = None):
         self.namespace, self.rank, self.world_size = namespace, rank, world_size
-        if (endpoint is None) == (etcd is None):
+        _check_replicas(replicas, replica_timeout)
+        # catalog / transport_factory: parts shared by many stores of one process (SessionHub,
+        # sessions_hub.py); a store given a catalog needs no endpoint.
+        if catalog is None and (endpoint is None) == (etcd is None):
             raise TypeError("Store needs exactly one of endpoint= (a string or EtcdConfig) and etcd= (an EtcdConfig)")
-        config = EtcdConfig.parse(etcd if etcd is not None else endpoint)  # type: ignore[arg-type]
-        self.catalog = Catalog(config, namespace, retention=retention, lease_ttl=lease_ttl)
+        # The process's metrics server first: a taken port fails before anything is created.
+        self.metrics_port: int | None = None
+        """The port this process serves ``/metrics`` on (None: this store did not ask for it)."""
+        if metrics_port is not None:
+            try:
+                self.metrics_port = metrics.serve(metrics_port, metrics_addr)
+            except OSError as exc:  # observability must not stop a trainer: say so, and go on
+                log.warning("namespace %s: cannot serve metrics on %s:%s (%s); no /metrics from this process "
+                            "(give each process on a host its own port, or 0)", namespace, metrics_addr,
+                            metrics_port, exc)
+        if catalog is None:
+            config = EtcdConfig.parse(etcd if etcd is not None else endpoint)  # type: ignore[arg-type]
+            catalog = Catalog(config, namespace, retention=retention, lease_ttl=lease_ttl)
+        self.catalog = catalog
         options = StoreOptions(transport, staging_depth, staging_cap_bytes, read_timeout, retire_timeout, window,
-                               prepack)
+                               prepack, replicas=replicas, replica_timeout=float(replica_timeout))
         if affinity is False:
             affinity = AffinityConfig(enabled=False)
         self._ctx = StoreContext(
             namespace, self.catalog, options, rank=rank, world_size=world_size,
             session_id=session_id or os.environ.get("ASTATE_SESSION_ID") or _torchrun_session(),
-            affinity=affinity if isinstance(affinity, AffinityConfig) else AffinityConfig.from_env())
+            affinity=affinity if isinstance(affinity, AffinityConfig) else AffinityConfig.from_env(),
+            **({} if transport_factory is None else {"transport_factory": transport_factory}))
         registry = Registry(lambda: self._ctx.transport)
         self._publisher = Publisher(self._ctx, registry)
         self._converter = Converter(self._ctx)
         self._consumer = Consumer(self._ctx, self._converter)
+        self._ctx.staging_bytes = lambda: (self._publisher.staging[0], self._converter.staging_bytes)
         self._serving = Serving(self._ctx, registry,
                                 lambda: (self._consumer.delivered_step, self._consumer.buffers.entries))
         self._recovery = Recovery(self._ctx, self._publisher,
                                   lambda bufs, step, timeout: self.get_into(bufs, step=step, timeout=timeout))
+        # put / get_into take state_dict()-like mappings (DTensors, nested dicts): converted once per
+        # call, reusing last call's objects so the validation caches hit (state_dict.py)
+        self._put_sd, self._get_sd = StateDictConverter("put(tensors)"), StateDictConverter("get_into(buffers)")
         self._closed = False
+        log.info("namespace %s: store opened (rank %d of %d, etcd %s)", namespace, rank, world_size,
+                 self.catalog.endpoint)
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -148,12 +204,13 @@ class Store:
         return self._ctx.transport
 
     @property
-    def stats(self) -> dict[str, int]:
-        """Counters: ``plans``, ``plan_hits``, ``torn_retries`` (discarded reads), ``reads`` and
-        ``local_conversions`` (of the last pull), ``streamed_puts``, ``layouts_published``, and
-        ``skipped_records`` (bad records read from etcd and skipped; see README "Blobs")."""
-        self._ctx.stats["skipped_records"] = self.catalog.skipped_records
-        return self._ctx.stats
+    def stats(self) -> Stats:
+        """This store's figures now, as a frozen :class:`~astate_store.Stats`: cumulative counters
+        (pulls, bytes, torn retries, failovers, plans, puts, bad records, etcd requests and
+        retries), gauges (staging, registrations, latest and delivered step) and ``last_pull``
+        (the last ``get_into``'s step, bytes, reads and seconds per phase). The same figures as
+        ``/metrics`` (docs/metrics.md)."""
+        return self._ctx.stats.snapshot()
 
     @property
     def affinity(self) -> AffinityChoice | None:
@@ -169,6 +226,30 @@ class Store:
     def staging(self) -> StagingInfo:
         nbytes, slots, device = self._publisher.staging
         return StagingInfo(nbytes, slots, device, self._converter.staging_bytes)
+
+    def meta(self, step: int | None = None, *, rank: int | None = None, uri: str | None = None) -> dict[str, Any]:
+        """The small dict publisher rank ``rank`` (default: this store's rank) gave as
+        ``put(step, ..., meta=...)``; ``{}`` when it gave none.
+
+        Args:
+            step: the version (None: the newest committed one, or with ``uri`` the newest
+                checkpoint there).
+            uri: read it from the checkpoint at ``uri`` instead of the catalog. Without it, a step
+                the catalog no longer holds is read from the checkpoint :meth:`restore` (or
+                :meth:`recover`) filled the buffers from.
+
+        Raises:
+            VersionNotFound: the step is not committed (nor restored here).
+            CheckpointNotFound, CheckpointCorrupted: reading it from a checkpoint failed.
+            CatalogCorrupted: its record in etcd is bad.
+        """
+        if step is not None:
+            step = check_step(step, LayoutError)
+        r = self.rank if rank is None else rank
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise LayoutError(f"meta(rank={rank!r}): a rank is an int >= 0")
+        data = self._recovery.meta(step, r, uri)
+        return {} if data is None else decode_meta(data, f"meta of step {step} rank {r}")
 
     def latest(self) -> int | None:
         """The newest committed step, or None before the first commit.
@@ -189,26 +270,54 @@ class Store:
 
     # ---- publishing ----------------------------------------------------------------------
 
-    def put(self, step: int, tensors: Mapping[str, TensorLike], *, copy: bool = True) -> bool:
+    def put(self, step: int, tensors: Mapping[str, Any], *, copy: bool = True, non_tensors: NonTensors = "error",
+            meta: Mapping[str, Any] | None = None) -> bool:
         """Publish this rank's piece of version ``step``.
 
         Args:
             step: the version number; ``latest`` only moves forward.
-            tensors: names -> ``torch.Tensor`` (the whole tensor) or ``Shard`` (a box of it).
+            tensors: names -> ``torch.Tensor`` (the whole tensor), ``Shard`` (a box of it), a list
+                of ``Shard``s (several disjoint boxes of one tensor) or a DTensor (its box from its
+                placements and mesh: FSDP2 ``Shard(0)`` even when uneven, ``Shard(n)``, ``Replicate``
+                — replicas —, 2-D meshes, ``_StridedShard``); e.g. ``model.state_dict()``. Nested
+                mappings are flattened to dotted names as torch DCP names them. The very same
+                memory under several names (tied weights) is staged once, published under each name.
             copy: True (default): snapshot into registered staging memory; the caller may change
                 its tensors as soon as ``put`` returns. False: publish the tensors' memory in place
                 (no copy); the caller must call :meth:`retire` before changing them.
+            non_tensors: ``"error"`` (default): a non-tensor entry (an optimizer's ``step``
+                count, a config value) raises ``LayoutError``; ``"skip"``: such entries are left out.
+            meta: a small dict stored with this rank's piece (RNG states, counters, dataloader
+                position; msgpack types, at most ``usermeta.MAX_META_BYTES`` encoded): it commits
+                with the version and checkpoints keep it; read it back with :meth:`meta`.
 
         Returns:
             True if this put completed the version (all ranks have put it).
 
         Raises:
-            LayoutError: bad names, dtypes, boxes (before anything is published).
+            LayoutError: bad names, dtypes, boxes, overlapping boxes of one name, a ``Partial``
+                DTensor, a non-tensor entry (before anything is published).
             StaleSessionError: a newer session of the namespace fenced this one.
             CatalogUnavailable: etcd unreachable.
+            ReplicationTimeout: with ``replicas=K``, fewer than K replica servers held the
+                committed version within ``replica_timeout``.
         """
+        encoded = encode_meta(meta)  # checked before anything is published
+        tensors = self._put_sd.convert(tensors, non_tensors)
         entries = self._publisher.begin(tensors, "put(tensors)", every_step=True)
-        return self._publisher.put(step, entries, copy=copy)
+        committed = self._publisher.put(step, entries, copy=copy, meta=encoded)
+        self._publisher.wait_replicated(step)  # replicas=K: K replica servers hold it (docs/replicas.md)
+        return committed
+
+    def delete(self, step: int) -> None:
+        """Drop committed version ``step`` from the catalog now (as retention would later):
+        consumers no longer find it; publishers reuse its staging as usual. The newest step
+        cannot be deleted alone: use :func:`astate_store.admin.delete_namespace`.
+
+        Raises:
+            VersionNotFound: ``step`` is not committed. CatalogError: it is the newest.
+        """
+        self.catalog.versions.delete_step(check_step(step, LayoutError))
 
     def retire(self, timeout: float | None = None) -> int:
         """Before changing tensors published with ``copy=False``: mark those versions retired and
@@ -222,17 +331,26 @@ class Store:
 
     # ---- consuming -----------------------------------------------------------------------
 
-    def get_into(self, buffers: Mapping[str, TensorLike], *, step: int | None = None,
-                 timeout: float | None = None) -> int:
+    def get_into(self, buffers: Mapping[str, Any], *, step: int | None = None,
+                 timeout: float | None = None, non_tensors: NonTensors = "error",
+                 progress: Progress | None = None) -> int:
         """Pull the newest committed version >= ``step`` into preallocated buffers, in place.
 
         Args:
-            buffers: names -> preallocated ``torch.Tensor`` (the whole tensor) or ``Shard`` (a box),
-                any strides; a subset of the published names is fine. A floating buffer of another
-                floating dtype than the published one is converted during the pull.
+            buffers: names -> preallocated ``torch.Tensor`` (the whole tensor), ``Shard`` (a box),
+                a list of ``Shard``s (disjoint boxes of one tensor) or a DTensor (its local tensor is
+                filled in place), any strides; a nested mapping such as ``{"model":
+                model.state_dict()}`` is flattened as in :meth:`put`. A subset of the published
+                names is fine; a buffer under several names (tied weights) is filled once. A
+                floating buffer of another floating dtype than the published one is converted
+                during the pull.
             step: the oldest acceptable step (None: any committed version).
             timeout: seconds to wait for that version (None: wait indefinitely for the commit;
                 each pull is still bounded by ``read_timeout``).
+            non_tensors: as in :meth:`put`.
+            progress: ``progress(done_bytes, total_bytes)`` as the pull's batches complete (for
+                the first pull of a big model; :mod:`astate_store.progress`). With it, the batched
+                reads go in parts of 64 MiB.
 
         Returns:
             The step delivered; every buffer holds bytes of that step only.
@@ -244,9 +362,10 @@ class Store:
             TornReadError: the version kept being retired under the reader (too many retries).
         """
         step, timeout = _check_wait(step, timeout, "get_into")
+        buffers = self._get_sd.convert(buffers, non_tensors)
         if self._serving.active:
             self._serving.withdraw()  # these buffers may be among the re-served ones: withdraw before writing
-        return self._consumer.get_into(buffers, step, timeout)
+        return self._consumer.get_into(buffers, step, timeout, progress)
 
     def serve(self, step: int, buffers: Mapping[str, TensorLike], *, group: str | None = None) -> None:
         """Offer buffers that :meth:`get_into` just filled with ``step`` as an extra source of that
@@ -258,15 +377,47 @@ class Store:
         Raises:
             LayoutError: the buffers were not all filled with ``step`` by this store.
         """
-        self._serving.serve(step, buffers, group)
+        self._serving.serve(step, normalize(buffers, "serve(buffers)"), group)
 
     def unserve(self) -> int:
         """Withdraw every re-served step; returns readers that had not finished within the wait."""
         return self._serving.withdraw()
 
+    def keys(self, step: int | None = None) -> "dict[str, kv.KeyInfo]":
+        """What committed version ``step`` holds (the newest when None; ``{}`` before the first
+        commit): name -> :class:`~astate_store.kv.KeyInfo` (``global_shape``, ``dtype``,
+        ``nbytes``), read from the version's manifests — so it works after its writer is gone.
+
+        Raises:
+            VersionNotFound: ``step`` is not committed (or retention dropped it).
+        """
+        if step is not None:
+            step = check_step(step, LayoutError)
+        return kv.keys(self.catalog, step)
+
+    def get(self, names: "Sequence[str] | str | None" = None, *, step: int | None = None,
+            timeout: float | None = None, device: Any = "cpu") -> "tuple[int, dict[str, torch.Tensor]]":
+        """Allocate and fetch: the newest committed version >= ``step`` as whole tensors (their
+        global shape and published dtype) on ``device``, all of one step. ``names``: a subset
+        (default every tensor). One :meth:`get_into` fills them, from the publishers, replica
+        servers or re-serving consumers; when the newest version changes its tensors between
+        the listing and the pull, ``get`` lists it again (bounded).
+
+        Returns:
+            (the step, name -> tensor).
+
+        Raises:
+            LayoutError: names the version does not publish (all named), or bad arguments.
+            WaitTimeout, PeerUnreachable, TornReadError: as :meth:`get_into`.
+        """
+        step, timeout = _check_wait(step, timeout, "get")
+        return kv.get(self.catalog, lambda bufs, s, t: self.get_into(bufs, step=s, timeout=t), names, step=step,
+                      timeout=timeout, device=device)
+
     # ---- checkpoints and recovery ---------------------------------------------------------
 
-    def checkpoint(self, step: int, uri: str, *, asynchronous: bool = False) -> Any:
+    def checkpoint(self, step: int, uri: str, *, asynchronous: bool = False,
+                   progress: Progress | None = None) -> Any:
         """Write this rank's shards of committed version ``step`` to storage (any ``pyarrow.fs``
         URI or local path); the rank that completes the set commits it and records it in the
         catalog. Every publisher rank calls it. Replicated shards are written by one rank only.
@@ -274,6 +425,8 @@ class Store:
         Args:
             asynchronous: snapshot the shards and write in a background thread; returns a
                 ``concurrent.futures.Future`` of the same result instead of waiting.
+            progress: ``progress(done_bytes, total_bytes)`` as this rank's part is written
+                (:mod:`astate_store.progress`).
 
         Returns:
             True if the checkpoint is complete after this call (it is then in the catalog).
@@ -281,20 +434,23 @@ class Store:
         Raises:
             CheckpointError: the step is not committed, or this rank no longer holds it.
         """
-        return self._recovery.checkpoint(step, uri, asynchronous)
+        return self._recovery.checkpoint(step, uri, asynchronous, progress)
 
-    def restore(self, buffers: Mapping[str, TensorLike], *, uri: str | None = None, step: int | None = None) -> int:
+    def restore(self, buffers: Mapping[str, Any], *, uri: str | None = None, step: int | None = None,
+                progress: Progress | None = None, non_tensors: NonTensors = "error") -> int:
         """Fill preallocated buffers of any layout from a checkpoint: ``uri`` (newest complete step
-        there, or ``step``), else the newest complete checkpoint the catalog knows.
+        there, or ``step``), else the newest complete checkpoint the catalog knows. ``progress``:
+        ``progress(done_bytes, total_bytes)`` as bytes are copied (:mod:`astate_store.progress`).
 
         Raises:
             CheckpointNotFound: no complete checkpoint; CheckpointCorrupted: checksum or file errors;
             LayoutError: a buffer that does not fit.
         """
-        return self._recovery.restore(buffers, uri, step)
+        buffers = normalize(buffers, "restore(buffers)", non_tensors)
+        return self._recovery.restore(buffers, uri, step, progress)
 
-    def recover(self, tensors: Mapping[str, TensorLike], *, timeout: float = 60.0, uri: str | None = None
-                ) -> int | None:
+    def recover(self, tensors: Mapping[str, Any], *, timeout: float = 60.0, uri: str | None = None,
+                non_tensors: NonTensors = "error") -> int | None:
         """For a (re)started publisher rank: fence the previous session, fill this rank's
         preallocated ``tensors`` with the newest committed state — from live sources (surviving
         replicas, consumers that re-serve it) or else the newest complete checkpoint — and
@@ -311,6 +467,7 @@ class Store:
             RecoveryError: no step every rank could fetch (naming the ranks and why), or a rank
                 did not report within ``timeout``.
         """
+        tensors = normalize(tensors, "recover(tensors)", non_tensors)
         return self._recovery.recover(tensors, timeout, uri)
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -335,6 +492,8 @@ class Store:
         self.catalog.close()
         self._ctx.close_transport()
         self._publisher.close()
+        self._ctx.stats.close()  # its counters stay in /metrics; its gauges leave
+        log.info("namespace %s: store closed", self.namespace)
 
     def __enter__(self) -> "Store":
         return self
@@ -357,6 +516,15 @@ def _check_wait(step: object, timeout: object, what: str) -> tuple[int | None, f
             raise LayoutError(f"{what}(timeout=...) must be None or a number of seconds >= 0, got {timeout!r}")
         timeout = float(timeout)
     return step, timeout  # type: ignore[return-value]
+
+
+def _check_replicas(replicas: object, timeout: object) -> None:
+    """Raises ValueError for a ``replicas`` that is not an int >= 0 or a ``replica_timeout``
+    that is not a number of seconds > 0 (before anything is created)."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ValueError(f"replicas must be an int >= 0 (replica servers to wait for), got {replicas!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"replica_timeout must be a number of seconds > 0, got {timeout!r}")
 
 
 def _torchrun_session() -> str | None:

@@ -20,6 +20,17 @@ _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 
 
+def _tensors_of(values: list[object]) -> list[torch.Tensor]:
+    """The tensors of a mapping's values, a list of Shards (boxes of one name) contributing each."""
+    out: list[torch.Tensor] = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            out.extend(s.tensor for s in v)
+        else:
+            out.append(v.tensor if isinstance(v, Shard) else v)  # type: ignore[arg-type]
+    return out
+
+
 class Fingerprint:
     """A large tuple used as a cache key, hashed once: a steady-state lookup with the same
     object compares by identity instead of walking 10^5 entries."""
@@ -50,6 +61,7 @@ class ValidatedTensors:
         self._tensors: list[torch.Tensor] = []
         self._ptrs: list[int] = []
         self._numels: list[int] = []
+        self._lists = False  # some value is a list of Shards (several boxes of one name)
 
     def _same(self, tensors: Mapping[str, TensorLike]) -> bool:
         """Same names, the very same objects, and their storages not moved or resized. Every
@@ -58,8 +70,10 @@ class ValidatedTensors:
             return False
         if list(tensors) != self._names or not all(map(operator.is_, tensors.values(), self._values)):
             return False
-        # Same objects (a Shard is frozen, so its tensor is the same too); a tensor's storage may
-        # still have been swapped (``set_``, ``resize_``) under it.
+        # Same objects (a Shard is frozen, so its tensor is the same too; a list of Shards may
+        # have been changed in place); a tensor's storage may still have been swapped under it.
+        if self._lists and not all(map(operator.is_, _tensors_of(self._values), self._tensors)):
+            return False
         return list(map(_DATA_PTR, self._tensors)) == self._ptrs and list(map(_NUMEL, self._tensors)) == self._numels
 
     def validate(self, tensors: Mapping[str, TensorLike]) -> list[Entry]:
@@ -72,7 +86,8 @@ class ValidatedTensors:
             return self.entries
         entries = validate_tensors(tensors, self.what)
         self._names, self._values = list(tensors), list(tensors.values())
-        self._tensors = [v.tensor if isinstance(v, Shard) else v for v in self._values]  # type: ignore[misc]
+        self._tensors = _tensors_of(self._values)
+        self._lists = any(isinstance(v, (list, tuple)) for v in self._values)
         self._ptrs, self._numels = list(map(_DATA_PTR, self._tensors)), list(map(_NUMEL, self._tensors))
         self.entries = entries
         self.fingerprint = Fingerprint(tuple((e.name, e.box, e.dtype, e.tensor.stride(), e.tensor.data_ptr())

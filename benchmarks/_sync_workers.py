@@ -8,6 +8,7 @@ or ``("error", text)``; a worker never raises out of its loop.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -252,7 +253,7 @@ class _Rollout:
         c1 = os.times()
         return {"t0": t0, "t1": t1, "step": got, "transport_s": self.get_s, "rows": self.get_rows,
                 "calls": self.get_calls, "user_s": c1.user - c0.user, "sys_s": c1.system - c0.system,
-                "gc_s": self.gc_s, "nbytes": self.nbytes, "stats": dict(self.store.stats)}
+                "gc_s": self.gc_s, "nbytes": self.nbytes, "stats": dataclasses.asdict(self.store.stats)}
 
     def repeat(self, step: int, n: int) -> dict[str, Any]:
         """Pull the same committed step ``n`` times (for attaching a profiler); per-pull seconds."""

@@ -44,7 +44,7 @@ def test_a_100k_tensor_model_is_put_and_pulled(etcd: Any) -> None:
                                                            + int(n.split(".")[5]))])
                 want = torch.stack([torch.arange(total, dtype=torch.float32), torch.full((total,), float(step))], 1)
                 assert torch.equal(got, want), f"step {step}: a tensor holds other bytes"
-            assert cons.stats["plans"] >= 1 and cons.stats["plan_hits"] >= 2  # steps 2, 3: no replanning
+            assert cons.stats.plans >= 1 and cons.stats.plan_hits >= 2  # steps 2, 3: no replanning
     finally:
         for q in cmds:
             q.put(("exit",))
@@ -87,17 +87,17 @@ def test_one_prepacked_copy_serves_every_consumer_and_a_joining_consumer_relays_
 
         ca = cols()
         step = 0
-        while step < 3 or (a.stats["reads"] != 1 and step < 8):  # the request is folded in at a later put
+        while step < 3 or (a.stats.last_pull.reads != 1 and step < 8):  # the request is folded in at a later put
             step += 1
             pub.put(step, {"w": w + step})
             assert a.get_into({"w": ca}, step=step, timeout=30) == step
             assert torch.equal(ca.tensor, (w + step)[:, 64:72])
-        assert a.stats["reads"] == 1  # a read the publisher's contiguous copy in one run
-        layouts = pub.stats["layouts_published"]
+        assert a.stats.last_pull.reads == 1  # a read the publisher's contiguous copy in one run
+        layouts = pub.stats.layouts_published
         cb = cols()
         for step in (step + 1, step + 2):
             pub.put(step, {"w": w + step})
             assert b.get_into({"w": cb}, step=step, timeout=30) == step
             assert torch.equal(cb.tensor, (w + step)[:, 64:72])
-        assert b.stats["reads"] == 1  # the copy built for a serves b too
-        assert pub.stats["layouts_published"] == layouts  # b joining re-laid nothing out
+        assert b.stats.last_pull.reads == 1  # the copy built for a serves b too
+        assert pub.stats.layouts_published == layouts  # b joining re-laid nothing out

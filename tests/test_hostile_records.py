@@ -1,5 +1,5 @@
 """An untrusted etcd: bad records written straight into the namespace while a publisher and a
-consumer keep working. Each bad record is skipped and counted (``Store.stats["skipped_records"]``)
+consumer keep working. Each bad record is skipped and counted (``Store.stats.bad_records``)
 and stops nobody; a bad *authority* record (``latest``, ``epoch``, a commit, a committed piece, the
 session) raises ``CatalogCorrupted`` naming its key, and no bytes are returned for it. Then every
 decoder is fuzzed: arbitrary bytes and records raise nothing but ``CodecError`` (or the typed
@@ -74,7 +74,7 @@ class World:
         return self.pub.catalog.session.epoch
 
     def skipped(self) -> int:
-        return self.pub.stats["skipped_records"] + self.cons.stats["skipped_records"]
+        return self.pub.stats.bad_records + self.cons.stats.bad_records
 
     def put(self, step: int) -> float:
         t0 = time.monotonic()
@@ -327,7 +327,7 @@ CASES: dict[str, Case] = {
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_a_bad_record_is_skipped_counted_and_stops_no_one(world: World, case: Case) -> None:
     step = world.step + 1
-    torn_before, skipped_before = world.cons.stats["torn_retries"], world.skipped()
+    torn_before, skipped_before = world.cons.stats.torn_retries, world.skipped()
     keys = [] if case.after_put else case.inject(world, step)
     try:
         assert world.put(step) < 6.0  # never waited for a stranger (retire_timeout is 8 s)
@@ -336,7 +336,7 @@ def test_a_bad_record_is_skipped_counted_and_stops_no_one(world: World, case: Ca
         world.pull(step)
         if case.check is not None:
             case.check(world)
-        assert world.cons.stats["torn_retries"] == torn_before  # read once, not torn by a stranger
+        assert world.cons.stats.torn_retries == torn_before  # read once, not torn by a stranger
         if case.counted:
             assert world.skipped() > skipped_before
     finally:
@@ -437,7 +437,7 @@ def test_bad_latest_is_a_typed_error(fresh: World) -> None:
     w.put(1)
     w.pull(1)
     key = w.key("latest")
-    skipped = w.cons.stats["skipped_records"]
+    skipped = w.cons.stats.bad_records
     w.raw.put(key, b"not a counter")
     for s in (w.pub, w.cons):
         with pytest.raises(CatalogCorrupted) as err:
@@ -447,7 +447,7 @@ def test_bad_latest_is_a_typed_error(fresh: World) -> None:
         w.pub.put(2, _tensors(2))  # the commit compares latest: refused, and said why
     assert err.value.key == key
     deadline = time.monotonic() + 10
-    while w.cons.stats["skipped_records"] == skipped:  # the consumer's watch saw it and skipped it
+    while w.cons.stats.bad_records == skipped:  # the consumer's watch saw it and skipped it
         assert time.monotonic() < deadline
         time.sleep(0.05)
     sentinel = {n: torch.full(s, -7.0) for n, s in SHAPES.items()}

@@ -47,7 +47,7 @@ def test_zero_copy_publisher_mutating_never_yields_torn_versions(etcd: Any, tran
                     # Every byte of every buffer belongs to the step get_into reported.
                     assert bool((b == float(got)).all()), f"torn: {name} mixes steps, reported {got}"
                 seen.append(got)
-            discarded = store.stats["torn_retries"]
+            discarded = store.stats.torn_retries
         assert seen and seen == sorted(seen)
         if retire_timeout == 0.0:
             # Reads overlapped mutations: they were detected and discarded, never returned.
@@ -95,7 +95,7 @@ def test_publishers_convert_for_consumers_after_one_step(etcd: Any) -> None:
                 assert store.get_into({"emb": emb, "qkv": qkv}, step=step, timeout=30) == step
                 assert torch.equal(emb, expected("emb", step).to(torch.bfloat16))
                 assert torch.equal(qkv.tensor, expected("qkv", step)[:, 24:].to(torch.float32))
-                local.append(store.stats["local_conversions"])
+                local.append(store.stats.last_pull.local_conversions)
                 if step >= 3 and local[-1] == 0:
                     break
         # Step 1 converts here; it asks the publishers, who learn of it by a watch and fold the
@@ -166,7 +166,7 @@ def test_snapshot_larger_than_the_cap_streams_to_consumers(etcd: Any) -> None:
             pub.put(step, {"w": w})  # returns once the consumer has pulled: w may change right away
         t.join(60)
         assert got == [(1, True), (2, True), (3, True)]
-        assert pub.stats["streamed_puts"] == 3  # every put streamed: the snapshot did not fit the cap
+        assert pub.stats.streamed_puts == 3  # every put streamed: the snapshot did not fit the cap
         assert pub.staging.snapshot_bytes <= 16384  # no staging beyond the cap
 
 
@@ -202,7 +202,7 @@ def test_in_place_registers_only_the_published_spans(etcd: Any) -> None:
     with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
             Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
         pub.put(1, views, copy=False)
-        assert pub.stats["registrations"] == 3
+        assert pub.stats.registrations == 3
         regions = _data_regions(pub)
         assert len(regions) == 3 and sum(r.size for r in regions) <= 6 * PAGE  # not the 4 MiB storage
         lo, hi = big.data_ptr(), big.data_ptr() + big.nbytes
@@ -221,19 +221,19 @@ def test_registrations_released_when_no_version_publishes_them(etcd: Any) -> Non
         buf_a, buf_b = torch.empty(4096), torch.empty(8192)
         pub.put(1, {"a": a}, copy=False)
         assert cons.get_into({"a": buf_a}, step=1, timeout=30) == 1 and torch.equal(buf_a, a)
-        assert pub.stats["registrations"] == 1
-        live, layouts = pub.transport.num_regions, pub.stats["layouts_published"]
+        assert pub.stats.registrations == 1
+        live, layouts = pub.transport.num_regions, pub.stats.layouts_published
         for step in (2, 3):  # steady state: the same tensors register nothing new, the layout stays
             pub.retire()
             a.fill_(float(step))
             pub.put(step, {"a": a}, copy=False)
             assert cons.get_into({"a": buf_a}, step=step, timeout=30) == step and torch.equal(buf_a, a)
-        assert pub.stats["registrations"] == 1 and pub.transport.num_regions == live
-        assert pub.stats["layouts_published"] == layouts
+        assert pub.stats.registrations == 1 and pub.transport.num_regions == live
+        assert pub.stats.layouts_published == layouts
         # "a" is no longer published: retired, then the next put releases its registration.
         pub.retire()
         pub.put(4, {"b": b}, copy=False)
-        assert pub.stats["registrations"] == 1 and pub.transport.num_regions == live
+        assert pub.stats.registrations == 1 and pub.transport.num_regions == live
         spans = [(r.base, r.base + r.size) for r in _data_regions(pub)]
         assert not any(lo <= a.data_ptr() < hi for lo, hi in spans)  # a's memory is not readable any more
         assert cons.get_into({"b": buf_b}, step=4, timeout=30) == 4 and torch.equal(buf_b, b)
@@ -243,7 +243,7 @@ def test_registrations_released_when_no_version_publishes_them(etcd: Any) -> Non
         assert cons.get_into({"b": buf_b}, step=5, timeout=30) == 5
         before = pub.transport.num_regions
         pub.retire()
-        assert pub.stats["registrations"] == 0 and pub.transport.num_regions == before - 1
+        assert pub.stats.registrations == 0 and pub.transport.num_regions == before - 1
 
 
 def test_unserve_releases_the_served_buffers(etcd: Any) -> None:
@@ -256,14 +256,14 @@ def test_unserve_releases_the_served_buffers(etcd: Any) -> None:
         assert relay.get_into({"w": buf}, timeout=30) == 1
         before = relay.transport.num_regions
         relay.serve(1, {"w": buf})
-        assert relay.stats["registrations"] == 1 and relay.transport.num_regions == before + 1
+        assert relay.stats.registrations == 1 and relay.transport.num_regions == before + 1
         relay.unserve()
-        assert relay.stats["registrations"] == 0 and relay.transport.num_regions == before
+        assert relay.stats.registrations == 0 and relay.transport.num_regions == before
         relay.serve(1, {"w": buf})  # offering again registers again
-        assert relay.stats["registrations"] == 1
+        assert relay.stats.registrations == 1
         pub.put(2, {"w": w + 1})
         assert relay.get_into({"w": buf}, step=2, timeout=30) == 2  # withdraws (and releases) first
-        assert relay.stats["registrations"] == 0 and torch.equal(buf, w + 1)
+        assert relay.stats.registrations == 0 and torch.equal(buf, w + 1)
 
 
 def test_consumer_disconnects_publishers_that_left(etcd: Any) -> None:

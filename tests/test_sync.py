@@ -131,8 +131,8 @@ def test_reshard_n_to_m_byte_exact_several_steps(etcd: Any, transport: str, cons
             for c, b in zip(col, cols):
                 assert c.get_into(b, step=step, timeout=30) == step
                 assert_exact(b, step)
-            plans.append(full.stats["plans"])
-            reads.append(col[0].stats["reads"])
+            plans.append(full.stats.plans)
+            reads.append(col[0].stats.last_pull.reads)
         assert {n: t.data_ptr() for n, t in bufs.items()} == ptrs  # in place
         # Steady state: once the publishers built the pre-packed copies the column consumers
         # asked for (one step later), the layout stops changing and nobody re-plans.

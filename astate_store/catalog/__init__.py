@@ -41,7 +41,9 @@ order is numeric order and etcd can compare counters inside transactions.
 
 from __future__ import annotations
 
+import logging
 import re
+from typing import Any
 
 from ..errors import CatalogError
 from .agreement import RecoveryAgreement
@@ -62,6 +64,8 @@ from .records import (
 from .replicas import Replicas
 from .sessions import Sessions
 from .versions import Versions
+
+log = logging.getLogger("astate_store.catalog")
 
 __all__ = ["Catalog", "Session", "Piece", "Layout", "Manifest", "Replica", "Version", "CheckpointEntry",
            "EtcdClient", "EtcdConfig"]
@@ -87,17 +91,20 @@ class Catalog:
     """
 
     def __init__(self, endpoint: str | EtcdConfig, namespace: str, *, retention: int = 4, lease_ttl: float = 10.0,
-                 op_timeout: float = 5.0, retry_deadline: float = 15.0):
+                 op_timeout: float = 5.0, retry_deadline: float = 15.0, client: EtcdClient | None = None,
+                 retention_runner: Any = None):
         if not isinstance(namespace, str) or not _NS_RE.match(namespace):
             raise CatalogError(f"bad namespace {namespace!r}: use 1-128 characters from [A-Za-z0-9_.-]")
         if retention < 1:
             raise CatalogError(f"retention must be >= 1, got {retention}")
         self.etcd = EtcdConfig.parse(endpoint)
         self.endpoint, self.namespace, self.retention, self.lease_ttl = self.etcd.url, namespace, retention, lease_ttl
-        self.client = EtcdClient(self.etcd, namespace, lease_ttl=lease_ttl, op_timeout=op_timeout,
-                                 retry_deadline=retry_deadline)
+        # ``client``: a namespace view over a connection many namespaces share (sessions_hub.py);
+        # ``retention_runner``: their shared retention thread (see Versions).
+        self.client = client if client is not None else EtcdClient(
+            self.etcd, namespace, lease_ttl=lease_ttl, op_timeout=op_timeout, retry_deadline=retry_deadline)
         self.sessions = Sessions(self.client)
-        self.versions = Versions(self.client, self.sessions, retention)
+        self.versions = Versions(self.client, self.sessions, retention, retention_runner)
         self.consumers = Consumers(self.client)
         self.readers = Readers(self.client, self.sessions, consumers=self.consumers)
         self.replicas = Replicas(self.client, self.readers)
@@ -115,6 +122,31 @@ class Catalog:
     def session(self) -> Session | None:
         """This process's publisher session, or None when none is open."""
         return self.sessions.current
+
+    def delete_all(self, *, force: bool = False) -> int:
+        """Delete every key of this namespace (versions, manifests, layouts, sessions, consumers,
+        the checkpoint index; checkpoint files in storage stay). Returns the keys deleted.
+
+        Raises:
+            CatalogError: a publisher session or a consumer is still live (its lease-held
+                records exist), unless ``force``; or this store itself holds a session.
+        """
+        c = self.client
+        if self.session is not None:
+            raise CatalogError(f"namespace {self.namespace!r}: this store publishes to it; close it and delete "
+                               "from another store")
+        if not force:
+            for family in ("members", "consumers"):
+                pre = c.key(family) + "/"
+                live = c.call(f"get {family}", lambda: list(c.raw.get_prefix(pre, keys_only=True)))
+                if live:
+                    raise CatalogError(f"namespace {self.namespace!r} is in use: {len(live)} live {family} "
+                                       "records (their processes hold leases); stop them or pass force=True")
+        pre = c.key("")
+        resp = c.call("delete namespace", lambda: c.raw.delete_prefix(pre))
+        deleted = int(getattr(resp, "deleted", 0))
+        log.warning("namespace %s: deleted (%d keys)", self.namespace, deleted)
+        return deleted
 
     def close(self, *, revoke: bool = True) -> None:
         """Stop keep-alives and revoke leases (members, layouts and readers vanish at once)."""

@@ -243,6 +243,8 @@ def _probe_tls(config: EtcdConfig, netloc: str) -> str | None:
     return None
 
 
+_RETRY_LOG_EVERY = 10.0  # seconds between WARNING lines about etcd not answering (per client)
+
 # Set in threads that do background work, so their requests are counted apart from callers' paths.
 _BACKGROUND = threading.local()
 
@@ -338,6 +340,9 @@ class EtcdClient:
         self._reader_lease: int | None = None
         self.rpcs = 0  # etcd requests (attempts) made on callers' paths, for the control-plane figures
         self.background_rpcs = 0  # ... and by background work (retention)
+        self.retries = 0  # attempts etcd did not answer, retried after a backoff (Store.stats, metrics)
+        self._retry_logged = -1e9  # when an outage was last logged at WARNING (rate limit)
+        self._outage = False  # a retry was logged and no request has succeeded since
         # Guards the shared reader lease: several consumer threads may register at once.
         self._lock = threading.Lock()
         # Authentication: the current token (None before the first request), and whether etcd said
@@ -477,6 +482,7 @@ class EtcdClient:
         delay = 0.05
         reauthenticated = False
         handshake_failures = 0
+        retried = 0
         while True:
             if getattr(_BACKGROUND, "active", False):
                 self.background_rpcs += 1
@@ -487,6 +493,9 @@ class EtcdClient:
                 self._ensure_token()
                 token = self._token  # the token this attempt carries
                 result = fn()
+                if retried and self._outage:
+                    self._outage = False  # once per outage, not once per caller that waited it out
+                    log.info("etcd at %s answers again (%s after %d retries)", self.endpoint, what, retried)
                 if len(self._verified) < len(self.config.endpoints):
                     label = getattr(self.raw, "_current_ep_label", None)
                     if label is not None:
@@ -518,7 +527,8 @@ class EtcdClient:
                         f"etcd at {self.endpoint} unreachable for {self.retry_deadline:.0f}s during {what}: "
                         f"{type(exc).__name__}: {exc}" + (f" ({details})" if details else "")
                     ) from exc
-                log.debug("etcd %s failed (%s); retrying in %.2fs", what, exc, delay)
+                retried += 1
+                self._retrying(what, exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
             except etcd_exc.WatchTimedOut as exc:
@@ -527,8 +537,23 @@ class EtcdClient:
                 if time.monotonic() + delay + self.op_timeout > deadline:
                     raise CatalogUnavailable(f"etcd at {self.endpoint}: watch for {what} not created within "
                                              f"{self.retry_deadline:.0f}s: {exc!r}") from exc
+                retried += 1
+                self._retrying(what, exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    def _retrying(self, what: str, exc: BaseException, delay: float) -> None:
+        """Count a retry; an outage is logged at WARNING at most every ``_RETRY_LOG_EVERY`` seconds
+        per client (each retry at DEBUG), so a long one does not flood the log."""
+        self.retries += 1
+        self._outage = True
+        now = time.monotonic()
+        if now - self._retry_logged >= _RETRY_LOG_EVERY:
+            self._retry_logged = now
+            log.warning("etcd at %s did not answer %s (%s: %s); retrying with backoff for up to %.0fs",
+                        self.endpoint, what, type(exc).__name__, exc, self.retry_deadline)
+        else:
+            log.debug("etcd %s failed (%s); retrying in %.2fs", what, exc, delay)
 
     def txn(self, what: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None
             ) -> tuple[bool, list[Any]]:

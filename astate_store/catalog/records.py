@@ -10,6 +10,7 @@ import hashlib
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterator, Any, Callable, Iterable, Mapping, Sequence
@@ -72,15 +73,18 @@ def numbered_records(kvs: Iterable[tuple[bytes, Any]], pre: str, kind: str, skip
 
 class Skips:
     """The bad records one catalog role skipped: every skip is counted; each (key, revision) is
-    logged once, so a hostile or broken record that stays in etcd does not flood the log."""
+    logged once, and at most ``_BURST`` lines per ``_WINDOW`` seconds (the rest are summed up in
+    the next line), so a hostile or broken record — or a flood of them — does not flood the log."""
 
     _REMEMBER = 4096  # (key, revision) pairs remembered for logging once; older ones are forgotten
+    _WINDOW, _BURST = 60.0, 10
 
     def __init__(self, namespace: str, what: str):
         self.namespace, self.what = namespace, what  # what: the records, as in "skipping <what> record"
         self.count = 0
         self._logged: OrderedDict[tuple[str, int | None], None] = OrderedDict()
         self._lock = threading.Lock()
+        self._window_start, self._lines, self._unlogged = -1e9, 0, 0
 
     def __call__(self, key: str, why: str, revision: int | None = None) -> None:
         with self._lock:
@@ -90,8 +94,15 @@ class Skips:
                 self._logged[(key, revision)] = None
                 while len(self._logged) > self._REMEMBER:
                     self._logged.popitem(last=False)
+                now = time.monotonic()
+                if now - self._window_start >= self._WINDOW:
+                    self._window_start, self._lines = now, 0
+                first = self._lines < self._BURST
+                self._lines += first
+                unlogged, self._unlogged = (self._unlogged, 0) if first else (0, self._unlogged + 1)
         if first:
-            log.warning("namespace %s: skipping %s record %s: %s", self.namespace, self.what, key, why)
+            more = f" ({unlogged} more bad records not logged)" if unlogged else ""
+            log.warning("namespace %s: skipping %s record %s: %s%s", self.namespace, self.what, key, why, more)
 
 
 def counter_value(key: str, raw: bytes | None) -> int | None:

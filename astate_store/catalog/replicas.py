@@ -2,23 +2,35 @@
 
 A replica is an extra source of a committed step: its layout and its replica record both hang on
 the consumer's reader lease, so a dead re-server vanishes from every later plan by itself.
+
+Replica servers (``astate serve``, ``replica_server.py``) offer their copies in a group named
+``server-<server id>`` (:func:`server_group`), so a publisher can wait for K *servers* — not any
+re-serving consumer — to hold a step (:meth:`Replicas.wait_servers`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from pyetcd import transactions as tx
 
 from .. import codec
-from ..errors import VersionNotFound
+from ..errors import CodecError, ReplicationTimeout, VersionNotFound
 from ..layout import ShardRecord
 from .blobs import blob_requests
 from .client import EtcdClient, range_end
 from .readers import Readers, replica_source
 from .records import layout_record, manifest_record, pad20
 
-__all__ = ["Replicas"]
+__all__ = ["Replicas", "SERVER_GROUP", "server_group"]
+
+SERVER_GROUP = "server-"  # the group name prefix of replica servers' offers
+
+
+def server_group(server_id: str) -> str:
+    """The replica group a replica server offers its copies in (one server holds whole tensors)."""
+    return SERVER_GROUP + server_id
 
 
 class Replicas:
@@ -55,6 +67,48 @@ class Replicas:
         if not ok:
             raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed; cannot re-serve it")
         return lid
+
+    def servers_holding(self, step: int) -> tuple[set[str], int]:
+        """(replica server groups that offer ``step``, the revision read): one range read.
+        Records that fail their schema or do not match their key are not counted."""
+        c = self.client
+        pre = c.key("versions", pad20(step), "replicas") + "/"
+        kvs, rev = c.get_prefix_rev(pre)
+        held: set[str] = set()
+        for value, meta in kvs:
+            tail = meta.key.decode("utf-8", "replace")[len(pre):].split("/")
+            if len(tail) != 2 or not tail[0].startswith(SERVER_GROUP):
+                continue
+            try:
+                rec = codec.decode("replica", value)
+            except CodecError:
+                continue  # a bad record holds nothing (readers skip and count it)
+            if (rec["step"], rec["group"], rec["member"]) == (step, tail[0], tail[1]):
+                held.add(tail[0])
+        return held, rev
+
+    def wait_servers(self, step: int, count: int, *, timeout: float) -> int:
+        """Wait until ``count`` replica servers offer committed ``step``; returns how many do.
+        Watch-based: one read, then a watch on the step's replica records until enough appear.
+
+        Raises:
+            ReplicationTimeout: fewer than ``count`` within ``timeout`` seconds.
+        """
+        c = self.client
+        pre = c.key("versions", pad20(step), "replicas") + "/"
+        deadline = time.monotonic() + timeout
+        while True:
+            held, rev = self.servers_holding(step)
+            if len(held) >= count:
+                return len(held)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ReplicationTimeout(
+                    f"namespace {c.namespace!r}: step {step} is committed, but {len(held)} of the {count} replica "
+                    f"servers asked for (replicas={count}) held it within {timeout:g}s; start more "
+                    "`astate serve --etcd ...` processes (with room for this namespace: --memory-bytes, "
+                    "--namespace-prefix), or lower replicas / raise replica_timeout", step=step, held=len(held))
+            c.wait_change(pre, remaining, prefix=True, start_revision=rev + 1)
 
     def remove(self, step: int, group: str, member: str, layout_id: str, *, timeout: float) -> int:
         """Stop offering a replica before its memory changes: no new reader plans with it, and

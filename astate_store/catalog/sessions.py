@@ -181,6 +181,8 @@ class Sessions:
         """The error for a write whose :meth:`fence` failed, saying which of the two compares did."""
         s = self.require()
         now = self.epoch()
+        log.warning("namespace %s: rank %d of session epoch %d is fenced (%s rejected; epoch now %s)",
+                    self.client.namespace, s.rank, s.epoch, what, now)
         if now != s.epoch:
             return StaleSessionError(
                 f"namespace {self.client.namespace!r}: {what} rejected: session epoch {s.epoch} was fenced by "

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 from pyetcd import transactions as tx
 
 from .. import codec
-from ..errors import CatalogError, CodecError, StaleStepError, WaitTimeout
+from ..errors import CatalogCorrupted, CatalogError, CodecError, StaleStepError, VersionNotFound, WaitTimeout
 from ..layout import ShardRecord, check_step
 from .blobs import blob_from_kvs, blob_requests
 from .client import EtcdClient, background_thread, range_end
@@ -50,7 +50,7 @@ log = logging.getLogger("astate_store.catalog")
 # Blob range reads per transaction: a response stays well inside the client's receive limit.
 _BLOBS_PER_TXN = 16
 # Per-step key families that retention drops together with the version itself.
-_PER_STEP = ("versions", "readers", "retired", "torn", "delivered")
+_PER_STEP = ("versions", "readers", "retired", "torn", "delivered", "meta")
 # Manifests change only when a rank's shapes change: collecting them every few dropped steps is plenty.
 _GC_EVERY = 16
 # Up to this many other ranks the commit compares each piece key (one round trip); past it
@@ -62,7 +62,8 @@ _MAX_PIECE_COMPARES = 96
 class Versions:
     """Publishing and reading committed versions; keeps the newest ``retention`` of them."""
 
-    def __init__(self, client: EtcdClient, sessions: Sessions, retention: int):
+    def __init__(self, client: EtcdClient, sessions: Sessions, retention: int,
+                 runner: "Callable[[str, Callable[[], None]], Any] | None" = None):
         self.client, self.sessions, self.retention = client, sessions, retention
         # Layouts by the key they were read and verified at (layouts/<epoch>/<rank>/<id>, or
         # layouts/replicas/<member>/<id>): the id is the content's, epoch and rank (or the
@@ -75,7 +76,9 @@ class Versions:
         self._fits: dict[tuple[str, tuple[str, ...]], str] = {}
         self.skips = Skips(client.namespace, "bad")  # records that failed their schema or key checks
         self._latest = _LatestWatch(client, self.skips)
-        self._retention = _Background(f"astate-retention-{client.namespace}", self._apply_retention)
+        # ``runner`` (name, fn) -> an object with poke / wait_idle / close: a thread shared by many
+        # namespaces (sessions_hub.py); by default this namespace's own lazily started thread.
+        self._retention = (runner or _Background)(f"astate-retention-{client.namespace}", self._apply_retention)
         self._drops = 0
 
     @property
@@ -121,9 +124,10 @@ class Versions:
         self._write_blob("write manifest", self.client.key("manifests", mid), codec.encode("manifest", man), None)
         self._written_manifests.add(mid)
 
-    def put_piece(self, step: int, layout_id: str, base_offset: int = 0) -> bool:
-        """Write this rank's piece of ``step`` and, when this piece completes the set, commit it
-        in the same transaction; True if the version is committed.
+    def put_piece(self, step: int, layout_id: str, base_offset: int = 0, meta: bytes | None = None) -> bool:
+        """Write this rank's piece of ``step`` (and its ``meta``, the msgpack of ``put(meta=...)``)
+        and, when this piece completes the set, commit it in the same transaction; True if the
+        version is committed.
 
         Raises:
             CatalogError: ``step`` is not an int in [0, 1e19), or ``layout_id`` was not written here.
@@ -136,7 +140,7 @@ class Versions:
         if mid is None:
             raise CatalogError(f"layout {layout_id} was not written by this process (write_layout first)")
         for _attempt in range(2):
-            committed = self._piece_result(step, self._piece_txn(step, layout_id, mid, base_offset))
+            committed = self._piece_result(step, self._piece_txn(step, layout_id, mid, base_offset, meta))
             if committed is not None:
                 return committed
             # The manifest is gone (retention collected it while unused): write it again, once.
@@ -148,13 +152,18 @@ class Versions:
         shards = cached.records(0)
         self._ensure_manifest(mid, manifest_record(shards), force=True)
 
-    def _piece_txn(self, step: int, lid: str, mid: str, base: int) -> Any:
-        """One transaction: the piece, and the commit when every other rank's piece is there.
-        etcd serializes transactions, so the last rank's transaction sees all the pieces."""
+    def _piece_txn(self, step: int, lid: str, mid: str, base: int, meta: bytes | None) -> Any:
+        """One transaction: the piece (with its meta), and the commit when every other rank's
+        piece is there. etcd serializes transactions, so the last rank's transaction sees all
+        the pieces."""
         s, k = self.sessions.require(), self.client.key
         piece = codec.encode("piece", {"step": step, "epoch": s.epoch, "rank": s.rank, "world_size": s.world_size,
                                        "layout_id": lid, "base_offset": base, "manifest_id": mid})
         pkey = k("versions", pad20(step), "pieces", pad20(s.epoch), pad20(s.rank))
+        writes = [tx.Put(pkey, piece)]
+        if meta is not None:
+            writes.append(tx.Put(k("meta", pad20(step), pad20(s.epoch), pad20(s.rank)),
+                                 codec.encode("meta", {"step": step, "epoch": s.epoch, "rank": s.rank, "data": meta})))
         mine = [*self.sessions.fence(), tx.Version(k("manifests", mid)) > 0,
                 tx.Value(k("latest")) < codec.encode_counter(step + 1)]  # latest <= step (empty is smallest)
         probe = [tx.Get(k("epoch")), tx.Get(k("latest")), self.client.count_op(k("manifests", mid), prefix=False)]
@@ -165,13 +174,13 @@ class Versions:
                                              "committed_at": time.time()})
             return self.client.txn_raw(
                 f"piece of step {step}", [*mine, *others],
-                [tx.Put(pkey, piece), tx.Put(k("versions", pad20(step), "commit"), commit),
+                [*writes, tx.Put(k("versions", pad20(step), "commit"), commit),
                  tx.Put(k("commits", pad20(step)), b""), tx.Put(k("latest"), codec.encode_counter(step))],
-                [tx.Txn(mine, [tx.Put(pkey, piece)], []), *probe])
+                [tx.Txn(mine, writes, []), *probe])
         # The failure branch starts with a transaction that never succeeds: nothing was written.
         never = tx.Txn([tx.Version(k("epoch")) < 0], [], [])
         count = self.client.count_op(k("versions", pad20(step), "pieces", pad20(s.epoch)) + "/")
-        return self.client.txn_raw(f"piece of step {step}", mine, [tx.Put(pkey, piece), count], [never, *probe])
+        return self.client.txn_raw(f"piece of step {step}", mine, [*writes, count], [never, *probe])
 
     def _piece_result(self, step: int, resp: Any) -> bool | None:
         """Read a piece transaction's answer; None when the manifest must be written again."""
@@ -181,7 +190,8 @@ class Versions:
             self._committed(step)
             return True
         if resp.succeeded:  # the rank whose piece completes the set commits
-            return int(resp.responses[1].response_range.count) >= s.world_size and self._commit_counted(step)
+            n = int(resp.responses[-1].response_range.count)  # the count follows the writes
+            return n >= s.world_size and self._commit_counted(step)
         if resp.responses[0].response_txn.succeeded:
             return False  # piece written; other ranks' pieces are still missing
         epoch_kv, latest_kv = resp.responses[1].response_range.kvs, resp.responses[2].response_range.kvs
@@ -351,6 +361,59 @@ class Versions:
         """
         kvs, _ = self.client.get_prefix_rev(self.client.key("versions", pad20(step)) + "/")
         return version_from_kvs(self.client.namespace, step, kvs, self.skips)
+
+    def delete_step(self, step: int) -> None:
+        """Drop committed ``step`` now, as retention would (its pieces, commit, meta, readers and
+        markers, one transaction). The newest step stays: ``latest`` must keep naming a version.
+
+        Raises:
+            VersionNotFound: ``step`` is not committed (or already dropped).
+            CatalogError: ``step`` is the newest committed step.
+        """
+        c, step = self.client, check_step(step, CatalogError)
+        if step == self.latest():
+            raise CatalogError(f"namespace {c.namespace!r}: step {step} is the newest committed step and cannot be "
+                               "deleted alone (delete the whole namespace instead)")
+        commit = c.key("versions", pad20(step), "commit")
+        ok, _ = c.txn(f"delete step {step}", [tx.Version(commit) > 0],
+                      [tx.Delete(p, range_end(p)) for p in (c.key(f, pad20(step), "") for f in _PER_STEP)]
+                      + [tx.Delete(c.key("commits", pad20(step)))])
+        if not ok:
+            raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed")
+        log.info("namespace %s: deleted step %d", c.namespace, step)
+
+    def read_meta(self, step: int, rank: int) -> bytes | None:
+        """The meta bytes rank ``rank`` put with committed ``step`` (None: it gave none). Only the
+        committing epoch's record counts: a fenced session's leftover is not this version's.
+
+        Raises:
+            VersionNotFound: the step is not committed (or retention dropped it).
+            CatalogCorrupted: its commit or meta record is bad (skipped, counted and logged too).
+        """
+        c, step = self.client, check_step(step, CatalogError)
+        ckey = c.key("versions", pad20(step), "commit")
+        raw, _m = c.call("get commit", lambda: c.raw.get(ckey))
+        if raw is None:
+            raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed")
+        commit = self._checked(ckey, lambda: codec.decode("commit", raw))
+        mkey = c.key("meta", pad20(step), pad20(commit["epoch"]), pad20(rank))
+        value, _m = c.call("get meta", lambda: c.raw.get(mkey))
+        if value is None:
+            return None
+        rec = self._checked(mkey, lambda: codec.decode("meta", value))
+        if (rec["step"], rec["epoch"], rec["rank"]) != (step, commit["epoch"], rank):
+            self.skips(mkey, f"meta of step {rec['step']} epoch {rec['epoch']} rank {rec['rank']} under this key")
+            raise CatalogCorrupted(f"namespace {c.namespace!r}: meta record {mkey} names another version or rank",
+                                   key=mkey)
+        return bytes(rec["data"])
+
+    def _checked(self, key: str, decode: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        try:
+            return decode()
+        except CodecError as exc:
+            self._skip(key, exc)
+            raise CatalogCorrupted(f"namespace {self.client.namespace!r}: record {key} is corrupted: {exc}",
+                                   key=key) from None
 
     def _read_blobs(self, keys: Sequence[str]) -> dict[str, bytes | None]:
         """Blobs by key, ``_BLOBS_PER_TXN`` range reads per transaction; a bad one is None (skipped)."""

@@ -23,7 +23,8 @@ blocks it reads.
 
 Modules: ``format`` (names, manifest schema), ``storage`` (URIs, atomic writes, the crash-test hook),
 ``checksum``, ``writer`` (``write_part``), ``async_writer`` (``AsyncCheckpointer``), ``commit``
-(``try_commit``), ``index`` (what is committed), ``restore`` and ``reads`` (its read side).
+(``try_commit``), ``index`` (what is committed), ``restore`` and ``reads`` (its read side), ``verify``
+(every block checked without restoring).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from .async_writer import AsyncCheckpointer
 from .checksum import CHECKSUMS, DEFAULT_CHECKSUM
 from .commit import try_commit
 from .format import ALIGN, BLOCK_SIZE, COMMIT_NAME, FORMAT, MANIFEST_SCHEMA  # noqa: F401  (COMMIT_NAME: as before)
-from .index import CheckpointInfo, checkpoint_info, list_checkpoints, read_manifest
+from .index import CheckpointInfo, checkpoint_info, list_checkpoints, read_manifest, read_meta
 from .restore import restore
 from .storage import URI  # noqa: F401  (the uri type, importable as before)
+from .verify import VerifyResult, verify
 from .writer import PartInfo, local_shards, owned_shards, write_part
 
 __all__ = [
@@ -55,8 +57,11 @@ __all__ = [
     "try_commit",
     "list_checkpoints",
     "checkpoint_info",
+    "read_meta",
     "read_manifest",
     "restore",
+    "verify",
+    "VerifyResult",
 ]
 
 #: Crash-test hook: tests set this in a child process to pause or die at a named point

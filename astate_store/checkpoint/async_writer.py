@@ -15,6 +15,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..layout import ShardRecord, TensorLayout
+from ..progress import Progress, ProgressCounter
 from .checksum import check_block_size, checksum_algo
 from .commit import try_commit
 from .format import BLOCK_SIZE
@@ -60,13 +61,16 @@ class AsyncCheckpointer:
         self._closed = False
 
     def save(self, *args: Any, layouts: Optional[Mapping[str, TensorLayout]] = None,
-             attempt: Optional[str] = None) -> "Future[PartInfo]":
+             attempt: Optional[str] = None, progress: Optional[Progress] = None,
+             meta: Optional[bytes] = None) -> "Future[PartInfo]":
         """``save(step, shards)`` or ``save(uri, step, rank, world_size, shards)``: snapshot ``shards``
         now and write them as this rank's part of ``step`` in the background.
 
         Args:
             shards: as in :func:`write_part`; ``layouts``: as in :func:`write_part`.
             attempt: run tag for this part and its commit (default: the constructor's).
+            progress: called from the writer thread with (bytes written, bytes of this part).
+            meta: as in :func:`write_part`.
 
         Raises (synchronously):
             LayoutError: bad shards. CheckpointError: closed, or bad arguments.
@@ -96,8 +100,8 @@ class AsyncCheckpointer:
         buf = self._snapshot(items, offsets, total)
         snap = time.perf_counter() - t0
         target = PartTarget(loc, step, rank, world, self.attempt if attempt is None else str(attempt), self._algo,
-                            self.block_size, self.fsync)
-        fut = self._pool.submit(self._write, uri, target, items, offsets, total, buf, snap)
+                            self.block_size, self.fsync, meta)
+        fut = self._pool.submit(self._write, uri, target, items, offsets, total, buf, snap, progress)
         with self._lock:
             self._pending.append(fut)
         return fut
@@ -130,14 +134,17 @@ class AsyncCheckpointer:
         return torch.from_numpy(np.empty(size, dtype=np.uint8))
 
     def _write(self, uri: URI, target: PartTarget, items: Sequence[tuple[ShardRecord, torch.Tensor]],
-               offsets: Sequence[int], total: int, buf: torch.Tensor, snap: float) -> PartInfo:
+               offsets: Sequence[int], total: int, buf: torch.Tensor, snap: float,
+               progress: Optional[Progress] = None) -> PartInfo:
         t0 = time.perf_counter()
+        counter = ProgressCounter(progress, sum(r.nbytes for r, _ in items))
 
         def chunks_of(i: int) -> Iterator[np.ndarray]:
             a = offsets[i]
             b = a + items[i][0].nbytes
             for p in range(a, b, WRITE_CHUNK):
                 yield flat[p:min(b, p + WRITE_CHUNK)]
+                counter.add(min(b, p + WRITE_CHUNK) - p)
 
         try:
             flat = buf.numpy()
@@ -145,6 +152,7 @@ class AsyncCheckpointer:
         finally:
             with self._lock:
                 self._free.append(buf)  # reused by a later save, whatever happened
+        counter.finish()
         attempt = target.attempt
         committed = try_commit(uri, target.step, target.world_size, attempt=attempt if attempt else None,
                                fsync=self.fsync) if self.commit else None

@@ -66,7 +66,7 @@ def try_commit(uri: URI, step: int, world_size: int, *, attempt: Optional[str] =
         files = {m["file"]: int(m["file_bytes"]) for m in metas}
         _check_data_files(loc, step, files)
         table, layouts = _merge(tables, step)
-        _write_commit(loc, step, world_size, metas[0], files, table, layouts, fsync)
+        _write_commit(loc, step, world_size, metas, files, table, layouts, fsync)
         if cleanup:
             _cleanup(loc, sdir, set(files))
         return True
@@ -128,10 +128,11 @@ def _merge(tables: Sequence[pa.Table], step: int) -> tuple[pa.Table, Mapping[str
     return table, layouts
 
 
-def _write_commit(loc: Location, step: int, world_size: int, part_meta: Mapping[str, Any], files: Mapping[str, int],
-                  table: pa.Table, layouts: Mapping[str, TensorLayout], fsync: bool) -> None:
+def _write_commit(loc: Location, step: int, world_size: int, part_metas: Sequence[Mapping[str, Any]],
+                  files: Mapping[str, int], table: pa.Table, layouts: Mapping[str, TensorLayout], fsync: bool) -> None:
     """The merged manifest, then the ``COMMIT`` marker that names it: the step exists from here on."""
     sdir = loc.step_dir(step)
+    part_meta = part_metas[0]
     meta = {"format": FORMAT, "kind": "manifest", "step": step, "world_size": world_size,
             "checksum": part_meta["checksum"], "block_size": part_meta["block_size"]}
     data = parquet_bytes(table, meta)
@@ -154,6 +155,9 @@ def _write_commit(loc: Location, step: int, world_size: int, part_meta: Mapping[
         "block_size": meta["block_size"],
         "written_at": time.time(),
     }
+    user_meta = {str(m["rank"]): m["meta"] for m in part_metas if isinstance(m.get("meta"), str)}
+    if user_meta:
+        marker["meta"] = user_meta  # every rank's put(meta=...), base64 msgpack
     put_atomic(loc, posixpath.join(sdir, COMMIT_NAME), json.dumps(marker, sort_keys=True).encode(), fsync=fsync)
     if loc.local and fsync:
         fsync_path(loc.root, directory=True)  # the step directory's own entry

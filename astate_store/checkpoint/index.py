@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import posixpath
 import zlib
@@ -112,6 +113,25 @@ def checkpoint_info(uri: URI, step: Optional[int] = None) -> CheckpointInfo:
     return CheckpointInfo(step, loc.uri, int(m["world_size"]), int(m.get("bytes", 0)), int(m.get("tensors", 0)),
                           int(m.get("shards", 0)), dict(m["files"]), m["manifest"], m["checksum"],
                           int(m["block_size"]), float(m.get("written_at", 0.0)))
+
+
+def read_meta(uri: URI, step: Optional[int] = None, rank: int = 0) -> tuple[int, Optional[bytes]]:
+    """``(step, the msgpack bytes rank put with it)`` from a complete checkpoint (default: the
+    newest); None when that rank gave no meta.
+
+    Raises:
+        CheckpointNotFound: no complete checkpoint (of that step).
+        CheckpointCorrupted: a malformed commit marker or meta entry.
+    """
+    loc = resolve(uri)
+    step, m = load_marker(loc, step)
+    entry = (m.get("meta") or {}).get(str(rank))
+    if entry is None:
+        return step, None
+    try:
+        return step, base64.b64decode(entry, validate=True)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointCorrupted(f"step {step}: the commit marker's meta of rank {rank} is not base64: {exc}") from None
 
 
 def load_manifest(loc: Location, step: int, marker: dict[str, Any]) -> pa.Table:

@@ -8,7 +8,7 @@ import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -122,6 +122,7 @@ class ReadContext:
     algo: Checksum
     block: int
     verify: bool
+    done: Optional[Callable[[int], None]] = None  #: told the source bytes of each finished item (progress)
 
 
 def progressions(reads: np.ndarray) -> list[CopyItem]:
@@ -287,6 +288,8 @@ def run_item(ctx: ReadContext, it: CopyItem) -> None:
         d_view = dst_t.as_strided((it.n, elems), (it.ddelta // disz, 1), doff)
     with torch.no_grad():
         d_view.copy_(s_view)
+    if ctx.done is not None:
+        ctx.done(it.n * it.length)
 
 
 def run_items(ctx: ReadContext, items: list[CopyItem], threads: int) -> None:

@@ -17,6 +17,7 @@ import torch
 from ..errors import CheckpointCorrupted, LayoutError, PlanError
 from ..layout import Entry, TensorLayout, TensorLike, check_fit, group_layouts, validate_tensors
 from ..plan import plan_consumer
+from ..progress import Progress, ProgressCounter
 from .checksum import CHECKSUMS, Checksum, Crc32
 from .format import manifest_records
 from .index import load_manifest, load_marker
@@ -31,7 +32,7 @@ ITEM_BYTES = 32 << 20
 
 
 def restore(uri: URI, buffers: Mapping[str, TensorLike], *, step: Optional[int] = None, verify: bool = True,
-            threads: Optional[int] = None) -> int:
+            threads: Optional[int] = None, progress: Optional[Progress] = None) -> int:
     """Fill preallocated buffers, in place, from the newest complete checkpoint under ``uri`` (or ``step``).
 
     Buffers may have any layout (resharding): each reads only the byte ranges of its box, from
@@ -48,6 +49,8 @@ def restore(uri: URI, buffers: Mapping[str, TensorLike], *, step: Optional[int] 
             whole 4 MiB block it touches; a corrupted block raises before its bytes are copied, but
             blocks read before it may already be in the buffers.
         threads: worker threads (default: up to 4, at most the CPU count).
+        progress: called with (bytes copied, bytes to copy), from the worker threads
+            (:mod:`astate_store.progress`).
 
     Returns:
         The restored step.
@@ -74,9 +77,11 @@ def restore(uri: URI, buffers: Mapping[str, TensorLike], *, step: Optional[int] 
     sums = _index_shards(table, files, used, step, int(marker["block_size"]))
     order = np.lexsort((reads["src_offset"], reads["src_rank"]))
     items = split_items(progressions(reads[order]), ITEM_BYTES)
+    counter = ProgressCounter(progress, sum(it.n * it.length for it in items))
     ctx = ReadContext(step, files, [e.tensor.detach() for e in entries], sums, _verifier(marker, step, verify),
-                      int(marker["block_size"]), verify)
+                      int(marker["block_size"]), verify, counter.add)
     _copy(ctx, loc, items, used, threads or max(1, min(4, os.cpu_count() or 1)))
+    counter.finish()
     return step
 
 

@@ -4,6 +4,7 @@ the part manifest (``write_part``; ``AsyncCheckpointer`` shares everything after
 
 from __future__ import annotations
 
+import base64
 import posixpath
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,8 +16,9 @@ import pyarrow as pa
 import torch
 
 from ..errors import CheckpointError, LayoutError
+from ..progress import Progress, ProgressCounter
 from ..layout import DTYPES, ShardRecord, TensorLayout, TensorLike, check_step, contiguous_strides, dtype_name, \
-    validate_name, validate_tensors
+    validate_name, validate_tensors, with_aliases
 from .checksum import BlockSums, Checksum, check_block_size, checksum_algo
 from .format import BLOCK_SIZE, FORMAT, align_up, data_file_name, manifest_table, parquet_bytes, part_name
 from .index import is_committed
@@ -60,6 +62,7 @@ class PartTarget:
     algo: Checksum
     block_size: int
     fsync: bool
+    meta: Optional[bytes] = None  # the rank's put(meta=...) of the step: kept in its part manifest
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,8 +77,9 @@ def local_shards(tensors: Mapping[str, TensorLike], rank: int = 0) -> list[tuple
     """
     if isinstance(tensors, Mapping) and not tensors:
         return []  # a rank may hold nothing; validate_tensors refuses an empty mapping
-    return [(e.record(rank, strides=contiguous_strides(e.box.sizes)), e.tensor)
-            for e in validate_tensors(tensors, "local_shards(tensors)")]
+    # tied weights (one tensor under several names) are written under each name
+    return [(r, e.tensor) for e in validate_tensors(tensors, "local_shards(tensors)")
+            for r in with_aliases([e], [e.record(rank, strides=contiguous_strides(e.box.sizes))])]
 
 
 def owned_shards(shards: Pairs, layouts: Mapping[str, TensorLayout],
@@ -251,6 +255,8 @@ def _write_part_manifest(target: PartTarget, fname: str, file_bytes: int, recs: 
     meta = {"format": FORMAT, "kind": "part", "step": t.step, "rank": t.rank, "world_size": t.world_size,
             "attempt": str(t.attempt), "file": fname, "file_bytes": file_bytes, "checksum": t.algo.name,
             "block_size": t.block_size}
+    if t.meta is not None:
+        meta["meta"] = base64.b64encode(t.meta).decode("ascii")
     pname = part_name(t.rank)
     # The directory entries of the data file and the part are flushed by the committer (one fsync of
     # the step directory before COMMIT covers every rank's names).
@@ -285,7 +291,8 @@ def write_part_files(target: PartTarget, recs: Sequence[ShardRecord], offsets: S
 
 def write_part(uri: URI, step: int, rank: int, world_size: int, shards: Pairs, *,
                layouts: Optional[Mapping[str, TensorLayout]] = None, attempt: str = "",
-               checksum: Optional[str] = None, block_size: int = BLOCK_SIZE, fsync: bool = True) -> PartInfo:
+               checksum: Optional[str] = None, block_size: int = BLOCK_SIZE, fsync: bool = True,
+               progress: Optional[Progress] = None, meta: Optional[bytes] = None) -> PartInfo:
     """Write publisher rank ``rank``'s shards of version ``step`` (one data file + its part manifest).
 
     Args:
@@ -304,6 +311,10 @@ def write_part(uri: URI, step: int, rank: int, world_size: int, shards: Pairs, *
         block_size: checksum block in bytes (a multiple of 4096).
         fsync: flush the data file and part manifest to stable storage (local filesystems) before
             they are renamed into place; False still survives a process crash, not a machine crash.
+        progress: called with (bytes written, bytes of this part) as the data file is written
+            (:mod:`astate_store.progress`).
+        meta: this rank's small non-tensor state of the step (msgpack bytes, see
+            ``astate_store.usermeta``); the commit marker keeps every rank's (:func:`read_meta`).
 
     Returns:
         PartInfo of the written part. Other ranks' parts and :func:`try_commit` complete the step.
@@ -320,8 +331,10 @@ def write_part(uri: URI, step: int, rank: int, world_size: int, shards: Pairs, *
     items = validate_shards(shards)
     if layouts is not None:
         items = owned_shards(items, layouts, rank)
-    target = PartTarget(resolve(uri), step, rank, world_size, attempt, algo, block_size, fsync)
+    target = PartTarget(resolve(uri), step, rank, world_size, attempt, algo, block_size, fsync, meta)
     offsets, file_bytes = file_layout(items)
+    counter = ProgressCounter(progress, sum(r.nbytes for r, _ in items))
     info = write_part_files(target, [r for r, _ in items], offsets, file_bytes,
-                            lambda i: tensor_chunks(items[i][1], WRITE_CHUNK))
+                            lambda i: counter.chunks(tensor_chunks(items[i][1], WRITE_CHUNK), len))
+    counter.finish()
     return replace(info, seconds=time.perf_counter() - t0)

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -249,13 +249,15 @@ class UcxTransport(Transport):
         """pidfds held for peers on the same-host path."""
         return self._same_host.pidfds
 
-    def descriptor(self) -> dict[str, Any]:
+    def descriptor(self, regions: Sequence[RegionInfo] | None = None) -> dict[str, Any]:
+        """``regions``: publish these instead of every registration (a view that shares this
+        worker with other namespaces publishes only its own; sessions_hub.py)."""
         with self._lock:
             self._check_open()
             return PeerDescriptor(
                 kind=self.kind,
                 worker_address=self._worker.address,
-                regions=self._regions.infos(),
+                regions=self._regions.infos() if regions is None else tuple(regions),
                 host=self._me.host,
                 node=self._me.node,
                 pid=self._me.pid,

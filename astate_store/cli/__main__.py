@@ -1,0 +1,5 @@
+"""``python -m astate_store.cli``: the ``astate`` console script."""
+
+from . import main
+
+main()
