@@ -9,6 +9,7 @@ from .errors import __all__ as _errors_all
 from .layout import Shard
 from .metrics import PullStats, Stats
 from .store import Store, connect
+from .sessions_hub import SessionHub, connect_many
 
 __version__ = "0.1.0"
-__all__ = ["connect", "Store", "Shard", "Stats", "PullStats", *_errors_all]
+__all__ = ["connect", "connect_many", "SessionHub", "Store", "Shard", "Stats", "PullStats", *_errors_all]

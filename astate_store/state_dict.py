@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import sys
 from collections.abc import Mapping
 from typing import Any, Iterator, Literal, Sequence
 
@@ -42,18 +43,18 @@ Value = Any  # torch.Tensor | Shard | list[Shard]
 
 
 def _dtensor_type() -> type | None:
-    """``torch.distributed.tensor.DTensor``, or None where torch.distributed is not built."""
+    """``torch.distributed.tensor.DTensor`` once that module is loaded, else None: no DTensor can
+    exist before it is imported, and importing it here would cost every process seconds (it pulls
+    in sympy) whether it uses DTensors or not."""
     global _DTENSOR
-    if _DTENSOR is False:
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # a torch without distributed: no DTensor can reach us
-            DTensor = None  # type: ignore[assignment,misc]
-        _DTENSOR = DTensor
-    return _DTENSOR  # type: ignore[return-value]
+    if _DTENSOR is None:
+        mod = sys.modules.get("torch.distributed.tensor")
+        _DTENSOR = getattr(mod, "DTensor", None)
+    return _DTENSOR
 
 
-_DTENSOR: Any = False
+_DTENSOR: Any = None
+
 
 
 # ---- flattening (DCP's naming) -----------------------------------------------------------------

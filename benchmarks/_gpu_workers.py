@@ -78,7 +78,8 @@ def _pull_case(endpoint: str, src_device: str, dst_device: str, n: int, numel: i
                 store.get_into(bufs, step=2, timeout=300)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            bad = [name for i, (name, b) in enumerate(bufs.items()) if not torch.equal(b, _values(i, numel, dst_device))]
+            bad = [name for i, (name, b) in enumerate(bufs.items())
+                   if not torch.equal(b, _values(i, numel, dst_device))]
             peers = [store.transport.endpoint_info(x)[:300] for x in store.transport.peers]
         steady = times[1:]
         med = statistics.median(steady)
@@ -110,9 +111,7 @@ def _copy_refs(nbytes: int, dev: str) -> dict[str, float]:
 
     out = {"h2d_copy_gbps": best(lambda: dst_d.copy_(src_h, non_blocking=True)),
            "d2d_copy_gbps": best(lambda: dst_d.copy_(src_d))}
-    del src_h, dst_d, src_d
-    torch.cuda.empty_cache()
-    return out
+    return out  # the buffers go with this frame (main empties the cache after)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"bytes": nbytes, "tensors": args.tensors, "devices": ndev,
                            "device_name": torch.cuda.get_device_name(0), "torch": torch.__version__}
     out.update(_copy_refs(nbytes, dst))
+    torch.cuda.empty_cache()
     res: dict[str, Any] = {}
     with EmbeddedEtcd() as etcd:
         for case in cases:

@@ -34,7 +34,7 @@ done
 json_str() { "$PY" -c 'import json,sys; print(json.dumps(sys.stdin.read()))'; }
 
 [ -x "$PY" ] || { echo "{\"ok\": false, \"error\": \"no python at $PY (run make test once, or set PYTHON)\"}"; exit 2; }
-CUDA="$("$PY" -c 'import torch; print(int(torch.cuda.is_available()), torch.cuda.device_count(), torch.version.cuda)' 2>&1)" \
+CUDA="$("$PY" -c 'import torch; c = torch.cuda; print(int(c.is_available()), c.device_count(), torch.version.cuda)' 2>&1)" \
   || { echo "{\"ok\": false, \"error\": $(printf '%s' "$CUDA" | tail -1 | json_str)}"; exit 2; }
 read -r HAVE NDEV CUDAVER <<<"$CUDA"
 if [ "$HAVE" != "1" ]; then
@@ -70,7 +70,8 @@ rm -f "$BLOG"
 
 OK=false
 [ "$TESTS_RC" = 0 -o "$TESTS_RC" = skipped ] && [ "$BENCH_RC" = 0 ] && OK=true
-echo "{\"ok\": $OK, \"devices\": $NDEV, \"cuda\": \"$CUDAVER\", \"tests_rc\": \"$TESTS_RC\", \"tests_seconds\": $TESTS_S," \
+echo "{\"ok\": $OK, \"devices\": $NDEV, \"cuda\": \"$CUDAVER\", \"tests_rc\": \"$TESTS_RC\"," \
+     "\"tests_seconds\": $TESTS_S," \
      "\"tests_tail\": $TESTS_TAIL, \"bench_rc\": $BENCH_RC, \"bench_seconds\": $BENCH_S, \"bench\": $BENCH," \
      "\"bench_stderr_tail\": $BENCH_ERR, \"total_seconds\": $(( $(date +%s) - START ))}"
 [ "$OK" = true ]

@@ -8,8 +8,12 @@ exactly those ranges into one preallocated flat buffer:
 
 * ``ours``: astate-store ``put`` (snapshot) on the trainers, ``get_into`` on the rollout;
 * ``nixl``: NIXL agents (UCX backend, DRAM), one prepared READ per trainer rank with the plan's
-  descriptors, ``enable_prog_thread=False`` on the rollout (its busy-polling thread costs on few
-  cores; the trainers keep theirs over tcp, where UCX emulates reads and the target must progress);
+  descriptors (prepared once, posted each run), ``enable_prog_thread=False`` on the rollout (its
+  busy-polling thread costs on few cores). A trainer agent must still be progressed (without it
+  the first READ never completes): over shm its main thread polls ``get_new_notifs`` (sleeping
+  ``$PEERS_NIXL_POLL_S`` between polls, default 1 ms: 2x faster here than spinning, which takes
+  the rollout's cores), over tcp it keeps NIXL's progress thread (reads are served by the target);
+  tcp runs use our tcp mode's UCX settings (``UCX_TLS=tcp,self``, 1 MiB segments);
 * ``mooncake``: Mooncake Transfer Engine (tcp, ``P2PHANDSHAKE``), ``batch_transfer_sync_read`` in
   batches of <= 1024, one thread per trainer rank;
 * ``memcpy``: torch ``copy_`` of the same number of bytes in one process (best of a few);
@@ -63,6 +67,7 @@ CUDA_ONLY = {
     "checkpoint_engine": "checkpoint-engine 0.4.2 installs on CPU torch but its ParameterServer accepts only "
                          "CUDA/NPU devices",
 }
+SYSTEMS = ("ours", "nixl", "mooncake", "memcpy", "gloo")
 IMPORTS = {"nixl": "nixl_cu12", "mooncake": "mooncake.engine"}
 INSTALL_HINT = {"nixl": "pip install nixl-cu12 (torch pinned first), or pip install -e .[peers]",
                 "mooncake": "pip install mooncake-transfer-engine-non-cuda and apt-get install libibverbs1"}
@@ -272,7 +277,7 @@ def configs(args: argparse.Namespace, hosts: Hosts, endpoint: str | None) -> Ite
     # the same UCX settings our tcp mode uses (1 MiB segments: ~4x the default here)
     ucx_tcp = {"UCX_TLS": "tcp,self", "UCX_TCP_TX_SEG_SIZE": "1M", "UCX_TCP_RX_SEG_SIZE": "1M"}
     yield "nixl", dict(base, prog_thread=False, pub_prog_thread=tcp, env=ucx_tcp if tcp else {},
-                       pub_poll_s=float(os.environ.get("PEERS_NIXL_POLL_S", "0")))
+                       pub_poll_s=float(os.environ.get("PEERS_NIXL_POLL_S", "0.001")))
     yield "mooncake", dict(base, host=hosts.a_addr, con_host=hosts.b_addr)
 
 
@@ -288,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gib <= 0 or args.iters < 1:
         ap.error("--gib must be > 0 and --iters >= 1")
     only = {s.strip() for s in args.only.split(",") if s.strip()}
+    if not only or only - set(SYSTEMS):
+        ap.error(f"--only takes a comma list of {','.join(SYSTEMS)}; got {args.only!r}")
     t_start = time.perf_counter()
     work = P.build_work(args.gib)
     out: dict[str, Any] = {
@@ -330,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             systems["gloo"] = run_gloo(out["bytes"], max(3, args.iters), hosts)
     finally:
         hosts.__exit__()
-    for name in ("ours", "nixl", "mooncake", "memcpy", "gloo"):
+    for name in SYSTEMS:
         s = systems.get(name)
         ok = isinstance(s, dict) and "gbps" in s and s.get("verified", True)
         out[f"{name}_gbps"] = s["gbps"] if ok else None

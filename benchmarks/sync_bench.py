@@ -31,7 +31,8 @@ verified (checksums), store_stats.
 
 Keys: bytes, sync_gbps (min of tp1 and column_split), memcpy_gbps, gloo_gbps, ratio_memcpy,
 ratio_gloo, put_gbps / ratio_put_memcpy (tp1 case's steady snapshot put: both trainer ranks' bytes over the
-slower rank's put time, as the ranks share the host), ratio_many_tensors, ratio_column_vs_row, ratio_convert, cases{...}, targets{...}.
+slower rank's put time, as the ranks share the host), ratio_many_tensors, ratio_column_vs_row, ratio_convert,
+cases{...}, targets{...}.
 A case that fails records {"error": "..."} instead of stopping the run. SYNC_BENCH_VERBOSE=1 logs progress
 to stderr; --profile-dir DIR cProfiles one extra steady-state get_into per case (DIR/<case>.prof).
 """
