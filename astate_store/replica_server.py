@@ -6,9 +6,10 @@ A server is an ordinary consumer that re-serves what it pulled:
 - **Discovery**: one scan of the namespaces under ``/astate/<prefix>`` and their ``latest``
   counters, then one watch on that key range (only ``<namespace>/latest`` events are acted on);
   a full rescan every ``rescan_seconds``, and at once when the watch stream ends.
-- **Pull**: per namespace a :class:`~astate_store.store.Store` (its own catalog and transport)
-  whose consumer fills buffers the server allocated — the normal ``get_into`` data path, with
-  its reader protocol (never bytes of two steps).
+- **Pull**: per namespace a :class:`~astate_store.store.Store` from the server's ``SessionHub``
+  (one etcd connection, lease and UCX worker for all namespaces), whose consumer fills buffers
+  the server allocated — the normal ``get_into`` data path, with its reader protocol (never
+  bytes of two steps).
 - **Serve**: those buffers are offered as a replica of the step in the group
   ``server-<server id>`` (``catalog.replicas.server_group``), on the server's lease: readers and
   ``recover()`` plan with it like any re-serving consumer, and ``connect(..., replicas=K)`` waits
@@ -58,6 +59,7 @@ from .layout import torch_dtype
 from .registry import Registry
 from .serving import Serving
 from .store import Store
+from .sessions_hub import SessionHub
 
 __all__ = ["ReplicaServer", "main", "parse_bytes"]
 
@@ -144,6 +146,9 @@ class ReplicaServer:
         self.group = server_group(self.server_id)
         self._client = EtcdClient(self.config, "_replica-server", lease_ttl=lease_ttl, op_timeout=5.0,
                                   retry_deadline=15.0)
+        # The namespaces' stores share one etcd connection, lease and UCX worker (sessions_hub.py):
+        # a server holds thousands of small namespaces without a worker and threads for each.
+        self._hub = SessionHub(etcd=self.config, lease_ttl=lease_ttl, transport=transport)
         self._cond = threading.Condition()
         self._dirty = False
         self._watch: Any = None
@@ -201,6 +206,7 @@ class ReplicaServer:
         for ns in list(self._ns.values()):
             self._evict(ns, "the server stops")
         self._client.close()
+        self._hub.close()
         log.info("replica server %s: stopped", self.server_id)
 
     # ---- discovery -----------------------------------------------------------------------
@@ -335,8 +341,8 @@ class ReplicaServer:
         if ns.store is None:
             # No pre-pack requests: the server reads whole tensors, and must not make publishers
             # build copies for it; a pull is bounded by pull_timeout (one hung peer stalls the loop).
-            ns.store = Store(ns.name, etcd=self.config, transport=self.transport, lease_ttl=self.lease_ttl,
-                             retire_timeout=self.retire_timeout, read_timeout=self.pull_timeout, prepack=False)
+            ns.store = self._hub.open(ns.name, retire_timeout=self.retire_timeout, read_timeout=self.pull_timeout,
+                                      prepack=False)
         return ns.store
 
     def _slot_for(self, ns: _Namespace, info: dict[str, KeyInfo], step: int) -> _Slot | None:

@@ -88,6 +88,8 @@ class _NamespaceClient(EtcdClient):
         return self._conn.reader_lease()
 
     def revoke(self, lease_id: int) -> None:
+        if self._hub._closing:
+            return  # the hub revokes its leases next: every record on them goes at once
         if lease_id in self._hub._shared_leases():
             self._drop_records({lease_id})
         else:
@@ -97,7 +99,7 @@ class _NamespaceClient(EtcdClient):
         if self._closed:
             return
         self._closed = True
-        if revoke:
+        if revoke and not self._hub._closing:  # a closing hub revokes the leases themselves
             self._drop_records(self._hub._shared_leases())
         self._hub._forget(self)
 
@@ -412,6 +414,7 @@ class SessionHub:
         self._stores: dict[str, Any] = {}
         self._views: set[_NamespaceClient] = set()
         self._closed = False
+        self._closing = False  # set by close(): the stores' records go with the leases
 
     # ---- shared parts ---------------------------------------------------------------------
 
@@ -509,8 +512,13 @@ class SessionHub:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = self._closing = True
             stores = [s for s in self._stores.values() if s is not None]
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            # First, as each store's close would revoke its own: every session's members and
+            # layouts vanish in one revision, so no new reader plans on memory about to be freed.
+            self.client.revoke(lease)
         for s in stores:
             try:
                 s.close()

@@ -47,6 +47,12 @@ def session_state(i: int, step: int) -> tuple[dict[str, torch.Tensor], dict[str,
     return {"context": ctx, "position": pos}, {"turn": step, "session": i}
 
 
+def session_name(prefix: str, i: int, recover: int) -> str:
+    """Sessions read back after the kill are ``<prefix>r<i>``, the others ``<prefix>n<i>``: the
+    replica server serves the prefix ``<prefix>r``."""
+    return f"{prefix}{'r' if i < recover else 'n'}{i:05d}"
+
+
 def _percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -56,7 +62,7 @@ def writer(args: argparse.Namespace) -> None:
     """Open the sessions, put the steps, report one JSON line on stdout, then wait to be killed."""
     hub = SessionHub(etcd=args.etcd, lease_ttl=args.lease_ttl)
     t0 = time.perf_counter()
-    stores = [hub.open(f"{args.prefix}{i:05d}") for i in range(args.sessions)]
+    stores = [hub.open(session_name(args.prefix, i, args.recover_sessions)) for i in range(args.sessions)]
     open_s = time.perf_counter() - t0
     lat: list[float] = []
     lock = threading.Lock()
@@ -72,8 +78,12 @@ def writer(args: argparse.Namespace) -> None:
                 lat.append(dt)
 
     t1 = time.perf_counter()
-    with ThreadPoolExecutor(args.threads) as pool:
-        list(pool.map(agent, range(args.sessions)))
+    if args.threads <= 1:
+        for i in range(args.sessions):
+            agent(i)
+    else:
+        with ThreadPoolExecutor(args.threads) as pool:
+            list(pool.map(agent, range(args.sessions)))
     puts_s = time.perf_counter() - t1
     rpcs = sum(s.stats.etcd_rpcs for s in stores)
     print(json.dumps({"open_seconds": round(open_s, 3), "puts_seconds": round(puts_s, 3),
@@ -89,35 +99,47 @@ def writer(args: argparse.Namespace) -> None:
 def reader(args: argparse.Namespace) -> None:
     """Get every one of the first ``recover_sessions`` sessions; one JSON line: how many were right."""
     hub = SessionHub(etcd=args.etcd, read_timeout=args.read_timeout)
-    ok, bad = 0, []
-    for i in range(args.recover_sessions):
-        s = hub.open(f"{args.prefix}{i:05d}")
-        step, got = s.get(timeout=args.read_timeout)
-        want, meta = session_state(i, args.steps)
-        if step == args.steps and all(torch.equal(got[k], v) for k, v in want.items()) and s.meta(step) == meta:
-            ok += 1
-        else:
-            bad.append(i)
-        s.close()
+
+    def restore(i: int) -> bool:
+        # a resuming agent: its session's newest state, whole, checked against what was put
+        s = hub.open(session_name(args.prefix, i, args.recover_sessions))
+        try:
+            step, got = s.get(timeout=args.read_timeout)
+            want, meta = session_state(i, args.steps)
+            return step == args.steps and all(torch.equal(got[k], v) for k, v in want.items()) \
+                and s.meta(step) == meta
+        finally:
+            s.close()
+
+    with ThreadPoolExecutor(max(1, args.threads)) as pool:
+        good = list(pool.map(restore, range(args.recover_sessions)))
     hub.close()
-    print(json.dumps({"ok": ok, "bad": bad[:10]}), flush=True)
+    print(json.dumps({"ok": sum(good), "bad": [i for i, g in enumerate(good) if not g][:10]}), flush=True)
 
 
-def _server_holds(client: Any, prefix: str, n: int, step: int) -> int:
-    """How many of the first ``n`` namespaces have a replica-server offer of ``step``."""
+def _server_holds(client: Any, prefix: str, step: int) -> int:
+    """How many of the namespaces read back (``<prefix>r*``) have a replica-server offer of ``step``."""
     from astate_store.catalog.records import pad20
     from astate_store.catalog.replicas import SERVER_GROUP  # the replica servers' group name prefix
 
     want = f"/versions/{pad20(step)}/replicas/{SERVER_GROUP}"
-    resp = client.call("list", lambda: client.raw.get_prefix_response(f"/astate/{prefix}", keys_only=True))
+    resp = client.call("list", lambda: client.raw.get_prefix_response(f"/astate/{prefix}r", keys_only=True))
     held = set()
     for kv in resp.kvs:
         k = kv.key.decode()
         if want in k:
-            ns = k[len("/astate/"):].split("/", 1)[0]
-            if int(ns[len(prefix):]) < n:
-                held.add(ns)
+            held.add(k[len("/astate/"):].split("/", 1)[0])
     return len(held)
+
+
+def _server_env(args: argparse.Namespace) -> dict[str, str]:
+    """The server's environment. ``--server-direct off`` (default): no same-host pidfd fast path
+    in the server. It holds a pidfd per connected peer, one per namespace, and past 1024 open fds
+    the liveness check in transport/same_host.py (``select.select``) raises ValueError."""
+    env = dict(os.environ)
+    if args.server_direct == "off":
+        env["ASTATE_SHM_DIRECT"] = "0"
+    return env
 
 
 def _spawn(role: str, args: argparse.Namespace, extra: list[str]) -> subprocess.Popen[str]:
@@ -153,6 +175,8 @@ def main() -> None:
     ap.add_argument("--read-timeout", type=float, default=30.0)
     ap.add_argument("--hold-timeout", type=float, default=300.0, help="seconds to wait for the server")
     ap.add_argument("--memory-bytes", default="2G", help="the replica server's budget")
+    ap.add_argument("--server-direct", default="off", choices=("on", "off"),
+                    help="the replica server's same-host fast path (see _server_env)")
     ap.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results")
     args = ap.parse_args()
     if args.recover_sessions is None:
@@ -171,8 +195,8 @@ def main() -> None:
     procs: list[subprocess.Popen[str]] = []
     try:
         server = subprocess.Popen([sys.executable, "-m", "astate_store.replica_server", "--etcd", args.etcd,
-                                   "--namespace-prefix", args.prefix, "--memory-bytes", args.memory_bytes,
-                                   "--lease-ttl", str(args.lease_ttl)])
+                                   "--namespace-prefix", args.prefix + "r", "--memory-bytes", args.memory_bytes,
+                                   "--lease-ttl", str(args.lease_ttl)], env=_server_env(args))
         procs.append(server)
         w = _spawn("writer", args, [])
         procs.append(w)
@@ -182,7 +206,7 @@ def main() -> None:
         client = EtcdClient(args.etcd, "_bench", lease_ttl=10, op_timeout=5, retry_deadline=15)
         held = 0
         while time.perf_counter() - t_done < args.hold_timeout:
-            held = _server_holds(client, args.prefix, args.recover_sessions, args.steps)
+            held = _server_holds(client, args.prefix, args.steps)
             if held >= args.recover_sessions:
                 break
             print(f"server holds {held}/{args.recover_sessions} ({time.perf_counter() - t_done:.0f}s)",
@@ -205,7 +229,8 @@ def main() -> None:
                "lease_shared": result["lease_shared"], "transport_shared": result["transport_shared"],
                "recover_sessions": args.recover_sessions, "server_held": held,
                "server_hold_seconds": round(hold_s, 3), "recover_seconds": round(recover_s, 3),
-               "recovered_ok": got["ok"], "recover_bad": got["bad"], "host_cpus": os.cpu_count()}
+               "recovered_ok": got["ok"], "recover_bad": got["bad"], "server_direct": args.server_direct,
+               "host_cpus": os.cpu_count()}
         line = json.dumps(out)
         print(line, flush=True)
         if not args.no_record:

@@ -161,7 +161,7 @@ class _Watcher(etcd_watch.Watcher):
 
 # ---- telling a TLS mismatch from an etcd that does not answer -----------------------------------
 
-_PROBE_TIMEOUT = 1.0
+_PROBE_TIMEOUT = 3.0  # a busy etcd (or host) can take over a second to answer the probe's request
 _PROBE_INTERVAL = 0.5  # at most one probe per endpoint per this many seconds
 # gRPC's words for a failed TLS handshake (what the probe cannot explain is trusted after a few tries)
 _HANDSHAKE_WORDS = ("handshake", "ssl", "tls", "certificate")
@@ -186,7 +186,7 @@ def _speaks_plain_http(host: str, port: int) -> bool:
 
 def _probe_tls(config: EtcdConfig, netloc: str) -> str | None:
     """Why this client's TLS settings cannot talk to the etcd at ``netloc``, when a direct probe
-    (one TCP connection, one TLS handshake, bounded by 1 s each) shows it; None when it cannot tell
+    (one TCP connection, one TLS handshake, bounded by 3 s each) shows it; None when it cannot tell
     (nothing listens, no answer in time, or the handshake works)."""
     host, port = _split_host(netloc)
     try:
