@@ -133,9 +133,8 @@ def _server_holds(client: Any, prefix: str, step: int) -> int:
 
 
 def _server_env(args: argparse.Namespace) -> dict[str, str]:
-    """The server's environment. ``--server-direct off`` (default): no same-host pidfd fast path
-    in the server. It holds a pidfd per connected peer, one per namespace, and past 1024 open fds
-    the liveness check in transport/same_host.py (``select.select``) raises ValueError."""
+    """The server's environment. ``--server-direct off``: no same-host pidfd fast path in the
+    server (it holds a pidfd per connected peer, one per namespace), to compare with the default."""
     env = dict(os.environ)
     if args.server_direct == "off":
         env["ASTATE_SHM_DIRECT"] = "0"
@@ -175,7 +174,7 @@ def main() -> None:
     ap.add_argument("--read-timeout", type=float, default=30.0)
     ap.add_argument("--hold-timeout", type=float, default=300.0, help="seconds to wait for the server")
     ap.add_argument("--memory-bytes", default="2G", help="the replica server's budget")
-    ap.add_argument("--server-direct", default="off", choices=("on", "off"),
+    ap.add_argument("--server-direct", default="on", choices=("on", "off"),
                     help="the replica server's same-host fast path (see _server_env)")
     ap.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results")
     args = ap.parse_args()
