@@ -12,7 +12,7 @@ process holding one small state per agent session that is thousands of each. A
     one lease              every session's ``session`` / ``members`` / ``layouts`` records (each
                            namespace still has its own epoch counter and fence) — and one more
                            for consumer records, created when a store first reads
-    one retention thread   ``_SharedRunner``: commits of every namespace poke one thread
+    one retention thread   ``catalog.background.Runner``: commits of every namespace poke one thread
     one UCX worker         ``NamespaceTransport``: a per-namespace view over one
                            :class:`UcxTransport`; its descriptor lists only its own
                            registrations, and its peer keys are qualified by the namespace
@@ -32,7 +32,8 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 import numpy as np
 
 from .catalog import Catalog
-from .catalog.client import EtcdClient, background_thread
+from .catalog.background import Runner
+from .catalog.client import EtcdClient
 from .catalog.config import EtcdConfig
 from .errors import CatalogError, TransportError
 from .etcd_server import shared_endpoint
@@ -125,84 +126,6 @@ class _NamespaceClient(EtcdClient):
 
 for _name in _CONNECTION_ATTRS:
     setattr(_NamespaceClient, _name, _shared(_name))
-
-
-# ---- one retention thread ------------------------------------------------------------------------
-
-class _Job:
-    """One namespace's retention on the shared thread: the interface ``Versions`` expects."""
-
-    def __init__(self, runner: "_SharedRunner", name: str, fn: Callable[[], None]):
-        self.runner, self.name, self.fn = runner, name, fn
-        self.pending = self.busy = self.closed = False
-
-    def poke(self) -> None:
-        self.runner.poke(self)
-
-    def wait_idle(self, timeout: float) -> bool:
-        with self.runner.cond:
-            return self.runner.cond.wait_for(lambda: self.closed or not (self.pending or self.busy), timeout)
-
-    def close(self) -> None:
-        with self.runner.cond:
-            self.closed = True
-            self.pending = False
-            self.runner.cond.wait_for(lambda: not self.busy, 5.0)  # a run in progress finishes first
-
-
-class _SharedRunner:
-    """A daemon thread that runs every namespace's retention after its commits (coalesced per
-    namespace, in the order they were poked), started at the first poke."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.cond = threading.Condition()
-        self._queue: list[_Job] = []
-        self._stopped = False
-        self._thread: threading.Thread | None = None
-
-    def job(self, name: str, fn: Callable[[], None]) -> _Job:
-        return _Job(self, name, fn)
-
-    def poke(self, job: _Job) -> None:
-        with self.cond:
-            if job.closed or self._stopped:
-                return
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
-            if not job.pending:
-                job.pending = True
-                self._queue.append(job)
-            self.cond.notify_all()
-
-    def _run(self) -> None:
-        background_thread()
-        while True:
-            with self.cond:
-                while not self._queue and not self._stopped:
-                    self.cond.wait()
-                if self._stopped:
-                    return
-                job = self._queue.pop(0)
-                if not job.pending:  # closed while queued
-                    continue
-                job.pending, job.busy = False, True
-            try:
-                job.fn()
-            except Exception as exc:  # retention is best effort: it runs again after the next commit
-                log.warning("%s failed: %s", job.name, exc)
-            finally:
-                with self.cond:
-                    job.busy = False
-                    self.cond.notify_all()
-
-    def close(self) -> None:
-        with self.cond:
-            self._stopped = True
-            self.cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
 
 
 # ---- one UCX worker ---------------------------------------------------------------------------------
@@ -407,7 +330,7 @@ class SessionHub:
         self.client = EtcdClient(self.config, "_hub", lease_ttl=lease_ttl, op_timeout=op_timeout,
                                  retry_deadline=retry_deadline)
         """The one etcd connection (its key prefix is unused: each store has a namespace view)."""
-        self._runner = _SharedRunner("astate-retention-hub")
+        self._runner = Runner("astate-retention-hub")
         self._transport = _SharedTransport()
         self._lock = threading.Lock()
         self._lease: int | None = None

@@ -25,8 +25,9 @@ from pyetcd import transactions as tx
 from .. import codec
 from ..errors import CatalogCorrupted, CatalogError, CodecError, StaleStepError, VersionNotFound, WaitTimeout
 from ..layout import ShardRecord, check_step
+from .background import own_job
 from .blobs import blob_from_kvs, blob_requests
-from .client import EtcdClient, background_thread, range_end
+from .client import EtcdClient, range_end
 from .records import (
     Layout,
     Manifest,
@@ -78,7 +79,7 @@ class Versions:
         self._latest = _LatestWatch(client, self.skips)
         # ``runner`` (name, fn) -> an object with poke / wait_idle / close: a thread shared by many
         # namespaces (sessions_hub.py); by default this namespace's own lazily started thread.
-        self._retention = (runner or _Background)(f"astate-retention-{client.namespace}", self._apply_retention)
+        self._retention = (runner or own_job)(f"astate-retention-{client.namespace}", self._apply_retention)
         self._drops = 0
 
     @property
@@ -645,52 +646,3 @@ class _LatestWatch:
                 self.client.raw.cancel_watch(w)
             except Exception:  # closing: the stream may already be gone
                 pass
-
-
-class _Background:
-    """A daemon thread that runs ``fn`` after each :meth:`poke` (coalesced), off the caller's path."""
-
-    def __init__(self, name: str, fn: Callable[[], None]):
-        self.name, self.fn = name, fn
-        self._cond = threading.Condition()
-        self._pending = False
-        self._busy = False
-        self._stopped = False
-        self._thread: threading.Thread | None = None
-
-    def poke(self) -> None:
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
-            self._pending = True
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        background_thread()
-        while True:
-            with self._cond:
-                while not self._pending and not self._stopped:
-                    self._cond.wait()
-                if self._stopped:
-                    return
-                self._pending, self._busy = False, True
-            try:
-                self.fn()
-            except Exception as exc:  # retention is best effort: it runs again after the next commit
-                log.warning("%s failed: %s", self.name, exc)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def wait_idle(self, timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self._stopped or not (self._pending or self._busy), timeout)
-
-    def close(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
