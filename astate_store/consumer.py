@@ -297,9 +297,9 @@ class Consumer:
             base = bases(version, g)
             same = [e for e in items if e.dtype == g.layouts[e.name].dtype]
             convert = [e for e in items if e.dtype != g.layouts[e.name].dtype]
-            cp = None
+            cp, same_recs = None, dest_records(same)
             if same:
-                cp = self._plan(g, dest_records(same))
+                cp = self._plan(g, same_recs)
                 batches.append(self._ops(g, base, cp.reads, same))
             for e in convert:
                 ready = converted_layout(g, e)
@@ -309,7 +309,7 @@ class Consumer:
                 else:
                     conversions.append(self.converter.plan(g, base, e, lambda gg, recs: self._plan(gg, recs).reads))
             if self.ctx.options.prepack and gid == PUBLISHERS:
-                self._request_packs(g, same, cp, convert)
+                self._request_packs(g, same_recs, cp, convert)
         ops = np.concatenate(batches) if batches else np.empty((0, 5), dtype=np.int64)
         reads = len(ops) + sum(len(c[0]) for conv in conversions for c in conv.chunks)
         nbytes = int(ops[:, 4].sum()) + sum(_nbytes(conv) for conv in conversions)
@@ -366,10 +366,9 @@ class Consumer:
             self.ctx.stats.plan_hits += 1
         return cp
 
-    def _request_packs(self, g: SourceGroup, same: list[Entry], cp: Any, convert: list[Entry]) -> None:
-        """Tell the publishers which pieces to build for this consumer (see ``prepack``). Sent
-        only when the shard layout or the buffers change."""
-        dests = dest_records(same)
+    def _request_packs(self, g: SourceGroup, dests: tuple[ShardRecord, ...], cp: Any, convert: list[Entry]) -> None:
+        """Tell the publishers which pieces to build for this consumer (see ``prepack``); ``dests``
+        are the same-dtype buffers' records. Sent only when the shard layout or the buffers change."""
         key = (g.shards_key, dests, dest_records(convert))
         if key == self._pack_key:
             return

@@ -90,6 +90,6 @@ class ValidatedTensors:
         self._lists = any(isinstance(v, (list, tuple)) for v in self._values)
         self._ptrs, self._numels = list(map(_DATA_PTR, self._tensors)), list(map(_NUMEL, self._tensors))
         self.entries = entries
-        self.fingerprint = Fingerprint(tuple((e.name, e.box, e.dtype, e.tensor.stride(), e.tensor.data_ptr())
+        self.fingerprint = Fingerprint(tuple((e.name, e.box, e.dtype, e.strides, e.tensor.data_ptr())
                                              for e in entries))
         return entries
