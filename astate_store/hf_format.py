@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 
 from .errors import LayoutError
-from .layout import DTYPES, dtype_name, itemsize, validate_name
+from .layout import dtype_name, itemsize, validate_name
 from .progress import Progress, ProgressCounter
 
 if TYPE_CHECKING:
@@ -164,21 +164,15 @@ def export_version(store: "Store", directory: str | os.PathLike[str], *, step: O
         CatalogError, TransportError: from the pull.
     """
     cap = parse_size(max_shard_bytes)
-    cat = store.catalog
-    want = cat.versions.wait_for(step, timeout=timeout)  # the newest >= step: what get_into will deliver
-    version = cat.versions.read_version(want)
-    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-    for rank, m in sorted(cat.versions.manifests_of(version).items()):
-        for rec in m.records(rank):
-            shapes.setdefault(rec.name, (rec.global_shape, rec.dtype))
-    for name, (_shape, dt) in shapes.items():
-        if dt not in _TO_ST:
-            raise LayoutError(f"tensor {name!r}: dtype {dt} has no safetensors code")
-    buffers = {n: torch.empty(s, dtype=DTYPES[dt]) for n, (s, dt) in sorted(shapes.items())}
+    want = store.wait(step, timeout=timeout)  # the newest >= step: checked before any byte moves
+    for name, info in store.keys(want).items():
+        if info.dtype not in _TO_ST:
+            raise LayoutError(f"tensor {name!r}: dtype {info.dtype} has no safetensors code")
+    # The pull is the first half of the progress, the writing the second.
+    pull = None if progress is None else (lambda done, total: progress(done, 2 * total))
+    got, buffers = store.get(step=want, timeout=timeout, progress=pull)
     total = sum(t.numel() * t.element_size() for t in buffers.values())
-    pull = None if progress is None else (lambda done, _total: progress(min(done, total), 2 * total))
-    got = store.get_into(buffers, step=want, timeout=timeout, progress=pull)
-    counter = ProgressCounter(progress, 2 * total, done=total)  # the writing is the second half
+    counter = ProgressCounter(progress, 2 * total, done=total)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     groups = _groups([(n, t.numel() * t.element_size()) for n, t in buffers.items()], cap)

@@ -20,6 +20,7 @@ import torch
 from .catalog import Catalog
 from .errors import LayoutError, TornReadError, VersionNotFound
 from .layout import group_layouts, torch_dtype
+from .progress import Progress
 
 __all__ = ["KeyInfo", "keys", "get"]
 
@@ -28,7 +29,8 @@ log = logging.getLogger("astate_store")
 # Times ``get`` lists and allocates again when the newest version changed shape under it.
 _SHAPE_RETRIES = 8
 
-GetInto = Callable[[Mapping[str, torch.Tensor], int, "float | None"], int]
+# (buffers, step, timeout, progress) -> the step delivered: ``Store.get_into``
+GetInto = Callable[[Mapping[str, torch.Tensor], int, "float | None", "Progress | None"], int]
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,11 @@ def keys(catalog: Catalog, step: int | None = None) -> dict[str, KeyInfo]:
 
 
 def get(catalog: Catalog, get_into: GetInto, names: Iterable[str] | str | None = None, *, step: int | None = None,
-        timeout: float | None = None, device: torch.device | str = "cpu") -> tuple[int, dict[str, torch.Tensor]]:
+        timeout: float | None = None, device: torch.device | str = "cpu", progress: Progress | None = None
+        ) -> tuple[int, dict[str, torch.Tensor]]:
     """(step, name -> tensor) of the newest committed version >= ``step``: whole tensors of the
-    published global shape and dtype, allocated on ``device``, filled by one ``get_into``.
+    published global shape and dtype, allocated on ``device``, filled by one ``get_into``
+    (``progress`` as there).
 
     Raises:
         LayoutError: ``names`` holds names the version does not publish (all of them named), or
@@ -87,7 +91,7 @@ def get(catalog: Catalog, get_into: GetInto, names: Iterable[str] | str | None =
         bufs = {n: torch.empty(info[n].global_shape, dtype=torch_dtype(info[n].dtype, tensor=n), device=dev)
                 for n in chosen}
         try:
-            got = get_into(bufs, s, _left(deadline))
+            got = get_into(bufs, s, _left(deadline), progress)
         except LayoutError as exc:
             # The newest version changed names or shapes between the listing and the pull (the
             # pull refused before any byte moved): list the new one and retry, bounded.

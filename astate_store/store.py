@@ -396,10 +396,11 @@ class Store:
         return kv.keys(self.catalog, step)
 
     def get(self, names: "Sequence[str] | str | None" = None, *, step: int | None = None,
-            timeout: float | None = None, device: Any = "cpu") -> "tuple[int, dict[str, torch.Tensor]]":
+            timeout: float | None = None, device: Any = "cpu", progress: Progress | None = None
+            ) -> "tuple[int, dict[str, torch.Tensor]]":
         """Allocate and fetch: the newest committed version >= ``step`` as whole tensors (their
         global shape and published dtype) on ``device``, all of one step. ``names``: a subset
-        (default every tensor). One :meth:`get_into` fills them, from the publishers, replica
+        (default every tensor); ``progress`` as in :meth:`get_into`. One :meth:`get_into` fills them, from the publishers, replica
         servers or re-serving consumers; when the newest version changes its tensors between
         the listing and the pull, ``get`` lists it again (bounded).
 
@@ -411,8 +412,8 @@ class Store:
             WaitTimeout, PeerUnreachable, TornReadError: as :meth:`get_into`.
         """
         step, timeout = _check_wait(step, timeout, "get")
-        return kv.get(self.catalog, lambda bufs, s, t: self.get_into(bufs, step=s, timeout=t), names, step=step,
-                      timeout=timeout, device=device)
+        return kv.get(self.catalog, lambda bufs, s, t, p: self.get_into(bufs, step=s, timeout=t, progress=p), names,
+                      step=step, timeout=timeout, device=device, progress=progress)
 
     # ---- checkpoints and recovery ---------------------------------------------------------
 
