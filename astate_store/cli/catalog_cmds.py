@@ -28,26 +28,22 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="J
        etcd: EtcdOpt = None, cacert: CaOpt = None, cert: CertOpt = None, key: KeyOpt = None, user: UserOpt = None,
        password: PasswordOpt = None) -> None:
     """Each namespace: latest step, when it was committed, live publishers and consumers."""
+    from .. import admin as namespaces_admin
     from ..catalog import admin
-    from ..catalog.client import EtcdClient
 
     with guarded():
         config = etcd_config(ctx, EtcdFlags(etcd, cacert, cert, key, user, password))
-        client = EtcdClient(config, "_admin", lease_ttl=10.0, op_timeout=5.0, retry_deadline=10.0)
-        try:
-            rows = []
-            for ns in admin.list_namespaces(client):
-                try:
-                    cat = _catalog(config, ns)
-                except Exception as exc:  # a key under /astate/ that is no valid namespace: shown, not fatal
-                    rows.append(admin.NamespaceSummary(ns, problems=[str(exc)]))
-                    continue
-                try:
-                    rows.append(admin.summarize(cat))
-                finally:
-                    cat.close()
-        finally:
-            client.close(revoke=False)
+        rows = []
+        for ns in namespaces_admin.namespaces(etcd=config):
+            try:
+                cat = _catalog(config, ns)
+            except Exception as exc:  # a key under /astate/ that is no valid namespace: shown, not fatal
+                rows.append(admin.NamespaceSummary(ns, problems=[str(exc)]))
+                continue
+            try:
+                rows.append(admin.summarize(cat))
+            finally:
+                cat.close()
         if as_json:
             print_json([r.as_dict() for r in rows])
             return
