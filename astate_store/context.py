@@ -91,12 +91,13 @@ class StoreContext:
                 self._transport = self._factory(self.options.transport, self.options.window)
         return self._transport
 
-    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """Staging memory: on the GPU for CUDA tensors, else on this store's NUMA node."""
+    def alloc(self, nbytes: int, device: torch.device, *, shared: bool = False) -> torch.Tensor:
+        """Staging memory: on the GPU for CUDA tensors, else on this store's NUMA node
+        (``shared``: memory this process publishes, memfd-backed so same-host readers map it)."""
         if device.type == "cuda":
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         node = self.affinity.numa_node if self.affinity is not None else None
-        return alloc_on_node(nbytes, node)
+        return alloc_on_node(nbytes, node, shared=shared)
 
     def ensure_session(self) -> None:
         """Open (rank 0) or join (rank > 0) the publisher session on first use."""

@@ -139,7 +139,7 @@ class Publisher:
             tr, opts = self.ctx.transport, self.ctx.options
             cap = opts.staging_cap_bytes if opts.staging_cap_bytes is not None else default_staging_cap(device)
             self._pool = SnapshotPool(opts.staging_depth, cap,
-                                      lambda n: self.ctx.alloc(n, device), tr.register_tensor, tr.unregister)
+                                      lambda n: self.ctx.alloc(n, device, shared=True), tr.register_tensor, tr.unregister)
             self._pool_device = device
         return self._pool
 
@@ -191,7 +191,7 @@ class Publisher:
         if old is not None:
             # The slot still holds an older version: readers of it must be done or will discard.
             self.ctx.catalog.readers.retire(old, timeout=self.ctx.options.retire_timeout)
-        pool.fill(k, [e.tensor for e in entries], step)
+        pool.fill(k, [e.tensor for e in entries], step, key=entries)
         sync_device(entries[0].tensor.device)  # the slot must hold step's bytes before the commit
         return self._stage_lid, k * pool.slot_size
 

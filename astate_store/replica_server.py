@@ -406,7 +406,7 @@ class ReplicaServer:
         ctx = store._ctx
         cpu = torch.device("cpu")
         ctx.ensure_transport(cpu)
-        flat = ctx.alloc(need, cpu)  # page-aligned and NUMA-local to the server's transport
+        flat = ctx.alloc(need, cpu, shared=True)  # page-aligned and NUMA-local to the server's transport
         tensors, off = {}, 0
         for name, k in info.items():
             dt = torch_dtype(k.dtype, tensor=name)

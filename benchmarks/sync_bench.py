@@ -307,6 +307,7 @@ def run_case(pool: Pool, name: str, gcfg: dict[str, Any], args: argparse.Namespa
         "ucx_rows": steady[-1]["rows"],
         "store_stats": steps[-1]["stats"],
         "put_seconds": round(statistics.median(s["put_s"] for s in steady), 4),
+        "put_step_seconds": [round(s["put_s"], 4) for s in steps],
         # snapshot put: both trainer ranks put at once on this host, so their bytes together over
         # the slower rank's put time (comparable with memcpy_gbps: one copy of those bytes)
         "put_gbps": _gbps(gcfg.get("trainer_bytes", 0), statistics.median(s["put_s"] for s in steady)),

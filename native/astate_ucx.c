@@ -5,7 +5,8 @@
  * background progress thread), endpoints from a remote worker address, memory
  * registration + packed rkeys, rkey unpack, and one batched get that runs a whole
  * plan with a bounded window of outstanding ucp_get_nbx requests, GIL released.
- * Plus cma_read: the same-host fast path, rows as batched process_vm_readv.
+ * Plus cma_read: the same-host fast path, rows as batched process_vm_readv; and copy_rows:
+ * rows copied from peer memory mapped into this process (memfd staging).
  *
  * Objects and lifetimes
  *   Worker      owns ucp_context + ucp_worker + a mutex that serializes every UCX call
@@ -1689,6 +1690,91 @@ static PyObject *mod_cma_read(PyObject *m, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
+/* ---------------------------------------------------------------- mapped copies */
+
+/*
+ * copy_rows(plan, threads=1, split_bytes=8 MiB): rows (src_addr, dst_addr, length) copied
+ * with memcpy, GIL released: the same-host path for peer regions mapped into this process
+ * (memfd staging; the Python layer maps, proves and bounds-checks every row). With
+ * threads > 1 and more than split_bytes in total, the bytes are cut into equal contiguous
+ * ranges, one per thread, cutting inside rows where needed (one huge row still spreads).
+ */
+#define COPY_MAX_THREADS 16
+
+typedef struct {
+    const uint64_t *rows;
+    size_t row, n;     /* first row, rows in the plan */
+    uint64_t skip;     /* bytes of the first row already owned by the previous job */
+    uint64_t todo;     /* bytes this job copies */
+} copy_job_t;
+
+static void *copy_job(void *arg)
+{
+    copy_job_t *j = arg;
+    size_t i = j->row;
+    uint64_t skip = j->skip, todo = j->todo;
+    for (; todo && i < j->n; i++, skip = 0) {
+        const uint64_t *r = j->rows + 3 * i;
+        uint64_t len = r[2] - skip;
+        if (len > todo) len = todo;
+        memcpy((char *)(uintptr_t)(r[1] + skip), (const char *)(uintptr_t)(r[0] + skip), (size_t)len);
+        todo -= len;
+    }
+    return NULL;
+}
+
+static PyObject *mod_copy_rows(PyObject *m, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"plan", "threads", "split_bytes", NULL};
+    PyObject *plan_obj;
+    int threads = 1;
+    unsigned long long split = 8ull << 20;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|iK", kwlist, &plan_obj, &threads, &split)) return NULL;
+    Py_buffer pb;
+    if (PyObject_GetBuffer(plan_obj, &pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) != 0) return NULL;
+    const char *fmt = pb.format ? pb.format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+    if (pb.itemsize != 8 || strchr("qQlL", fmt[0]) == NULL || fmt[1] != 0 || pb.ndim != 2 || pb.shape[1] != 3) {
+        PyBuffer_Release(&pb);
+        PyErr_SetString(PyExc_ValueError,
+                        "plan must be a C-contiguous 2-D array of 64-bit integers with 3 columns "
+                        "(src_addr, dst_addr, length)");
+        return NULL;
+    }
+    const uint64_t *rows = (const uint64_t *)pb.buf;
+    const size_t n = (size_t)pb.shape[0];
+    if (threads < 1) threads = 1;
+    if (threads > COPY_MAX_THREADS) threads = COPY_MAX_THREADS;
+    copy_job_t jobs[COPY_MAX_THREADS];
+    pthread_t tids[COPY_MAX_THREADS];
+    int started[COPY_MAX_THREADS] = {0};
+
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) total += rows[3 * i + 2];
+    int nj = (threads > 1 && total > split) ? threads : 1;
+    /* job t copies bytes [t*total/nj, (t+1)*total/nj) of the concatenated rows */
+    size_t i = 0;
+    uint64_t before = 0; /* bytes of rows[0..i) */
+    for (int t = 0; t < nj; t++) {
+        const uint64_t lo = total / (uint64_t)nj * (uint64_t)t;
+        const uint64_t hi = t == nj - 1 ? total : total / (uint64_t)nj * (uint64_t)(t + 1);
+        while (i < n && before + rows[3 * i + 2] <= lo) before += rows[3 * i++ + 2];
+        jobs[t] = (copy_job_t){rows, i, n, lo - before, hi - lo};
+    }
+    for (int t = 1; t < nj; t++)
+        started[t] = pthread_create(&tids[t], NULL, copy_job, &jobs[t]) == 0;
+    for (int t = 1; t < nj; t++)
+        if (!started[t]) copy_job(&jobs[t]); /* could not start a thread: run it here */
+    copy_job(&jobs[0]);
+    for (int t = 1; t < nj; t++)
+        if (started[t]) pthread_join(tids[t], NULL);
+    Py_END_ALLOW_THREADS
+
+    PyBuffer_Release(&pb);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyObject *mod_status_string(PyObject *m, PyObject *arg)
@@ -1711,6 +1797,9 @@ static PyMethodDef module_methods[] = {
     {"cma_read", (PyCFunction)(void (*)(void))mod_cma_read, METH_VARARGS | METH_KEYWORDS,
      "cma_read(plan, threads=1, split_bytes=64<<20): rows (pid, remote, local, length) via batched "
      "process_vm_readv, GIL released. Raises OSError (.pid, .row)."},
+    {"copy_rows", (PyCFunction)(void (*)(void))mod_copy_rows, METH_VARARGS | METH_KEYWORDS,
+     "copy_rows(plan, threads=1, split_bytes=8<<20): rows (src, dst, length) via memcpy, GIL released, "
+     "bytes split evenly over threads."},
     {NULL}};
 
 static struct PyModuleDef moduledef = {

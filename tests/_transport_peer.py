@@ -20,16 +20,50 @@ def pattern(nbytes: int, seed: int = 0) -> np.ndarray:
     return ((i * np.uint64(2654435761) + np.uint64(seed * 97 + 13)) >> np.uint64(7)).astype(np.uint8)
 
 
-def serve(conn: Any, mode: str, sizes: list[int]) -> None:
+def _tensor(n: int, seed: int, memfd: bool) -> torch.Tensor:
+    if not memfd:
+        return torch.from_numpy(pattern(n, seed=seed).copy())
+    from astate_store.topology import alloc_on_node
+
+    x = alloc_on_node(n, None, shared=True)  # what a publisher's snapshot pool allocates
+    x.copy_(torch.from_numpy(pattern(n, seed=seed)))
+    return x
+
+
+def _decoys(keep: list[Any]) -> dict[str, int]:
+    """fds a forged descriptor may name: an unsealed memfd, a sealed memfd mapped elsewhere,
+    a plain file (all mapped in this process, none over a registered region)."""
+    import fcntl
+    import mmap
+    import tempfile
+
+    out: dict[str, int] = {}
+    for name, seal in (("unsealed", False), ("elsewhere", True)):
+        fd = os.memfd_create(name, os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, 1 << 20)
+        if seal:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        keep.append(mmap.mmap(fd, 1 << 20, flags=mmap.MAP_SHARED))
+        out[name] = fd
+    f = tempfile.TemporaryFile()
+    f.write(b"x" * (1 << 20))
+    f.flush()
+    keep.append(f)
+    out["file"] = f.fileno()
+    return out
+
+
+def serve(conn: Any, mode: str, sizes: list[int], memfd: bool = False) -> None:
     from astate_store.transport import UcxTransport
 
     t = UcxTransport(mode)
-    tensors = []
+    tensors: list[Any] = []
     for k, n in enumerate(sizes):
-        x = torch.from_numpy(pattern(n, seed=k).copy())
+        x = _tensor(n, k, memfd)
         tensors.append(x)
         t.register_tensor(x)
-    conn.send({"descriptor": t.descriptor(), "pid": os.getpid()})
+    decoys: list[Any] = []  # kept open and mapped while serving
+    conn.send({"descriptor": t.descriptor(), "pid": os.getpid(), "decoys": _decoys(decoys)})
     try:
         while True:
             cmd, *args = conn.recv()
@@ -39,7 +73,7 @@ def serve(conn: Any, mode: str, sizes: list[int]) -> None:
                 t.unregister(int(args[0]))
                 conn.send(t.descriptor())
             elif cmd == "register":
-                x = torch.from_numpy(pattern(int(args[0]), seed=len(tensors)).copy())
+                x = _tensor(int(args[0]), len(tensors), memfd)
                 tensors.append(x)
                 t.register_tensor(x)
                 conn.send(t.descriptor())

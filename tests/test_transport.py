@@ -26,14 +26,17 @@ MODES = ["shm", "tcp"]
 # (publisher/consumer mode, consumer's same-host process_vm_readv fast path)
 PAIRS = [("shm", True), ("shm", False), ("tcp", True)]
 PAIR_IDS = ["shm-direct", "shm-ucx", "tcp"]
+# the pair fixture also runs with memfd-backed publisher regions (mapped, memcpy path)
+FIXTURE_PAIRS = [(m, d, False) for m, d in PAIRS] + [("shm", True, True)]
+FIXTURE_IDS = PAIR_IDS + ["shm-mapped"]
 SIZES = [8 << 20, 1 << 16, 0]  # region 0: 8 MiB, region 1: 64 KiB, region 2: empty
 CTX = mp.get_context("spawn")
 
 
 class Peer:
-    def __init__(self, mode: str, sizes: list[int] = SIZES) -> None:
+    def __init__(self, mode: str, sizes: list[int] = SIZES, memfd: bool = False) -> None:
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=serve, args=(child, mode, sizes), daemon=True)
+        self.proc = CTX.Process(target=serve, args=(child, mode, sizes, memfd), daemon=True)
         self.proc.start()
         child.close()
         if not self.conn.poll(60):
@@ -42,6 +45,7 @@ class Peer:
         hello = self.conn.recv()
         self.descriptor: dict[str, Any] = hello["descriptor"]
         self.pid: int = hello["pid"]
+        self.decoys: dict[str, int] = hello["decoys"]
 
     def call(self, *cmd: Any) -> Any:
         self.conn.send(cmd)
@@ -60,13 +64,15 @@ class Peer:
             self.proc.join(10)
 
 
-@pytest.fixture(scope="module", params=PAIRS, ids=PAIR_IDS)
+@pytest.fixture(scope="module", params=FIXTURE_PAIRS, ids=FIXTURE_IDS)
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[UcxTransport, Peer, str]]:
-    mode, direct = request.param
-    peer = Peer(mode)
+    mode, direct, memfd = request.param
+    peer = Peer(mode, memfd=memfd)
     t = UcxTransport(mode, direct=direct)
     t.connect("pub", peer.descriptor)
-    assert t.peer_info("pub").direct is (mode == "shm" and direct)  # the probe decided the path
+    info = t.peer_info("pub")
+    assert info.direct is (mode == "shm" and direct)  # the probe decided the path
+    assert info.mapped_regions == tuple(memfd and n > 0 for n in SIZES)  # memfd regions mapped, others not
     yield t, peer, mode
     t.close()
     peer.stop()

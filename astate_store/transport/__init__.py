@@ -6,8 +6,9 @@ over the ``astate_store._ucx`` extension. See ``base`` for the plan format.
 Modules of the UCX backend, by role: ``ucx`` (the coordinator), ``config`` (mode ->
 UCX settings), ``binding`` (loading the extension, typing its errors), ``regions``
 (local registrations), ``peers`` (endpoints, rkeys, the snapshot ``get`` reads),
-``rows`` (plan checks and translation), ``same_host`` (the ``process_vm_readv`` path),
-``ucx_get`` (the batched UCX read).
+``rows`` (plan checks and translation), ``same_host`` (the same-host paths: batched
+``process_vm_readv``, and ``memcpy`` from mapped regions), ``memfd`` (memfd-backed staging
+and the checks before a consumer maps a peer's), ``ucx_get`` (the batched UCX read).
 """
 
 from .base import (

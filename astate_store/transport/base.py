@@ -98,11 +98,14 @@ class RegionInfo:
     size: int
     rkey: bytes
     memory_type: str = "host"
+    memfd: int = -1  # fd number of the memfd mapped over the region in its process (memfd.py); -1: none
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"base": self.base, "size": self.size, "rkey": self.rkey}
         if self.memory_type != "host":
             d["memory_type"] = self.memory_type
+        if self.memfd >= 0:
+            d["memfd"] = self.memfd
         return d
 
     @classmethod
@@ -129,7 +132,10 @@ class RegionInfo:
             raise TransportError(f"region entry out of range: base={base} size={size}")
         if size > 0 and base == 0:
             raise TransportError(f"region entry out of range: {size} bytes at address 0")
-        return cls(base, size, rkey, str(mtype))
+        memfd = _int_field(d, "memfd", what) if "memfd" in d else -1
+        if not -1 <= memfd < 2**31:
+            raise TransportError(f"malformed {what}: memfd {memfd} is not a file descriptor number")
+        return cls(base, size, rkey, str(mtype), memfd)
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,13 @@ attributes of the one module object it returns (e.g. ``cma_read``).
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 from ..errors import PeerUnreachable, TransportError
 
-__all__ = ["native", "typed_error", "is_peer_status"]
+__all__ = ["copy_threads", "native", "typed_error", "is_peer_status"]
 
 _native_mod: Any = None
 _native_lock = threading.Lock()
@@ -31,7 +32,35 @@ def native() -> Any:
     return _native_mod
 
 
+def copy_threads() -> int:
+    """Threads for the native ``copy_rows``: the CPUs this process may run on, at most 8
+    (memory bandwidth, not cores, bounds a copy beyond that)."""
+    try:
+        return max(1, min(8, len(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):
+        return max(1, min(8, os.cpu_count() or 1))
+
+
+def _memory_events_default() -> None:
+    """Without CUDA, turn UCX's memory events off unless the user chose (``UCX_MEM_*``).
+
+    Loading libucs installs them by patching libc's code: ~0.4 s on a small VM (sched_yield
+    loops), paid by every process's first step. They feed UCX's registration and memory-type
+    caches, which only RDMA and CUDA transports use; this backend registers its regions
+    explicitly and, without CUDA, runs over tcp, shared memory and cma. ("reloc" hooks load
+    fast but made every C++ ``delete`` walk the loaded objects: process exit took >10 s.)
+    Read once, when libucs loads.
+    """
+    if any(k.startswith("UCX_MEM_") for k in os.environ):
+        return
+    from .config import cuda_present
+
+    if not cuda_present():
+        os.environ["UCX_MEM_EVENTS"] = "no"
+
+
 def _load() -> Any:
+    _memory_events_default()
     try:
         import libucx
 

@@ -22,7 +22,7 @@ _MODE_TLS_CUDA = {"shm": ",cuda_copy,cuda_ipc", "tcp": ",cuda_copy", "auto": ",c
 _TCP_TUNING = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
 
 
-def _cuda_present() -> bool:
+def cuda_present() -> bool:
     try:
         import torch
 
@@ -40,7 +40,7 @@ def effective_config(mode: str, config: Mapping[str, str] | None) -> dict[str, s
     """
     cfg: dict[str, str] = {}
     if not os.environ.get("UCX_TLS"):
-        cfg["TLS"] = _MODE_TLS[mode] + (_MODE_TLS_CUDA[mode] if _cuda_present() else "")
+        cfg["TLS"] = _MODE_TLS[mode] + (_MODE_TLS_CUDA[mode] if cuda_present() else "")
     tls = cfg.get("TLS") or os.environ.get("UCX_TLS", "")
     if mode in ("tcp", "auto") or "tcp" in tls:
         for k, v in _TCP_TUNING.items():

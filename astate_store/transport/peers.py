@@ -38,7 +38,8 @@ class PeerInfo:
     use ``process_vm_readv``: True only once the claimed pid was proven to be the
     process behind the endpoint (``same_host``); None is not produced any more (kept
     for callers that test for it). ``direct_regions``: per region of its descriptor,
-    whether rows may take that path.
+    whether rows may take that path. ``mapped_regions``: per region, whether its memfd is
+    mapped here (rows are then plain copies; ``memfd.py``).
     """
 
     index: int
@@ -46,6 +47,7 @@ class PeerInfo:
     peer_error_handling: bool
     direct: bool | None
     direct_regions: tuple[bool, ...]
+    mapped_regions: tuple[bool, ...] = ()
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Peer:
     direct: bool | None = None  # process_vm_readv path: None = not probed yet, False = UCX only
     pidfd: int = -1  # pidfd of desc.pid while direct
     proof_rkey: Any = None  # RemoteKey of desc.proof (the same-host identity check)
+    maps: list[Any] = field(default_factory=list)  # per region: its memfd mapped here (memfd.PeerMapping) or None
 
     def needs_new_endpoint(self, d: PeerDescriptor) -> bool:
         """Whether ``d`` cannot be served by the current endpoint."""
@@ -112,6 +115,8 @@ class Peer:
             peer_error_handling=bool(self.ep.peer_error_handling),
             direct=self.direct,
             direct_regions=tuple(self.region_direct(r) for r, _ in zip(self.desc.regions, self.rkeys)),
+            mapped_regions=tuple(bool(self.direct) and i < len(self.maps) and self.maps[i] is not None
+                                 for i in range(len(self.desc.regions))),
         )
 
 
@@ -135,6 +140,8 @@ class PeerSnapshot:
     pid: np.ndarray  # uint64 per peer index: pid for the direct path, 0 = UCX only
     direct: np.ndarray  # bool per flat region: rows may use process_vm_readv
     n_direct: int  # peers on the direct path
+    mapped: np.ndarray  # uint64 per flat region: address of its memfd mapped here (memcpy path), 0 = none
+    maps: dict[int, Any] = field(default_factory=dict)  # flat region -> its PeerMapping (alive with this snapshot)
 
 
 def open_endpoint(worker: Any, d: PeerDescriptor, *, peer_mode: bool, timeout: float, where: str) -> Any:
@@ -220,6 +227,7 @@ class PeerTable:
             if rk is not None:
                 rk.destroy()
         p.rkeys = []
+        p.maps = []  # unmapped once no snapshot holds them
         if p.proof_rkey is not None:
             p.proof_rkey.destroy()
             p.proof_rkey = None
@@ -251,6 +259,8 @@ class PeerTable:
         rkey_pos: list[int] = []
         pid = np.zeros(n, dtype=np.uint64)
         direct: list[bool] = []
+        mapped: list[int] = []
+        maps: dict[int, Any] = {}
         n_direct = 0
         for p in self._peers.values():
             if p.direct:
@@ -261,10 +271,14 @@ class PeerTable:
             keys[p.index] = p.key
             reg_off[p.index] = len(base)
             reg_n[p.index] = len(p.desc.regions)
-            for r, rk in zip(p.desc.regions, p.rkeys):
+            for i, (r, rk) in enumerate(zip(p.desc.regions, p.rkeys)):
                 base.append(r.base)
                 size.append(r.size if rk is not None else 0)  # unregistered: every read is out of bounds
                 direct.append(p.region_direct(r))
+                m = p.maps[i] if direct[-1] and i < len(p.maps) else None
+                mapped.append(0 if m is None else m.address)
+                if m is not None:
+                    maps[len(base) - 1] = m
                 if rk is None:
                     rkey_pos.append(-1)
                 else:
@@ -283,6 +297,8 @@ class PeerTable:
             pid,
             np.array(direct, dtype=bool),
             n_direct,
+            np.array(mapped, dtype=np.uint64),
+            maps,
         )
         self._snapshot = s
         return s

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TransportError
+from . import memfd
 from .base import RegionInfo
 from .binding import native, typed_error
 
@@ -99,7 +100,8 @@ class LocalRegions:
             except native().UcxError as exc:
                 raise typed_error(exc, f"registering {nbytes} bytes at 0x{address:x} ({memory_type})") from exc
             rkey = memh.rkey()
-        reg = LocalRegion(RegionInfo(address, nbytes, rkey, memory_type), memh, keepalive, memory_type)
+        fd = memfd.fd_of(address, nbytes) if memory_type == "host" else -1
+        reg = LocalRegion(RegionInfo(address, nbytes, rkey, memory_type, fd), memh, keepalive, memory_type)
         if len(self._free) > _REUSE_AFTER:
             idx = self._free.popleft()
             self._slots[idx] = reg

@@ -43,8 +43,9 @@ from typing import Any, Hashable
 import numpy as np
 
 from ..errors import PeerUnreachable, TransportError
+from . import memfd
 from .base import PeerDescriptor, RegionInfo
-from .binding import native, typed_error
+from .binding import copy_threads, native, typed_error
 from .peers import Peer, PeerSnapshot, PeerTable
 from .regions import LocalSnapshot
 from .rows import Rows
@@ -119,7 +120,9 @@ class Proof:
 
 
 def _nonce_like(b: np.ndarray) -> bool:
-    return b.size >= 16 and np.unique(b).size >= min(_MIN_DISTINCT, b.size // 2)
+    # bincount, not np.unique: the first np.unique imports numpy submodules lazily (1.5 s seen
+    # under load, in every consumer's first step)
+    return b.size >= 16 and int(np.count_nonzero(np.bincount(b, minlength=256))) >= min(_MIN_DISTINCT, b.size // 2)
 
 
 def _anonymous_at(pid: int, address: int) -> bool:
@@ -230,6 +233,7 @@ class SameHostReader:
     def forget(self, p: Peer) -> None:
         """Take ``p`` off this path for good and close its pidfd."""
         p.direct = False
+        p.maps = []  # unmapped once no snapshot holds them
         if p.pidfd >= 0:
             with self._poll_lock:
                 self._pidpoll.unregister(p.pidfd)
@@ -238,43 +242,92 @@ class SameHostReader:
             p.pidfd = -1
         self._peers.invalidate()
 
-    def serve(self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, *, threads: int) -> Rows | None:
+    def map_regions(self, p: Peer, prev_regions: tuple[RegionInfo, ...]) -> None:
+        """Map the memfd behind each host region of direct peer ``p`` (``memfd.py``); regions
+        equal to ``prev_regions`` keep their mapping (or their refusal: tried once)."""
+        old = p.maps
+        maps: list[Any] = []
+        for i, r in enumerate(p.desc.regions):
+            if i < len(prev_regions) and prev_regions[i] == r and i < len(old):
+                maps.append(old[i])
+                continue
+            m = None
+            if r.memfd >= 0 and r.size > 0 and r.memory_type == "host" and p.pidfd >= 0:
+                got = memfd.map_peer_region(p.pidfd, p.desc.pid, r.memfd, r.base, r.size)
+                if isinstance(got, str):
+                    log.info("peer %r (pid %d) region %d: not mapped (%s); it is read with process_vm_readv",
+                             p.key, p.desc.pid, i, got)
+                else:
+                    m = got
+            maps.append(m)
+        p.maps = maps
+
+    def serve(self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, *, threads: int | None) -> Rows | None:
         """Read the rows this path may take; the rows left for UCX (None: none left).
 
-        A fallback error leaves every row to UCX, the ones already read included.
+        ``threads``: copy threads (None: as many as this process may use, for mapped
+        regions; one for process_vm_readv). A fallback error leaves every row to UCX,
+        the ones already read included.
         """
         dmask = t.direct[rows.flat]
         if lt.device.any():  # into registered non-host local memory: UCX
             j, inside = lt.containing(rows.local, rows.length)
             dmask &= ~(inside & lt.device[j])
         nd = int(np.count_nonzero(dmask))
-        if nd == len(rows):
-            return None if self._read(t, rows.pidx, rows.remote, rows.local, rows.length, threads) else rows
-        if nd and self._read(t, rows.pidx[dmask], rows.remote[dmask], rows.local[dmask], rows.length[dmask], threads):
-            return rows.take(~dmask)
-        return rows
+        if nd == 0:
+            return rows
+        if not self._read(t, rows if nd == len(rows) else rows.take(dmask), threads):
+            return rows
+        return None if nd == len(rows) else rows.take(~dmask)
 
-    def _read(
-        self, t: PeerSnapshot, pidx: np.ndarray, remote: np.ndarray, local: np.ndarray, length: np.ndarray, threads: int
-    ) -> bool:
-        """Rows of direct peers via process_vm_readv. False: fall back to UCX for the whole plan."""
-        cp = np.empty((pidx.shape[0], 4), dtype=np.uint64)
-        cp[:, 0] = t.pid[pidx]
-        cp[:, 1] = remote
-        cp[:, 2] = local
-        cp[:, 3] = length
+    def _read(self, t: PeerSnapshot, rows: Rows, threads: int | None) -> bool:
+        """Rows of direct peers: memcpy from mapped regions, process_vm_readv for the rest.
+        False: fall back to UCX for the whole plan."""
+        pids = t.pid[rows.pidx]
+        on_map = t.mapped[rows.flat] != 0
+        n_map = int(np.count_nonzero(on_map))
+        left: Rows | None = rows
+        if n_map:
+            m = rows if n_map == len(rows) else rows.take(on_map)
+            off = m.remote - t.base[m.flat]
+            self._prepare(t, m.flat, off, off + m.length)
+            plan = np.empty((len(m), 3), dtype=np.uint64)
+            plan[:, 0] = t.mapped[m.flat] + off
+            plan[:, 1] = m.local
+            plan[:, 2] = m.length
+            native().copy_rows(plan, threads=copy_threads() if threads is None else threads)
+            left = None if n_map == len(rows) else rows.take(~on_map)
+        if left is not None and not self._cma(t, left, 1 if threads is None else threads):
+            return False
+        self._check_exited(pids)
+        return True
+
+    @staticmethod
+    def _prepare(t: PeerSnapshot, flat: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Prefault, per mapped region, the span this plan reads (``memfd.PeerMapping.prepare``)."""
+        regions = np.unique(flat)
+        for r in regions.tolist():
+            sel = flat == r if len(regions) > 1 else slice(None)
+            t.maps[r].prepare(int(lo[sel].min()), int(hi[sel].max()))
+
+    def _cma(self, t: PeerSnapshot, rows: Rows, threads: int) -> bool:
+        """Rows via process_vm_readv. False: fall back to UCX for the whole plan."""
+        cp = np.empty((len(rows), 4), dtype=np.uint64)
+        cp[:, 0] = t.pid[rows.pidx]
+        cp[:, 1] = rows.remote
+        cp[:, 2] = rows.local
+        cp[:, 3] = rows.length
         if t.n_direct > 1 and (cp[:, 0] != cp[0, 0]).any():  # group by peer: full batches
             cp = cp[np.argsort(cp[:, 0], kind="stable")]
         if threads > 1:  # threads split at row boundaries: cut rows too big to balance
-            total = int(length.sum())
+            total = int(rows.length.sum())
             cap = max(total // (4 * threads), 1 << 20)
-            if total > _SPLIT_BYTES and int(length.max()) > cap:
+            if total > _SPLIT_BYTES and int(rows.length.max()) > cap:
                 cp = _cut_rows(cp, cap)
         try:
             native().cma_read(cp, threads=threads, split_bytes=_SPLIT_BYTES)
         except OSError as exc:
             return self._failed(t, exc)
-        self._check_exited(cp)
         return True
 
     def _failed(self, t: PeerSnapshot, exc: OSError) -> bool:
@@ -290,14 +343,15 @@ class SameHostReader:
             return False
         raise self._error(exc, key, pid, exc.strerror or str(exc), gone=exc.errno == errno.ESRCH) from exc
 
-    def _check_exited(self, cp: np.ndarray) -> None:
-        """Raise if a peer read in ``cp`` exited meanwhile: its pid may be reused, bytes suspect."""
+    def _check_exited(self, pids: np.ndarray) -> None:
+        """Raise if a peer read (``pids``: per row) exited meanwhile: its pid may be reused,
+        bytes suspect (mapped reads too: the same rule whichever way the bytes came)."""
         with self._poll_lock:
             exited = [self._pidfd_keys.get(fd) for fd, _ in self._pidpoll.poll(0)]
         for key in exited:
             with self._lock:
                 p = self._peers.get(key) if key is not None else None
-            if p is not None and (cp[:, 0] == np.uint64(p.desc.pid)).any():
+            if p is not None and (pids == np.uint64(p.desc.pid)).any():
                 raise self._error(None, key, p.desc.pid, "process exited during the read", gone=True)
 
     def _error(self, exc: OSError | None, key: Hashable, pid: int, text: str, *, gone: bool) -> TransportError:

@@ -30,7 +30,9 @@ Same-host fast path (``direct=True``, the default; ``ASTATE_SHM_DIRECT=0`` or
 (shared memory), ``get`` reads that peer's rows of host regions itself with batched
 ``process_vm_readv`` (up to 1024 rows per syscall, GIL released, ``copy_threads``
 threads for plans over 64 MiB) instead of one ``ucp_get_nbx`` per row; UCX's CMA pays
-~3.7 us per row, this ~1 us. Only a pid proven to be the process behind the peer's UCX
+~3.7 us per row, this ~1 us. A region backed by a sealed memfd (the publisher's snapshot
+staging, ``memfd.py``) is mapped into this process once, after the checks there, and its
+rows are plain ``memcpy`` spread over threads: memcpy speed, no syscall per row. Only a pid proven to be the process behind the peer's UCX
 endpoint is read this way: ``connect`` reads the peer's proof region (a random nonce every
 transport registers and lists in its descriptor) once through UCX and once with
 ``process_vm_readv`` from the claimed pid, and enables the path only if both match (see
@@ -109,7 +111,9 @@ class UcxTransport(Transport):
     connect_timeout: seconds ``connect`` waits for a new endpoint to come up (flush).
     direct: same-host ``process_vm_readv`` fast path (default: on unless the environment
         has ``ASTATE_SHM_DIRECT=0``).
-    copy_threads: threads of the fast path for plans over 64 MiB.
+    copy_threads: threads of the fast path (None: every CPU this process may use, up to 8,
+        for mapped memfd regions, and one for ``process_vm_readv``, where a second thread
+        measured slower; a number: that many for both, cma only for plans over 64 MiB).
     """
 
     kind = "ucx"
@@ -123,7 +127,7 @@ class UcxTransport(Transport):
         window: int = 256,
         connect_timeout: float = 10.0,
         direct: bool | None = None,
-        copy_threads: int = 1,
+        copy_threads: int | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -132,7 +136,7 @@ class UcxTransport(Transport):
         self.window = int(window)
         self.connect_timeout = float(connect_timeout)
         self.direct = direct_from_env() if direct is None else bool(direct)
-        self.copy_threads = max(1, int(copy_threads))
+        self.copy_threads = None if copy_threads is None else max(1, int(copy_threads))
         self.config = effective_config(mode, config)
         self.tls = self.config.get("TLS") or os.environ.get("UCX_TLS", "")
         self.shm = tls_has_shm(self.tls)
@@ -306,6 +310,9 @@ class UcxTransport(Transport):
                 cur.direct = None
             if cur.direct is None:
                 self._same_host.probe(cur, enabled=self.direct, same_node=self._me.same_node(d))
+                prev_regions = ()  # newly proven: map every region
+            if cur.direct:
+                self._same_host.map_regions(cur, prev_regions)
             self._peers.invalidate()
             return cur.index
 
