@@ -1558,6 +1558,25 @@ static PyTypeObject MemType = {
 /* ---------------------------------------------------------------- same-host reads */
 
 /*
+ * get_rows: a C-contiguous (n, ncols) buffer of 64-bit integers (a plan of rows), or -1 with
+ * ValueError naming the columns. On success the caller releases pb.
+ */
+static int get_rows(PyObject *obj, Py_buffer *pb, Py_ssize_t ncols, const char *columns)
+{
+    if (PyObject_GetBuffer(obj, pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) != 0) return -1;
+    const char *fmt = pb->format ? pb->format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+    if (pb->itemsize != 8 || strchr("qQlL", fmt[0]) == NULL || fmt[1] != 0 || pb->ndim != 2 ||
+        pb->shape[1] != ncols) {
+        PyBuffer_Release(pb);
+        PyErr_Format(PyExc_ValueError, "plan must be a C-contiguous 2-D array of 64-bit integers with %zd columns %s",
+                     ncols, columns);
+        return -1;
+    }
+    return 0;
+}
+
+/*
  * cma_read(plan, threads=1, split_bytes=64 MiB): run rows (pid, remote_addr, local_addr,
  * length) with process_vm_readv, up to CMA_IOV pairs per syscall, GIL released. Only the
  * Python layer decides which rows may go here (same-node peer, host memory) and bounds-
@@ -1626,16 +1645,7 @@ static PyObject *mod_cma_read(PyObject *m, PyObject *args, PyObject *kwds)
     unsigned long long split = 64ull << 20;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|iK", kwlist, &plan_obj, &threads, &split)) return NULL;
     Py_buffer pb;
-    if (PyObject_GetBuffer(plan_obj, &pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) != 0) return NULL;
-    const char *fmt = pb.format ? pb.format : "B";
-    if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
-    if (pb.itemsize != 8 || strchr("qQlL", fmt[0]) == NULL || fmt[1] != 0 || pb.ndim != 2 || pb.shape[1] != 4) {
-        PyBuffer_Release(&pb);
-        PyErr_SetString(PyExc_ValueError,
-                        "plan must be a C-contiguous 2-D array of 64-bit integers with 4 columns "
-                        "(pid, remote_addr, local_addr, length)");
-        return NULL;
-    }
+    if (get_rows(plan_obj, &pb, 4, "(pid, remote_addr, local_addr, length)") != 0) return NULL;
     const uint64_t *rows = (const uint64_t *)pb.buf;
     const size_t n = (size_t)pb.shape[0];
     if (threads < 1) threads = 1;
@@ -1731,16 +1741,7 @@ static PyObject *mod_copy_rows(PyObject *m, PyObject *args, PyObject *kwds)
     unsigned long long split = 8ull << 20;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|iK", kwlist, &plan_obj, &threads, &split)) return NULL;
     Py_buffer pb;
-    if (PyObject_GetBuffer(plan_obj, &pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) != 0) return NULL;
-    const char *fmt = pb.format ? pb.format : "B";
-    if (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
-    if (pb.itemsize != 8 || strchr("qQlL", fmt[0]) == NULL || fmt[1] != 0 || pb.ndim != 2 || pb.shape[1] != 3) {
-        PyBuffer_Release(&pb);
-        PyErr_SetString(PyExc_ValueError,
-                        "plan must be a C-contiguous 2-D array of 64-bit integers with 3 columns "
-                        "(src_addr, dst_addr, length)");
-        return NULL;
-    }
+    if (get_rows(plan_obj, &pb, 3, "(src_addr, dst_addr, length)") != 0) return NULL;
     const uint64_t *rows = (const uint64_t *)pb.buf;
     const size_t n = (size_t)pb.shape[0];
     if (threads < 1) threads = 1;

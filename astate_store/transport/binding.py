@@ -33,8 +33,12 @@ def native() -> Any:
 
 
 def copy_threads() -> int:
-    """Threads for the native ``copy_rows``: the CPUs this process may run on, at most 8
-    (memory bandwidth, not cores, bounds a copy beyond that)."""
+    """Threads for the native ``copy_rows``: ``$ASTATE_COPY_THREADS`` if set, else the CPUs
+    this process may run on, at most 8 (memory bandwidth, not cores, bounds a copy beyond
+    that). Several pulling processes on one host may want fewer each."""
+    env = os.environ.get("ASTATE_COPY_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return min(int(env), 16)
     try:
         return max(1, min(8, len(os.sched_getaffinity(0))))
     except (AttributeError, OSError):

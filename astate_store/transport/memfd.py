@@ -157,68 +157,37 @@ class PeerMapping:
     """A peer's region mapped read-only here; unmapped when the last reference goes.
 
     ``address``: where the region's first byte is mapped in this process. Before rows are
-    copied from it, :meth:`prepare` maps the pages they span: faulting pages one by one
-    cost ~1.4 us per 4 KiB page (0.4 s per GiB) on the first read of a slot, one
-    ``madvise(MADV_POPULATE_READ)`` 0.1 s per GiB. It also starts a thread (GIL released)
-    that does the same for every other page the publisher has written (``mincore``:
-    resident in its memfd), e.g. the next snapshot slot, before it is read. Never at map
-    time, and never pages not written yet (those would be allocated).
+    copied from it, :meth:`prepare` maps the pages they span in one
+    ``madvise(MADV_POPULATE_READ)`` (0.1 s per GiB; faulting them one by one cost ~1.4 us
+    per 4 KiB page, 0.4 s per GiB, on the first read of a slot). Only spans being read:
+    not at map time (pages the publisher has not written would be allocated), and not in
+    the background (a thread prefaulting the rest of a region competed with the pulls on a
+    small host, and a consumer of part of a model prefaulted what it never reads).
     """
+
+    _MAX_SPANS = 16  # a few slots' spans per region; an older one is prefaulted again at worst
 
     def __init__(self, mm: mmap.mmap, delta: int, size: int) -> None:
         self._mm, self._delta, self.size = mm, delta, size
         self.address = _address(mm) + delta
         self._done: list[tuple[int, int]] = []  # region byte spans prefaulted
-        self._busy = False
         self._lock = threading.Lock()
 
     def prepare(self, lo: int, hi: int) -> None:
-        """Prefault region bytes ``[lo, hi)`` unless done; errors leave the pages to fault."""
+        """Prefault region bytes ``[lo, hi)`` unless done; a failure leaves the pages to fault."""
         with self._lock:
             if any(a <= lo and hi <= b for a, b in self._done):
                 return
-            start_bg, self._busy = not self._busy, True
         if _populate(self.address + lo, hi - lo):
             with self._lock:
-                self._done.append((lo, hi))
-        if start_bg:
-            threading.Thread(target=self._prefault_written, name="astate-prefault", daemon=True).start()
-
-    def _prefault_written(self) -> None:
-        try:
-            done = [(a, b) for a, b in _resident_spans(self.address, self.size) if _populate(self.address + a, b - a)]
-        except OSError:
-            done = []
-        with self._lock:
-            self._done = done + [s for s in self._done if not any(a <= s[0] and s[1] <= b for a, b in done)]
-            del self._done[:-64]
-            self._busy = False
+                self._done = [(a, b) for a, b in self._done if not (lo <= a and b <= hi)] + [(lo, hi)]
+                del self._done[:-self._MAX_SPANS]
 
 
 def _populate(address: int, length: int) -> bool:
     page = mmap.PAGESIZE
     start = address // page * page
     return _madvise(start, address + length - start, _MADV_POPULATE_READ) == 0
-
-
-def _resident_spans(address: int, size: int) -> list[tuple[int, int]]:
-    """Byte spans of ``[address, +size)`` (offsets, page-rounded) whose pages are resident."""
-    page = mmap.PAGESIZE
-    start = address // page * page
-    n = -(-(address + size - start) // page)
-    vec = (ctypes.c_ubyte * n)()
-    _libc_fn()
-    if _libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-    res = np.frombuffer(vec, dtype=np.uint8) & 1
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], res, [0])).astype(np.int8)))
-    spans = []
-    for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
-        lo = max(start + a * page - address, 0)
-        hi = min(start + b * page - address, size)
-        spans.append((lo, hi))
-    return spans
 
 
 def _libc_fn() -> None:

@@ -1,7 +1,11 @@
-"""The same-host fast path: a peer's host regions read with batched ``process_vm_readv``.
+"""The same-host fast paths: a peer's host regions read with batched ``process_vm_readv``,
+or copied with ``memcpy`` from the peer's memfd mapped here.
 
 UCX's CMA transport pays ~3.7 us per row (one ``ucp_get_nbx`` each); the extension's
 ``cma_read`` batches up to 1024 rows per syscall with the GIL released, ~1 us per row.
+A region backed by a sealed memfd (a publisher's snapshot staging) is mapped once the
+peer is proven and ``memfd.map_peer_region``'s checks pass; its rows are then the
+extension's ``copy_rows`` (memcpy split over threads, GIL released): no syscall per row.
 
 Rules (the module docstring of ``ucx.py`` has the user-facing summary):
 
