@@ -219,3 +219,28 @@ def test_dead_publisher_gives_typed_error(etcd: Any, transport: str, consumer: A
             store.get_into(whole_buffers(), timeout=10)
     finally:
         g.close()
+
+
+@pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "anonymous"])
+def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publisher processes stage snapshots in sealed memfds: a same-host consumer maps them
+    and copies; with ``ASTATE_MEMFD=0`` they are anonymous and read with process_vm_readv.
+    Byte-exact either way, and across steps that reuse the slots."""
+    if not memfd:
+        monkeypatch.setenv("ASTATE_MEMFD", "0")  # inherited by the spawned publishers
+    g = group(etcd, "shm")
+    s = Store(g.ns, endpoint=etcd.endpoint, transport="shm")
+    try:
+        bufs = whole_buffers()
+        for step in (1, 2, 3):
+            g.put(step)
+            assert s.get_into(bufs, step=step, timeout=30) == step
+            assert_exact(bufs, step)
+        t = s._ctx.transport
+        infos = [t.peer_info(k) for k in t.peers]
+        assert infos and all(i.direct for i in infos)
+        mapped = [m for i in infos for m in i.mapped_regions]
+        assert any(mapped) if memfd else not any(mapped)
+    finally:
+        s.close()
+        g.close()
