@@ -381,6 +381,7 @@ def test_doctor_exits_0_and_names_what_it_found_against_astate_etcd_tls() -> Non
     assert not [c for c in checks.values() if c["status"] == "FAIL"]
     assert checks["ucx"]["status"] == "OK" and "tcp" in checks["ucx"]["detail"]
     assert checks["cma"]["status"] in ("OK", "WARN") and "process_vm_readv" in checks["cma"]["detail"]
+    assert checks["memfd"]["status"] in ("OK", "WARN") and "memfd" in checks["memfd"]["detail"]
     assert "transparent huge pages" in checks["hugepages"]["detail"]
     assert "NUMA node" in checks["numa/nic"]["detail"]
     assert checks["etcd"]["status"] == "OK" and endpoint in checks["etcd"]["detail"]

@@ -161,6 +161,42 @@ def check_cma() -> Check:
                  "shared memory", hint)
 
 
+_MEMFD_CHILD = r"""
+import ctypes, os, sys
+from astate_store.transport.memfd import map_peer_region
+pid, fd, addr, n = (int(a) for a in sys.argv[1:5])
+m = map_peer_region(os.pidfd_open(pid), pid, fd, addr, n)
+print(m if isinstance(m, str) else ctypes.string_at(m.address, n).hex())
+"""
+
+
+def check_memfd() -> Check:
+    """A separate process maps this process's sealed memfd the way a consumer maps a publisher's
+    snapshot (pidfd_getfd, seals, /proc/<pid>/maps) and reads 64 random bytes from it."""
+    from ..transport import memfd
+
+    secret = os.urandom(64)
+    mm = memfd.shared_mapping(1 << 16)
+    if mm is None:
+        return Check("memfd", "WARN", "memfd staging is unavailable or off (ASTATE_MEMFD=0): same-host pulls use "
+                     "process_vm_readv", "")
+    mm[:64] = secret
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    fd = memfd.fd_of(addr, 1 << 16)
+    try:
+        r = subprocess.run([sys.executable, "-c", _MEMFD_CHILD, str(os.getpid()), str(fd), str(addr), "64"],
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Check("memfd", "WARN", f"could not run the probe process: {exc}", "")
+    got = r.stdout.strip()
+    if got == secret.hex():
+        return Check("memfd", "OK", "another process maps this one's sealed memfd staging: same-host pulls are "
+                     "memcpy")
+    why = got or r.stderr.strip()[-200:]
+    return Check("memfd", "WARN", f"mapping a peer's memfd failed ({why}): same-host pulls use process_vm_readv",
+                 "pidfd_getfd needs Linux >= 5.6 and the same ptrace permission as process_vm_readv")
+
+
 def check_shm() -> Check:
     try:
         st = os.statvfs("/dev/shm")
@@ -313,7 +349,7 @@ def run_checks(config_fn: Callable[[], object], etcd_given: bool) -> list[Check]
 
     topo = read_topology()
     checks = check_ucx()
-    checks += [check_ptrace(), check_cma(), check_shm(), check_hugepages(), check_memlock(bool(topo.rdma_ports)),
+    checks += [check_ptrace(), check_cma(), check_memfd(), check_shm(), check_hugepages(), check_memlock(bool(topo.rdma_ports)),
                check_topology(topo), check_etcd_binary()]
     checks += check_etcd(config_fn, etcd_given)
     return checks
