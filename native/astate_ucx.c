@@ -1558,6 +1558,26 @@ static PyTypeObject MemType = {
 /* ---------------------------------------------------------------- same-host reads */
 
 /*
+ * run_jobs: fn over nj jobs (an array of job_size-byte structs), jobs 1.. on their own threads
+ * and job 0 on this one; a job whose thread cannot start runs here. Returns when all are done.
+ */
+#define MAX_JOBS 16
+static void run_jobs(void *(*fn)(void *), void *jobs, size_t job_size, int nj)
+{
+    pthread_t tids[MAX_JOBS];
+    int started[MAX_JOBS] = {0};
+    char *base = jobs;
+    if (nj > MAX_JOBS) nj = MAX_JOBS;
+    for (int t = 1; t < nj; t++)
+        started[t] = pthread_create(&tids[t], NULL, fn, base + (size_t)t * job_size) == 0;
+    for (int t = 1; t < nj; t++)
+        if (!started[t]) fn(base + (size_t)t * job_size);
+    fn(base);
+    for (int t = 1; t < nj; t++)
+        if (started[t]) pthread_join(tids[t], NULL);
+}
+
+/*
  * get_rows: a C-contiguous (n, ncols) buffer of 64-bit integers (a plan of rows), or -1 with
  * ValueError naming the columns. On success the caller releases pb.
  */
@@ -1577,6 +1597,23 @@ static int get_rows(PyObject *obj, Py_buffer *pb, Py_ssize_t ncols, const char *
 }
 
 /*
+ * rows_call: the arguments (plan, threads=, split_bytes=) of cma_read and copy_rows; threads
+ * clamped to 1..MAX_JOBS, split_bytes left at the caller's default when not given. On success the
+ * caller releases pb.
+ */
+static int rows_call(PyObject *args, PyObject *kwds, Py_buffer *pb, Py_ssize_t ncols, const char *columns,
+                     int *threads, unsigned long long *split)
+{
+    static char *kwlist[] = {"plan", "threads", "split_bytes", NULL};
+    PyObject *plan_obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|iK", kwlist, &plan_obj, threads, split)) return -1;
+    if (get_rows(plan_obj, pb, ncols, columns) != 0) return -1;
+    if (*threads < 1) *threads = 1;
+    if (*threads > MAX_JOBS) *threads = MAX_JOBS;
+    return 0;
+}
+
+/*
  * cma_read(plan, threads=1, split_bytes=64 MiB): run rows (pid, remote_addr, local_addr,
  * length) with process_vm_readv, up to CMA_IOV pairs per syscall, GIL released. Only the
  * Python layer decides which rows may go here (same-node peer, host memory) and bounds-
@@ -1586,7 +1623,6 @@ static int get_rows(PyObject *obj, Py_buffer *pb, Py_ssize_t ncols, const char *
  * Errors raise OSError(errno) with .pid and .row (first row of the failing batch).
  */
 #define CMA_IOV 1024 /* IOV_MAX */
-#define CMA_MAX_THREADS 16
 
 typedef struct {
     const uint64_t *rows;
@@ -1639,20 +1675,13 @@ static void *cma_job(void *arg)
 
 static PyObject *mod_cma_read(PyObject *m, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"plan", "threads", "split_bytes", NULL};
-    PyObject *plan_obj;
+    Py_buffer pb;
     int threads = 1;
     unsigned long long split = 64ull << 20;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|iK", kwlist, &plan_obj, &threads, &split)) return NULL;
-    Py_buffer pb;
-    if (get_rows(plan_obj, &pb, 4, "(pid, remote_addr, local_addr, length)") != 0) return NULL;
+    if (rows_call(args, kwds, &pb, 4, "(pid, remote_addr, local_addr, length)", &threads, &split) != 0) return NULL;
     const uint64_t *rows = (const uint64_t *)pb.buf;
     const size_t n = (size_t)pb.shape[0];
-    if (threads < 1) threads = 1;
-    if (threads > CMA_MAX_THREADS) threads = CMA_MAX_THREADS;
-    cma_job_t jobs[CMA_MAX_THREADS];
-    pthread_t tids[CMA_MAX_THREADS];
-    int started[CMA_MAX_THREADS] = {0};
+    cma_job_t jobs[MAX_JOBS];
     int nj = 1;
 
     Py_BEGIN_ALLOW_THREADS
@@ -1671,13 +1700,7 @@ static PyObject *mod_cma_read(PyObject *m, PyObject *args, PyObject *kwds)
             jobs[t].hi = i;
         }
     }
-    for (int t = 1; t < nj; t++)
-        started[t] = pthread_create(&tids[t], NULL, cma_job, &jobs[t]) == 0;
-    for (int t = 1; t < nj; t++)
-        if (!started[t]) cma_job(&jobs[t]); /* could not start a thread: run it here */
-    cma_job(&jobs[0]);
-    for (int t = 1; t < nj; t++)
-        if (started[t]) pthread_join(tids[t], NULL);
+    run_jobs(cma_job, jobs, sizeof(jobs[0]), nj);
     Py_END_ALLOW_THREADS
 
     PyBuffer_Release(&pb);
@@ -1709,7 +1732,6 @@ static PyObject *mod_cma_read(PyObject *m, PyObject *args, PyObject *kwds)
  * threads > 1 and more than split_bytes in total, the bytes are cut into equal contiguous
  * ranges, one per thread, cutting inside rows where needed (one huge row still spreads).
  */
-#define COPY_MAX_THREADS 16
 
 typedef struct {
     const uint64_t *rows;
@@ -1735,20 +1757,13 @@ static void *copy_job(void *arg)
 
 static PyObject *mod_copy_rows(PyObject *m, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"plan", "threads", "split_bytes", NULL};
-    PyObject *plan_obj;
+    Py_buffer pb;
     int threads = 1;
     unsigned long long split = 8ull << 20;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|iK", kwlist, &plan_obj, &threads, &split)) return NULL;
-    Py_buffer pb;
-    if (get_rows(plan_obj, &pb, 3, "(src_addr, dst_addr, length)") != 0) return NULL;
+    if (rows_call(args, kwds, &pb, 3, "(src_addr, dst_addr, length)", &threads, &split) != 0) return NULL;
     const uint64_t *rows = (const uint64_t *)pb.buf;
     const size_t n = (size_t)pb.shape[0];
-    if (threads < 1) threads = 1;
-    if (threads > COPY_MAX_THREADS) threads = COPY_MAX_THREADS;
-    copy_job_t jobs[COPY_MAX_THREADS];
-    pthread_t tids[COPY_MAX_THREADS];
-    int started[COPY_MAX_THREADS] = {0};
+    copy_job_t jobs[MAX_JOBS];
 
     Py_BEGIN_ALLOW_THREADS
     uint64_t total = 0;
@@ -1763,13 +1778,7 @@ static PyObject *mod_copy_rows(PyObject *m, PyObject *args, PyObject *kwds)
         while (i < n && before + rows[3 * i + 2] <= lo) before += rows[3 * i++ + 2];
         jobs[t] = (copy_job_t){rows, i, n, lo - before, hi - lo};
     }
-    for (int t = 1; t < nj; t++)
-        started[t] = pthread_create(&tids[t], NULL, copy_job, &jobs[t]) == 0;
-    for (int t = 1; t < nj; t++)
-        if (!started[t]) copy_job(&jobs[t]); /* could not start a thread: run it here */
-    copy_job(&jobs[0]);
-    for (int t = 1; t < nj; t++)
-        if (started[t]) pthread_join(tids[t], NULL);
+    run_jobs(copy_job, jobs, sizeof(jobs[0]), nj);
     Py_END_ALLOW_THREADS
 
     PyBuffer_Release(&pb);

@@ -139,21 +139,29 @@ print(buf.raw.hex() if got == n else "errno %d" % ctypes.get_errno())
 """
 
 
+def _probe(flags: list[str], script: str, args: list[int]) -> str:
+    """What a separate Python process running ``script`` prints (or its error's tail).
+
+    Raises:
+        OSError, subprocess.SubprocessError: the process could not run.
+    """
+    r = subprocess.run([sys.executable, *flags, "-c", script, *map(str, args)], capture_output=True, text=True,
+                       timeout=60)
+    return r.stdout.strip() or r.stderr.strip()[-200:]
+
+
 def check_cma() -> Check:
     """A separate process (not a descendant's view: the child reads its parent, as one peer reads
     another) reads 64 random bytes of this process with process_vm_readv."""
     secret = os.urandom(64)
     buf = ctypes.create_string_buffer(secret, len(secret))
     try:
-        r = subprocess.run([sys.executable, "-S", "-c", _CMA_CHILD, str(os.getpid()), str(ctypes.addressof(buf)),
-                            str(len(secret))], capture_output=True, text=True, timeout=30)
+        why = _probe(["-S"], _CMA_CHILD, [os.getpid(), ctypes.addressof(buf), len(secret)])
     except (OSError, subprocess.SubprocessError) as exc:
         return Check("cma", "WARN", f"could not run the probe process: {exc}", "")
-    got = r.stdout.strip()
-    if got == secret.hex():
+    if why == secret.hex():
         return Check("cma", "OK", "process_vm_readv from another process works: same-host pulls take the "
                      "direct path")
-    why = got or r.stderr.strip()[-200:]
     hint = ("EPERM: allow ptrace between peers (kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE; in containers "
             "a seccomp profile may block process_vm_readv)") if "errno 1" in why else \
         "process_vm_readv is unavailable (ENOSYS) or blocked by seccomp"
@@ -184,15 +192,12 @@ def check_memfd() -> Check:
     addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
     fd = memfd.fd_of(addr, 1 << 16)
     try:
-        r = subprocess.run([sys.executable, "-c", _MEMFD_CHILD, str(os.getpid()), str(fd), str(addr), "64"],
-                           capture_output=True, text=True, timeout=60)
+        why = _probe([], _MEMFD_CHILD, [os.getpid(), fd, addr, 64])
     except (OSError, subprocess.SubprocessError) as exc:
         return Check("memfd", "WARN", f"could not run the probe process: {exc}", "")
-    got = r.stdout.strip()
-    if got == secret.hex():
+    if why == secret.hex():
         return Check("memfd", "OK", "another process maps this one's sealed memfd staging: same-host pulls are "
                      "memcpy")
-    why = got or r.stderr.strip()[-200:]
     return Check("memfd", "WARN", f"mapping a peer's memfd failed ({why}): same-host pulls use process_vm_readv",
                  "pidfd_getfd needs Linux >= 5.6 and the same ptrace permission as process_vm_readv")
 
