@@ -25,7 +25,8 @@ Cases (``--cases``, comma list; default all):
 References (same bytes, same run): ``memcpy_gbps`` (torch ``copy_``, best of a few, torch's default
 threads) and ``gloo_gbps`` (torch.distributed gloo broadcast between 2 processes, median).
 
-Per case: gbps/seconds (median, steady state), first_step_seconds, step_seconds, transport_seconds (inside
+Per case: gbps/seconds (median, steady state), first_step_seconds, step_seconds, put_step_seconds (the slower
+trainer rank's put per step), transport_seconds (inside
 the batched UCX get), user/sys/gc_seconds of the busiest rollout process, ucx_rows (UCX reads per step),
 verified (checksums), store_stats.
 

@@ -167,8 +167,8 @@ class PeerMapping:
 
     _MAX_SPANS = 16  # a few slots' spans per region; an older one is prefaulted again at worst
 
-    def __init__(self, mm: mmap.mmap, delta: int, size: int) -> None:
-        self._mm, self._delta, self.size = mm, delta, size
+    def __init__(self, mm: mmap.mmap, delta: int) -> None:
+        self._mm = mm  # the mapping lives as long as this object
         self.address = _address(mm) + delta
         self._done: list[tuple[int, int]] = []  # region byte spans prefaulted
         self._lock = threading.Lock()
@@ -234,4 +234,4 @@ def map_peer_region(pidfd: int, pid: int, fd_num: int, base: int, size: int) -> 
         return f"cannot map its memfd ({exc})"
     finally:
         os.close(fd)
-    return PeerMapping(mm, off - lo, size)
+    return PeerMapping(mm, off - lo)
