@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -89,7 +90,23 @@ class StoreContext:
             apply_env(self.affinity)
             with pinned(self.affinity.cpus):
                 self._transport = self._factory(self.options.transport, self.options.window)
+            if isinstance(self._transport, UcxTransport) and not self._transport.stream_host:
+                self._transport.stream_host = self._stream_host()
         return self._transport
+
+    def _stream_host(self) -> str | None:
+        """The address this process reaches etcd from: the interface consumers on other hosts
+        reach it by too (the stream server binds and publishes it; loopback when etcd is local)."""
+        try:
+            host, _, port = self.catalog.client.config.endpoints[0].rpartition(":")
+            host = host.strip("[]")
+            info = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
+            with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+                s.connect(info[4])  # UDP: picks the route's source address, sends nothing
+                return str(s.getsockname()[0])
+        except (OSError, ValueError, IndexError, AttributeError) as exc:
+            log.info("no stream address from the etcd endpoint (%s): the transport's default is used", exc)
+            return None
 
     def alloc(self, nbytes: int, device: torch.device, *, shared: bool = False) -> torch.Tensor:
         """Staging memory: on the GPU for CUDA tensors, else on this store's NUMA node

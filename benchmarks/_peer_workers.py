@@ -391,6 +391,102 @@ def mooncake_consumer(cfg: dict[str, Any], pubs: dict[int, Any], out: Any) -> No
     _answer(out, "consumer", run)
 
 
+# ---------------------------------------------------------------------------------------- stream
+
+
+STREAM_IOV = 1024  # buffers per sendmsg / recvmsg_into call (Linux IOV_MAX)
+
+
+def _views(mv: memoryview, rows: np.ndarray, col: int) -> list[memoryview]:
+    """One memoryview per read row: at column ``col`` (0: source offset, 1: destination)."""
+    return [mv[int(o):int(o) + int(n)] for o, n in zip(rows[:, col], rows[:, 2])]
+
+
+def _batches(views: list[memoryview]) -> list[list[memoryview]]:
+    return [views[i:i + STREAM_IOV] for i in range(0, len(views), STREAM_IOV)]
+
+
+def _drain(call: Callable[[list[memoryview]], int], batch: list[memoryview]) -> None:
+    """Calls ``call`` (a sendmsg / recvmsg_into over ``batch``) until every byte of the batch
+    moved: a call may move part of the buffers."""
+    while batch:
+        n = call(batch)
+        if n <= 0:
+            raise ConnectionError("stream peer closed the connection")
+        while batch and n >= len(batch[0]):
+            n -= len(batch[0])
+            batch = batch[1:]
+        if n:
+            batch = [batch[0][n:], *batch[1:]]
+
+
+def stream_publisher(rank: int, cfg: dict[str, Any], out: Any, stop: Any) -> None:
+    """A trainer rank that streams its plan ranges, in plan order, to a rollout that asks: the
+    two-sided design a store without one-sided reads would use (no per-read request)."""
+    import socket
+
+    ready = threading.Event()
+    info: dict[str, Any] = {}
+
+    def serve() -> None:
+        work = build_work(cfg["gib"])
+        region = make_region(work, rank)
+        batches = _batches(_views(memoryview(region.numpy()), work.reads[rank], 0))
+        ls = socket.create_server((cfg["host"], 0))
+        info["addr"] = (cfg["host"], ls.getsockname()[1])
+        ready.set()
+        conn, _ = ls.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while conn.recv(1) == b"g":  # one request per pull; b"" (closed): done
+            for b in batches:
+                _drain(conn.sendmsg, b)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    _answer(out, f"pub{rank}", lambda: (ready.wait(300), info["addr"])[1])
+    stop.wait(600)
+
+
+def stream_consumer(cfg: dict[str, Any], pubs: dict[int, Any], out: Any) -> None:
+    """The rollout: per trainer rank one connection and one thread scattering its stream into the
+    rows' destinations (``recvmsg_into``, 1,024 buffers a call)."""
+    import socket
+
+    def run() -> dict[str, Any]:
+        work = build_work(cfg["gib"])
+        flat = torch.zeros(work.dst_bytes, dtype=torch.uint8)
+        mv = memoryview(flat.numpy())
+        conns = [socket.create_connection(tuple(pubs[r]), timeout=120) for r in range(TP)]
+        plans = [_batches(_views(mv, work.reads[r], 1)) for r in range(TP)]
+        errors: list[str] = []
+
+        def lane(r: int) -> None:
+            try:
+                for b in plans[r]:
+                    _drain(lambda bufs: conns[r].recvmsg_into(bufs)[0], b)
+            except Exception as exc:  # noqa: BLE001 - re-raised by once()
+                errors.append(f"rank {r}: {exc}")
+
+        def once() -> None:
+            for c in conns:
+                c.sendall(b"g")
+            ts = [threading.Thread(target=lane, args=(r,)) for r in range(1, TP)]
+            for t in ts:
+                t.start()
+            lane(0)
+            for t in ts:
+                t.join()
+            if errors:
+                raise RuntimeError(errors[0])
+
+        res = timed_runs(work, flat, once, cfg["iters"])
+        for c in conns:
+            c.close()
+        return res
+
+    _answer(out, "consumer", run)
+
+
 def entry(fn: str, out: Any, *args: Any) -> None:
     """Process entry point: run ``fn(*args)``; ``out`` is the driver's answer queue. (In the
     two-host case the driver starts the process through ``ip netns exec``, which also mounts
@@ -446,4 +542,5 @@ ROLES: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
     "ours": (ours_publisher, ours_consumer),
     "nixl": (nixl_publisher, nixl_consumer),
     "mooncake": (mooncake_publisher, mooncake_consumer),
+    "stream": (stream_publisher, stream_consumer),
 }

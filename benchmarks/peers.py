@@ -16,6 +16,11 @@ exactly those ranges into one preallocated flat buffer:
   tcp runs use our tcp mode's UCX settings (``UCX_TLS=tcp,self``, 1 MiB segments);
 * ``mooncake``: Mooncake Transfer Engine (tcp, ``P2PHANDSHAKE``), ``batch_transfer_sync_read`` in
   batches of <= 1024, one thread per trainer rank;
+* ``stream`` (tcp modes): the two-sided design bare, in plain Python sockets: a trainer rank streams the
+  source bytes of its reads in plan order (``sendmsg``, 1,024 buffers a call) to the rollout, which
+  scatters them into their destinations (``recvmsg_into``, one thread per trainer rank); one request
+  byte per pull. Our tcp path is this design inside the store (``transport/stream.py``: plan rows as the
+  request, keys and bounds checked), so ``ratio_stream`` is the store's overhead on it;
 * ``memcpy``: torch ``copy_`` of the same number of bytes in one process (best of a few);
 * ``gloo``: a torch.distributed gloo broadcast of the same number of bytes between 2 processes.
 
@@ -26,8 +31,8 @@ Modes: ``--transport shm`` (default: one host, shared memory where a system can 
 ``--transport tcp`` (one host, loopback tcp for everyone), ``--hosts 2`` (two network-namespace
 hosts joined by a veth link, tcp; needs root and iproute2; trainers on host A, rollout on host B).
 
-Keys: ours_gbps, nixl_gbps, mooncake_gbps, memcpy_gbps, gloo_gbps, ratio_nixl, ratio_mooncake,
-ratio_memcpy, ratio_gloo (ours / the other), null_reasons{system: why}, systems{...details}.
+Keys: ours_gbps, nixl_gbps, mooncake_gbps, stream_gbps, memcpy_gbps, gloo_gbps, ratio_nixl, ratio_mooncake,
+ratio_stream, ratio_memcpy, ratio_gloo (ours / the other), null_reasons{system: why}, systems{...details}.
 A system that cannot be installed or run reports null and the reason.
 """
 
@@ -67,7 +72,7 @@ CUDA_ONLY = {
     "checkpoint_engine": "checkpoint-engine 0.4.2 installs on CPU torch but its ParameterServer accepts only "
                          "CUDA/NPU devices",
 }
-SYSTEMS = ("ours", "nixl", "mooncake", "memcpy", "gloo")
+SYSTEMS = ("ours", "nixl", "mooncake", "stream", "memcpy", "gloo")
 IMPORTS = {"nixl": "nixl_cu12", "mooncake": "mooncake.engine"}
 INSTALL_HINT = {"nixl": "pip install nixl-cu12 (torch pinned first), or pip install -e .[peers]",
                 "mooncake": "pip install mooncake-transfer-engine-non-cuda and apt-get install libibverbs1"}
@@ -279,6 +284,8 @@ def configs(args: argparse.Namespace, hosts: Hosts, endpoint: str | None) -> Ite
     yield "nixl", dict(base, prog_thread=False, pub_prog_thread=tcp, env=ucx_tcp if tcp else {},
                        pub_poll_s=float(os.environ.get("PEERS_NIXL_POLL_S", "0.001")))
     yield "mooncake", dict(base, host=hosts.a_addr, con_host=hosts.b_addr)
+    if tcp:
+        yield "stream", dict(base, host=hosts.a_addr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp"], help="one host: shared memory or tcp")
     ap.add_argument("--hosts", type=int, default=1, choices=[1, 2],
                     help="2: trainers and rollout in two network namespaces over a veth link (tcp; root)")
-    ap.add_argument("--only", default="ours,nixl,mooncake,memcpy,gloo", help="comma list of systems to run")
+    ap.add_argument("--only", default=",".join(SYSTEMS), help="comma list of systems to run")
     args = ap.parse_args(argv)
     if args.gib <= 0 or args.iters < 1:
         ap.error("--gib must be > 0 and --iters >= 1")
@@ -344,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         if not ok and name not in reasons:
             reasons[name] = ("not run (--only)" if s is None else
                              s.get("error", "result not verified: bytes differ") if isinstance(s, dict) else "?")
-    for other in ("nixl", "mooncake", "memcpy", "gloo"):
+    if args.transport == "shm" and args.hosts == 1:
+        reasons.setdefault("stream", "a tcp socket stream: run in the tcp modes only")
+    for other in ("nixl", "mooncake", "stream", "memcpy", "gloo"):
         out[f"ratio_{other}"] = _ratio(out["ours_gbps"], out[f"{other}_gbps"])
     out["torchstore_gbps"] = out["checkpoint_engine_gbps"] = None
     out["null_reasons"] = reasons

@@ -49,7 +49,9 @@ def main() -> None:
             want = _weights(got)
             exact = bool(torch.equal(cols["w"].tensor, want["w"][:, 512:]) and torch.equal(cols["b"], want["b"]))
             peers = [s.transport.endpoint_info(p) for p in s.transport.peers]
-            _emit(got=got, exact=exact, tcp=all("tcp" in p for p in peers), peers=len(peers), info=peers[0][:400])
+            streamed = [s.transport.peer_info(p).streamed for p in s.transport.peers]
+            _emit(got=got, exact=exact, tcp=all("tcp" in p for p in peers), peers=len(peers), info=peers[0][:400],
+                  streamed=streamed, streamed_bytes=s.transport.streamed_bytes)
 
 
 if __name__ == "__main__":

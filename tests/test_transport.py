@@ -808,7 +808,7 @@ def test_timed_out_get_leaves_no_read_in_flight() -> None:
     n = 64 << 20
     peer = Peer("tcp", [n])
     try:
-        with UcxTransport("tcp") as t:
+        with UcxTransport("tcp", stream=False) as t:  # UCX's requests (streamed: test_stream.py)
             t.connect("p", peer.descriptor)
             dst = torch.zeros(n, dtype=torch.uint8)
             ops = ops_for([(t.peer_index("p"), 0, 0, dst.data_ptr(), n)] * 32)  # 2 GiB over tcp: seconds
@@ -840,7 +840,7 @@ def test_dropping_native_objects_during_a_long_get_does_not_freeze_python() -> N
     must wait for it without holding the GIL."""
     peer = Peer("tcp", [1 << 20])
     try:
-        with UcxTransport("tcp") as t:
+        with UcxTransport("tcp", stream=False) as t:  # the UCX worker lock is what is tested
             t.connect("p", peer.descriptor)
             ep = t._peers.get("p").ep
             keys = [ep.unpack_rkey(PeerDescriptor.from_dict(peer.descriptor).regions[0].rkey)]

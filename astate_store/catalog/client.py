@@ -294,6 +294,10 @@ class _KeepAlive(threading.Thread):
                     self.lost = True
                     log.error("lease %x lost: etcd unreachable for %.1fs (%s)", self.lease_id, self.ttl, exc)
                     return
+            except ValueError:  # grpc's "Channel closed": the client closed while this refresh was starting
+                if self.stop_event.is_set() or self.stop_event.wait(1.0):
+                    return
+                raise
 
 
 class EtcdClient:

@@ -26,6 +26,8 @@ from typing import Any, Hashable, Mapping
 import numpy as np
 
 from ..errors import TransportError
+from .stream import KEY_BYTES as STREAM_KEY_BYTES
+from .stream import parse_address
 
 __all__ = [
     "MAX_REGIONS",
@@ -99,6 +101,7 @@ class RegionInfo:
     rkey: bytes
     memory_type: str = "host"
     memfd: int = -1  # fd number of the memfd mapped over the region in its process (memfd.py); -1: none
+    stream_key: bytes = b""  # the key a streamed read of this region must name (stream.py); b"": not streamed
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"base": self.base, "size": self.size, "rkey": self.rkey}
@@ -106,6 +109,8 @@ class RegionInfo:
             d["memory_type"] = self.memory_type
         if self.memfd >= 0:
             d["memfd"] = self.memfd
+        if self.stream_key:
+            d["stream_key"] = self.stream_key
         return d
 
     @classmethod
@@ -135,7 +140,10 @@ class RegionInfo:
         memfd = _int_field(d, "memfd", what) if "memfd" in d else -1
         if not -1 <= memfd < 2**31:
             raise TransportError(f"malformed {what}: memfd {memfd} is not a file descriptor number")
-        return cls(base, size, rkey, str(mtype), memfd)
+        skey = _bytes_field(d, "stream_key", what, STREAM_KEY_BYTES) if "stream_key" in d else b""
+        if skey and len(skey) != STREAM_KEY_BYTES:
+            raise TransportError(f"malformed {what}: stream_key of {len(skey)} bytes (want {STREAM_KEY_BYTES})")
+        return cls(base, size, rkey, str(mtype), memfd, skey)
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,8 @@ class PeerDescriptor:
     (hostname), ``node`` (an id equal for processes that can share memory: boot id and
     pid/ipc/mount namespaces), ``pid`` (int), ``shm`` (bool: the publisher's UCX
     context has shared-memory/CMA transports) and ``regions`` (list of
-    ``{"base", "size", "rkey"[, "memory_type"]}``).
+    ``{"base", "size", "rkey"[, "memory_type", "memfd", "stream_key"]}``); ``stream``
+    (optional): ``"ip:port"`` of its streamed-read server (``stream.py``).
 
     ``proof``: the publisher's proof region (a small registered buffer holding a random
     nonce, see ``same_host``). On the wire it is the *last* entry of ``regions``, its
@@ -167,6 +176,7 @@ class PeerDescriptor:
     shm: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
     proof: RegionInfo | None = None
+    stream: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = dict(self.extra)
@@ -184,6 +194,8 @@ class PeerDescriptor:
             shm=self.shm,
             regions=regions,
         )
+        if self.stream:
+            d["stream"] = self.stream
         return d
 
     @classmethod
@@ -224,7 +236,10 @@ class PeerDescriptor:
         shm = d.get("shm", False)
         if not isinstance(shm, bool):
             raise TransportError(f"malformed {what}: 'shm' must be a bool")
-        known = {"kind", "worker_address", "regions", "host", "node", "pid", "shm"}
+        stream = d.get("stream", "")
+        if stream != "":
+            parse_address(stream)
+        known = {"kind", "worker_address", "regions", "host", "node", "pid", "shm", "stream"}
         return cls(
             kind=kind,
             worker_address=addr,
@@ -235,6 +250,7 @@ class PeerDescriptor:
             shm=shm,
             extra={k: v for k, v in d.items() if k not in known},
             proof=proof,
+            stream=stream,
         )
 
 

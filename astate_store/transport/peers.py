@@ -16,6 +16,7 @@ import numpy as np
 
 from .base import PeerDescriptor, RegionInfo
 from .binding import native, typed_error
+from .stream import KEY_DT
 
 __all__ = ["Peer", "PeerInfo", "PeerSnapshot", "PeerTable", "open_endpoint"]
 
@@ -39,7 +40,8 @@ class PeerInfo:
     process behind the endpoint (``same_host``); None is not produced any more (kept
     for callers that test for it). ``direct_regions``: per region of its descriptor,
     whether rows may take that path. ``mapped_regions``: per region, whether its memfd is
-    mapped here (rows are then plain copies; ``memfd.py``).
+    mapped here (rows are then plain copies; ``memfd.py``). ``streamed``: rows of its host
+    regions are streamed over tcp (``stream.py``) instead of read with UCX.
     """
 
     index: int
@@ -48,6 +50,7 @@ class PeerInfo:
     direct: bool | None
     direct_regions: tuple[bool, ...]
     mapped_regions: tuple[bool, ...] = ()
+    streamed: bool = False
 
 
 @dataclass
@@ -68,6 +71,11 @@ class Peer:
     def needs_new_endpoint(self, d: PeerDescriptor) -> bool:
         """Whether ``d`` cannot be served by the current endpoint."""
         return self.desc.worker_address != d.worker_address or self.ep.failed or self.ep.closed
+
+    def streams(self) -> bool:
+        """Rows of this peer may be streamed: it has a stream server and UCX reaches it over tcp
+        (same-host peers keep shared memory, which is faster)."""
+        return bool(self.desc.stream) and not self.direct and bool(self.ep.peer_error_handling)
 
     def region_direct(self, r: RegionInfo) -> bool:
         """Rows of region ``r`` may use process_vm_readv (only host memory can)."""
@@ -117,6 +125,7 @@ class Peer:
             direct_regions=tuple(self.region_direct(r) for r, _ in zip(self.desc.regions, self.rkeys)),
             mapped_regions=tuple(bool(self.direct) and i < len(self.maps) and self.maps[i] is not None
                                  for i in range(len(self.desc.regions))),
+            streamed=self.streams(),
         )
 
 
@@ -142,6 +151,10 @@ class PeerSnapshot:
     n_direct: int  # peers on the direct path
     mapped: np.ndarray  # uint64 per flat region: address of its memfd mapped here (memcpy path), 0 = none
     maps: dict[int, Any] = field(default_factory=dict)  # flat region -> its PeerMapping (alive with this snapshot)
+    # bool per flat region: rows may be streamed (stream.py: a tcp peer with a stream server and a key for it)
+    stream: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    # peer index -> (peer key, stream address, stream.KEY_DT keys of its streamable regions)
+    streams: dict[int, tuple[Hashable, str, np.ndarray]] = field(default_factory=dict)
 
 
 def open_endpoint(worker: Any, d: PeerDescriptor, *, peer_mode: bool, timeout: float, where: str) -> Any:
@@ -261,6 +274,8 @@ class PeerTable:
         direct: list[bool] = []
         mapped: list[int] = []
         maps: dict[int, Any] = {}
+        stream: list[bool] = []
+        streams: dict[int, tuple[Hashable, str, np.ndarray]] = {}
         n_direct = 0
         for p in self._peers.values():
             if p.direct:
@@ -271,7 +286,13 @@ class PeerTable:
             keys[p.index] = p.key
             reg_off[p.index] = len(base)
             reg_n[p.index] = len(p.desc.regions)
+            streamed = p.streams()
+            keys_of: list[tuple[int, bytes]] = []
             for i, (r, rk) in enumerate(zip(p.desc.regions, p.rkeys)):
+                s_ok = streamed and rk is not None and r.memory_type == "host" and bool(r.stream_key)
+                stream.append(s_ok)
+                if s_ok:
+                    keys_of.append((i, r.stream_key))
                 base.append(r.base)
                 size.append(r.size if rk is not None else 0)  # unregistered: every read is out of bounds
                 direct.append(p.region_direct(r))
@@ -284,6 +305,8 @@ class PeerTable:
                 else:
                     rkey_pos.append(len(rkeys))
                     rkeys.append(rk)
+            if keys_of:
+                streams[p.index] = (p.key, p.desc.stream, np.array(keys_of, dtype=KEY_DT))
         s = PeerSnapshot(
             ep_pos,
             reg_off,
@@ -299,6 +322,8 @@ class PeerTable:
             n_direct,
             np.array(mapped, dtype=np.uint64),
             maps,
+            np.array(stream, dtype=bool),
+            streams,
         )
         self._snapshot = s
         return s

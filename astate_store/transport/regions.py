@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TransportError
-from . import memfd
+from . import memfd, stream
 from .base import RegionInfo
 from .binding import native, typed_error
 
@@ -101,7 +101,9 @@ class LocalRegions:
                 raise typed_error(exc, f"registering {nbytes} bytes at 0x{address:x} ({memory_type})") from exc
             rkey = memh.rkey()
         fd = memfd.fd_of(address, nbytes) if memory_type == "host" else -1
-        reg = LocalRegion(RegionInfo(address, nbytes, rkey, memory_type, fd), memh, keepalive, memory_type)
+        # Streamed (tcp) reads serve only host memory whose storage they can hold during a send.
+        skey = stream.new_key() if memory_type == "host" and keepalive is not None and nbytes > 0 else b""
+        reg = LocalRegion(RegionInfo(address, nbytes, rkey, memory_type, fd, skey), memh, keepalive, memory_type)
         if len(self._free) > _REUSE_AFTER:
             idx = self._free.popleft()
             self._slots[idx] = reg
@@ -129,6 +131,16 @@ class LocalRegions:
         self._slots[region] = LocalRegion(RegionInfo(reg.info.base, 0, b""))
         self._free.append(region)
         self._snapshot = None
+
+    def served(self, region: int) -> "stream.Served | None":
+        """What a streamed read may take of slot ``region``: None unless it is live, host memory
+        and has a stream key."""
+        if not 0 <= region < len(self._slots):
+            return None
+        r = self._slots[region]
+        if r.memh is None or not r.info.stream_key or r.keepalive is None:
+            return None
+        return stream.Served(r.info.base, r.info.size, r.info.stream_key, r.keepalive)
 
     def info(self, region: int) -> RegionInfo:
         """Slot ``region`` (IndexError if there is none)."""

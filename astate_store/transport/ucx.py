@@ -69,6 +69,8 @@ a dead, unreachable or timed-out peer raises
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import threading
 from typing import Any, Hashable, Mapping, Sequence
@@ -79,13 +81,17 @@ from ..errors import TransportError
 from .base import PeerDescriptor, RegionInfo, Transport
 from .binding import native, typed_error
 from .config import MODES, Mode, direct_from_env, effective_config, tls_has_shm
-from .peers import Peer, PeerInfo, PeerTable, open_endpoint
-from .regions import LocalRegions
-from .rows import check_ops, resolve_rows
+from .peers import Peer, PeerInfo, PeerSnapshot, PeerTable, open_endpoint
+from .regions import LocalRegions, LocalSnapshot
+from .rows import Rows, check_ops, resolve_rows
 from .same_host import ProcessIdentity, Proof, SameHostReader
+from .stream import Served, StreamReader, StreamServer, jobs_for
+from .stream import enabled as stream_enabled
 from .ucx_get import UcxReader
 
 __all__ = ["UcxTransport", "PeerInfo", "native", "MODES", "Mode"]
+
+log = logging.getLogger(__name__)
 
 
 def _mtype(tensor: Any) -> str:
@@ -114,6 +120,11 @@ class UcxTransport(Transport):
     copy_threads: threads of the fast path (None: every CPU this process may use, up to 8,
         for mapped memfd regions, and one for ``process_vm_readv``, where a second thread
         measured slower; a number: that many for both, cma only for plans over 64 MiB).
+    stream: streamed reads for peers reached over tcp (``stream.py``; default: on unless
+        ``ASTATE_STREAM=0``): this transport serves its host regions on a TCP port (in modes
+        ``tcp`` and ``auto``, from its first descriptor on) and reads such peers' rows that way.
+    stream_host: the IP address the stream server binds to and publishes (default:
+        ``ASTATE_STREAM_HOST``, else 127.0.0.1; a store sets the address it reaches etcd from).
     """
 
     kind = "ucx"
@@ -128,6 +139,8 @@ class UcxTransport(Transport):
         connect_timeout: float = 10.0,
         direct: bool | None = None,
         copy_threads: int | None = None,
+        stream: bool | None = None,
+        stream_host: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -160,6 +173,11 @@ class UcxTransport(Transport):
         self._same_host = SameHostReader(self._peers, self._lock, self._me.host, self._worker,
                                          self.connect_timeout)
         self._ucx_reader = UcxReader(self._worker, self._peers, self._lock, self._me)
+        self.stream = (stream_enabled() if stream is None else bool(stream)) and mode in ("tcp", "auto")
+        self.stream_host = stream_host or os.environ.get("ASTATE_STREAM_HOST") or None
+        self._stream_server: StreamServer | None = None
+        self._stream_failed = False
+        self._stream_reader = StreamReader()
         self._closed = False
 
     @staticmethod
@@ -198,7 +216,8 @@ class UcxTransport(Transport):
         ``process_vm_readv`` path serves it, per region too. See :class:`PeerInfo`.
         """
         with self._lock:
-            return self._peers.require(peer).info()
+            info = self._peers.require(peer).info()
+        return info if self.stream or not info.streamed else dataclasses.replace(info, streamed=False)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -253,11 +272,37 @@ class UcxTransport(Transport):
         """pidfds held for peers on the same-host path."""
         return self._same_host.pidfds
 
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes this transport has read over the stream path (``stream.py``) so far."""
+        return self._stream_reader.bytes
+
+    @property
+    def stream_address(self) -> str:
+        """``ip:port`` of this transport's stream server ("" until the first descriptor, or off)."""
+        return self._stream_server.address if self._stream_server is not None else ""
+
+    def _ensure_stream_server(self) -> str:
+        if self.stream and self._stream_server is None and not self._stream_failed:
+            host = self.stream_host or "127.0.0.1"
+            try:
+                self._stream_server = StreamServer(host, self._served)
+            except (OSError, ValueError) as exc:
+                log.warning("stream server on %s could not start (%s): peers read this process through UCX",
+                            host, exc)
+                self._stream_failed = True
+        return self.stream_address
+
+    def _served(self, region: int) -> Served | None:
+        with self._lock:
+            return None if self._closed else self._regions.served(region)
+
     def descriptor(self, regions: Sequence[RegionInfo] | None = None) -> dict[str, Any]:
         """``regions``: publish these instead of every registration (a view that shares this
         worker with other namespaces publishes only its own; sessions_hub.py)."""
         with self._lock:
             self._check_open()
+            stream = self._ensure_stream_server()
             return PeerDescriptor(
                 kind=self.kind,
                 worker_address=self._worker.address,
@@ -267,6 +312,7 @@ class UcxTransport(Transport):
                 pid=self._me.pid,
                 shm=self.shm,
                 proof=self._proof.info,
+                stream=stream,
             ).to_dict()
 
     # ------------------------------------------------------------------ consuming
@@ -325,6 +371,8 @@ class UcxTransport(Transport):
 
     def _drop_peer(self, p: Peer, *, recycle: bool = True) -> None:
         self._same_host.forget(p)
+        if p.desc.stream:
+            self._stream_reader.forget(p.desc.stream)
         self._peers.remove(p, recycle=recycle)
 
     def disconnect(self, peer: Hashable) -> None:
@@ -349,7 +397,30 @@ class UcxTransport(Transport):
             rows = self._same_host.serve(t, lt, rows, threads=self.copy_threads)
             if rows is None:
                 return
+        if self.stream and t.streams and os.getpid() == self._me.pid:
+            rows = self._stream_rows(t, lt, rows, timeout)
+            if rows is None:
+                return
         self._ucx_reader.read(t, lt, rows, timeout=timeout, window=self.window)
+
+    def _stream_rows(self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, timeout: float | None) -> Rows | None:
+        """Stream the rows of tcp peers' host regions into host memory; the rows left for UCX."""
+        mask = t.stream[rows.flat]
+        if len(lt.base) and mask.any():
+            jj, inside = lt.containing(rows.local, rows.length)
+            mask &= ~(inside & lt.device[jj])  # registered device memory: UCX (cuda_copy) writes it
+        if not mask.any():
+            return rows
+        sel = np.flatnonzero(mask)
+        flat, pidx = rows.flat[sel], rows.pidx[sel]
+        jobs = jobs_for(lambda p: t.streams.get(p), pidx, flat - t.reg_off[pidx], rows.remote[sel] - t.base[flat],
+                        rows.length[sel], rows.local[sel])
+        left = self._stream_reader.read(jobs, timeout)
+        keep = np.ones(len(rows), dtype=bool)
+        keep[sel] = False
+        for j in left:  # not reachable over the stream: UCX reads them
+            keep[sel[j.rows_index]] = True
+        return rows.take(keep) if keep.any() else None
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -362,6 +433,9 @@ class UcxTransport(Transport):
             self._regions.clear()
             self._proof.close()
             self._peers.invalidate()
+            if self._stream_server is not None:
+                self._stream_server.close()
+            self._stream_reader.close()
             self._worker.close()
 
     def __del__(self) -> None:  # best effort; the native objects also clean up on their own

@@ -1,0 +1,247 @@
+"""Streamed tcp reads (transport/stream.py) against real publishers in separate processes: bytes
+exact over scattered plans, keys and bounds enforced by the server, an unreachable stream address
+served by UCX instead, a stalled or dead publisher a typed error with no late write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from astate_store.errors import PeerUnreachable, TransportError
+from astate_store.transport import PeerDescriptor, UcxTransport
+from astate_store.transport import stream as S
+
+from ._transport_peer import pattern
+from .test_transport import Peer, _wait_stopped, ops_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _scattered(p: int, region: int, n: int, dst: torch.Tensor, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A plan of ``rows`` equal pieces of ``region`` landing at shuffled places of ``dst`` (what a
+    reshard does); the permutation to check them with."""
+    piece = n // rows
+    perm = np.random.default_rng(seed).permutation(rows)
+    ops = np.zeros((rows, 5), dtype=np.uint64)
+    ops[:, 0], ops[:, 1] = p, region
+    ops[:, 2] = np.arange(rows, dtype=np.uint64) * piece
+    ops[:, 3] = dst.data_ptr() + perm.astype(np.uint64) * piece
+    ops[:, 4] = piece
+    return ops, perm
+
+
+def _check_scattered(dst: torch.Tensor, perm: np.ndarray, n: int, seed: int) -> None:
+    piece = n // len(perm)
+    src, got = pattern(n, seed), dst.numpy()
+    want = np.empty(len(perm) * piece, dtype=np.uint8)
+    want.reshape(len(perm), piece)[perm] = src[: len(perm) * piece].reshape(len(perm), piece)
+    assert np.array_equal(got[: len(want)], want)
+
+
+def test_tcp_pull_is_streamed_and_byte_exact_over_two_regions() -> None:
+    a, b = 4 << 20, 1 << 16
+    peer = Peer("tcp", [a, b])
+    try:
+        with UcxTransport("tcp") as t:
+            p = t.connect("p", peer.descriptor)
+            assert t.peer_info("p").streamed
+            assert PeerDescriptor.from_dict(peer.descriptor).stream
+            dst_a, dst_b = torch.zeros(a, dtype=torch.uint8), torch.zeros(b, dtype=torch.uint8)
+            ops_a, perm = _scattered(p, 0, a, dst_a, 4096, seed=1)
+            ops_b = ops_for([(p, 1, 100, dst_b.data_ptr(), b - 100)])
+            for _ in range(2):  # the second reuses the pooled connection
+                dst_a.zero_(), dst_b.zero_()
+                t.get(np.concatenate([ops_a[:2000], ops_b, ops_a[2000:]]), timeout=60)
+                _check_scattered(dst_a, perm, a, 0)
+                assert np.array_equal(dst_b.numpy()[: b - 100], pattern(b, 1)[100:])
+            assert t.streamed_bytes == 2 * (a + b - 100)
+        with UcxTransport("tcp", stream=False) as u:  # the same plan through UCX: the same bytes
+            p = u.connect("p", peer.descriptor)
+            assert not u.peer_info("p").streamed
+            dst_a.zero_()
+            u.get(_scattered(p, 0, a, dst_a, 4096, seed=1)[0], timeout=60)
+            _check_scattered(dst_a, perm, a, 0)
+            assert u.streamed_bytes == 0
+    finally:
+        peer.stop()
+
+
+def test_same_host_peers_keep_shared_memory_in_auto_mode() -> None:
+    peer = Peer("auto", [1 << 20])
+    try:
+        with UcxTransport("auto") as t:
+            p = t.connect("p", peer.descriptor)
+            info = t.peer_info("p")
+            assert info.direct and not info.streamed
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            t.get(ops_for([(p, 0, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
+            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0)) and t.streamed_bytes == 0
+    finally:
+        peer.stop()
+
+
+def test_a_wrong_stream_key_is_refused_before_any_byte() -> None:
+    peer = Peer("tcp", [1 << 20])
+    try:
+        forged = dict(peer.descriptor)
+        forged["regions"] = [dict(r) for r in forged["regions"]]
+        forged["regions"][0]["stream_key"] = b"\x01" * S.KEY_BYTES
+        with UcxTransport("tcp") as t:
+            p = t.connect("p", forged)
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            with pytest.raises(TransportError, match="refused a streamed read.*wrong stream key") as ei:
+                t.get(ops_for([(p, 0, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
+            assert not isinstance(ei.value, PeerUnreachable)
+            assert not dst.numpy().any()
+            p = t.connect("p", peer.descriptor)  # the true key, on the same pooled connection
+            t.get(ops_for([(p, 0, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
+            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0))
+    finally:
+        peer.stop()
+
+
+def _request(sock: socket.socket, keys: list[tuple[int, bytes]], rows: list[tuple[int, int, int]]) -> tuple[int, bytes]:
+    k = np.array(keys, dtype=S.KEY_DT)
+    r = np.array(rows, dtype=S.ROW_DT)
+    sock.sendall(struct.pack("<8sII", S.REQUEST, len(k), len(r)) + k.tobytes() + r.tobytes())
+    head = sock.recv(20, socket.MSG_WAITALL)
+    magic, status, n = struct.unpack("<8sIQ", head)
+    assert magic == S.RESPONSE
+    body = bytearray()
+    while len(body) < n:
+        chunk = sock.recv(min(1 << 20, n - len(body)))
+        assert chunk
+        body += chunk
+    return status, bytes(body)
+
+
+def test_the_server_checks_every_request_and_keeps_serving() -> None:
+    """A client speaking the protocol directly: what it may read, and what it gets refused."""
+    n = 1 << 16
+    peer = Peer("tcp", [n, n])
+    try:
+        d = PeerDescriptor.from_dict(peer.descriptor)
+        key0, key1 = d.regions[0].stream_key, d.regions[1].stream_key
+        with socket.create_connection(S.parse_address(d.stream), timeout=30) as c:
+            status, body = _request(c, [(0, key0)], [(0, 10, 100), (0, 5000, 7)])
+            assert status == S.OK and body == pattern(n, 0)[10:110].tobytes() + pattern(n, 0)[5000:5007].tobytes()
+            refusals = [
+                ([(0, key0)], [(0, n - 4, 5)], "outside region 0"),  # past the end
+                ([(0, key0)], [(0, 0, 0)], "empty"),  # an empty row
+                ([(0, key1)], [(0, 0, 8)], "wrong stream key"),  # region 1's key for region 0
+                ([(0, key0)], [(1, 0, 8)], "region 1 has no key"),  # a row of a region not keyed
+                ([(7, key0)], [(7, 0, 8)], "unknown"),  # no such region
+                ([(2, b"")], [(2, 0, 8)], "unknown"),  # the proof region is not streamed
+            ]
+            for keys, rows, why in refusals:
+                status, body = _request(c, keys, rows)
+                assert status == S.REFUSED and why in body.decode(), (rows, body)
+            status, body = _request(c, [(1, key1)], [(1, 0, n)])  # still in step after the refusals
+            assert status == S.OK and body == pattern(n, 1).tobytes()
+            peer.call("unregister", 1)
+            status, body = _request(c, [(1, key1)], [(1, 0, 8)])  # freed: refused
+            assert status == S.REFUSED and "freed" in body.decode()
+        with socket.create_connection(S.parse_address(d.stream), timeout=30) as c:
+            c.sendall(b"GET / HTTP/1.0\r\n\r\n")  # not the protocol: the server hangs up
+            try:
+                assert c.recv(100) == b""
+            except ConnectionResetError:  # hung up with our bytes unread
+                pass
+        with socket.create_connection(S.parse_address(d.stream), timeout=30) as c:
+            status, _ = _request(c, [(0, key0)], [(0, 0, n)])  # a fresh connection is served
+            assert status == S.OK
+    finally:
+        peer.stop()
+
+
+def test_an_unreachable_stream_address_is_served_by_ucx() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    peer = Peer("tcp", [1 << 20])
+    try:
+        desc = dict(peer.descriptor, stream=dead)
+        with UcxTransport("tcp") as t:
+            p = t.connect("p", desc)
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            for _ in range(2):
+                dst.zero_()
+                t.get(ops_for([(p, 0, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
+                assert np.array_equal(dst.numpy(), pattern(1 << 20, 0))
+            assert t.streamed_bytes == 0
+    finally:
+        peer.stop()
+
+
+def test_a_stalled_stream_times_out_and_writes_nothing_later() -> None:
+    n = 64 << 20
+    peer = Peer("tcp", [n])
+    try:
+        with UcxTransport("tcp") as t:
+            p = t.connect("p", peer.descriptor)
+            dst = torch.zeros(n, dtype=torch.uint8)
+            ops = ops_for([(p, 0, 0, dst.data_ptr(), n)] * 64)  # 4 GiB: many seconds over tcp
+            t.get(ops[:1], timeout=60)  # the connection is up
+            os.kill(peer.pid, signal.SIGSTOP)
+            _wait_stopped(peer.pid)
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnreachable, match="timed out") as ei:
+                t.get(ops, timeout=1.0)
+            assert time.monotonic() - t0 < 20 and ei.value.status_text == "timed out"  # type: ignore[attr-defined]
+            dst.fill_(0x77)  # the caller owns its buffer again
+            os.kill(peer.pid, signal.SIGCONT)  # the peer sends what it was asked before it stopped
+            time.sleep(1.5)
+            assert bool((dst == 0x77).all()), "a streamed byte landed after get() returned"
+            dst.zero_()
+            t.get(ops[:1], timeout=60)  # a new connection reads normally
+            assert np.array_equal(dst.numpy(), pattern(n, 0))
+    finally:
+        try:
+            os.kill(peer.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        peer.stop()
+
+
+def test_a_publisher_killed_mid_stream_raises_peer_unreachable() -> None:
+    n = 64 << 20
+    peer = Peer("tcp", [n])
+    try:
+        with UcxTransport("tcp") as t:
+            p = t.connect("p", peer.descriptor)
+            dst = torch.zeros(n, dtype=torch.uint8)
+            t.get(ops_for([(p, 0, 0, dst.data_ptr(), n)]), timeout=60)
+            os.kill(peer.pid, signal.SIGKILL)
+            peer.proc.join(10)
+            with pytest.raises(PeerUnreachable):
+                t.get(ops_for([(p, 0, 0, dst.data_ptr(), n)] * 8), timeout=30)
+    finally:
+        peer.stop()
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("stream", "localhost:80", "not 'ip:port'"),
+    ("stream", "10.0.0.1:0", "not 'ip:port'"),
+    ("stream", "0.0.0.0:80", "not 'ip:port'"),
+    ("stream", 5, "not 'ip:port'"),
+    ("stream_key", b"short", "stream_key of 5 bytes"),
+    ("stream_key", "text", "must be bytes"),
+])
+def test_descriptor_stream_fields_are_checked(field: str, value: object, why: str) -> None:
+    d = {"kind": "ucx", "worker_address": b"x", "regions": [{"base": 4096, "size": 8, "rkey": b"k"}]}
+    if field == "stream":
+        d["stream"] = value
+    else:
+        d["regions"][0]["stream_key"] = value  # type: ignore[index]
+    with pytest.raises(TransportError, match=why):
+        PeerDescriptor.from_dict(d)
+    ok = dict(d, stream="[::1]:9") if field == "stream" else d
+    if field == "stream":
+        assert PeerDescriptor.from_dict(ok).stream == "[::1]:9"
