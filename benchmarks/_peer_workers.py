@@ -208,6 +208,10 @@ def ours_consumer(cfg: dict[str, Any], pubs: dict[int, Any], out: Any) -> None:
             store.wait(1, timeout=120)
             res = timed_runs(work, flat, lambda: store.get_into(bufs, step=1, timeout=120), cfg["iters"])
             res["rows_per_pull"] = rows[0] // (cfg["iters"] + 2)
+            t = store.transport
+            res["streamed_bytes_per_pull"] = getattr(t, "streamed_bytes", 0) // (cfg["iters"] + 2)
+            res["paths"] = sorted({"streamed" if i.streamed else "direct" if i.direct else "ucx"
+                                   for i in (t.peer_info(p) for p in t.peers)})  # type: ignore[attr-defined]
         finally:
             store.close()
         return res
@@ -403,27 +407,16 @@ def _views(mv: memoryview, rows: np.ndarray, col: int) -> list[memoryview]:
 
 
 def _batches(views: list[memoryview]) -> list[list[memoryview]]:
+    """Buffers in sendmsg / recvmsg_into sized groups (``move_all`` moves each group whole)."""
     return [views[i:i + STREAM_IOV] for i in range(0, len(views), STREAM_IOV)]
-
-
-def _drain(call: Callable[[list[memoryview]], int], batch: list[memoryview]) -> None:
-    """Calls ``call`` (a sendmsg / recvmsg_into over ``batch``) until every byte of the batch
-    moved: a call may move part of the buffers."""
-    while batch:
-        n = call(batch)
-        if n <= 0:
-            raise ConnectionError("stream peer closed the connection")
-        while batch and n >= len(batch[0]):
-            n -= len(batch[0])
-            batch = batch[1:]
-        if n:
-            batch = [batch[0][n:], *batch[1:]]
 
 
 def stream_publisher(rank: int, cfg: dict[str, Any], out: Any, stop: Any) -> None:
     """A trainer rank that streams its plan ranges, in plan order, to a rollout that asks: the
     two-sided design a store without one-sided reads would use (no per-read request)."""
     import socket
+
+    from astate_store.transport.stream import move_all
 
     ready = threading.Event()
     info: dict[str, Any] = {}
@@ -439,7 +432,7 @@ def stream_publisher(rank: int, cfg: dict[str, Any], out: Any, stop: Any) -> Non
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         while conn.recv(1) == b"g":  # one request per pull; b"" (closed): done
             for b in batches:
-                _drain(conn.sendmsg, b)
+                move_all(conn.sendmsg, b)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
@@ -452,6 +445,8 @@ def stream_consumer(cfg: dict[str, Any], pubs: dict[int, Any], out: Any) -> None
     rows' destinations (``recvmsg_into``, 1,024 buffers a call)."""
     import socket
 
+    from astate_store.transport.stream import move_all
+
     def run() -> dict[str, Any]:
         work = build_work(cfg["gib"])
         flat = torch.zeros(work.dst_bytes, dtype=torch.uint8)
@@ -463,7 +458,7 @@ def stream_consumer(cfg: dict[str, Any], pubs: dict[int, Any], out: Any) -> None
         def lane(r: int) -> None:
             try:
                 for b in plans[r]:
-                    _drain(lambda bufs: conns[r].recvmsg_into(bufs)[0], b)
+                    move_all(lambda bufs: conns[r].recvmsg_into(bufs)[0], b)
             except Exception as exc:  # noqa: BLE001 - re-raised by once()
                 errors.append(f"rank {r}: {exc}")
 

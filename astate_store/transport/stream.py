@@ -48,7 +48,7 @@ import numpy as np
 
 from ..errors import PeerUnreachable, TransportError
 
-__all__ = ["StreamServer", "StreamReader", "Served", "Job", "new_key", "enabled", "parse_address",
+__all__ = ["StreamServer", "StreamReader", "Served", "Job", "new_key", "enabled", "parse_address", "move_all", "jobs_for",
            "KEY_BYTES", "REQUEST", "RESPONSE", "KEY_DT", "ROW_DT", "OK", "REFUSED"]
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def _slices(base: int, view: memoryview, addr: np.ndarray, length: np.ndarray) -
     return [view[o:o + k] for o, k in zip((a - np.uint64(base)).tolist(), n.tolist())]
 
 
-def _move(call: Callable[[list[memoryview]], int], bufs: list[memoryview]) -> None:
+def move_all(call: Callable[[list[memoryview]], int], bufs: list[memoryview]) -> None:
     """Run ``call`` (sendmsg / recvmsg_into) over ``bufs`` until every byte moved, ``_IOV`` at a time."""
     for i in range(0, len(bufs), _IOV):
         batch = bufs[i:i + _IOV]
@@ -137,7 +137,7 @@ def _move(call: Callable[[list[memoryview]], int], bufs: list[memoryview]) -> No
 def _exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     if n:
-        _move(lambda b: sock.recv_into(b[0]), [memoryview(buf)])
+        move_all(lambda b: sock.recv_into(b[0]), [memoryview(buf)])
     return bytes(buf)
 
 
@@ -230,7 +230,7 @@ class StreamServer:
             conn.sendall(_RESP.pack(RESPONSE, REFUSED, len(msg)) + msg)
             return
         conn.sendall(_RESP.pack(RESPONSE, OK, total))
-        _move(conn.sendmsg, bufs)
+        move_all(conn.sendmsg, bufs)
         self.served_bytes += total
         del keep  # the regions' storages were held until every byte was out
 
@@ -370,7 +370,7 @@ class StreamReader:
             self._arm(sock, deadline)
             return sock.recvmsg_into(batch)[0]
 
-        _move(recv, bufs)
+        move_all(recv, bufs)
 
     @staticmethod
     def _arm(sock: socket.socket, deadline: float | None) -> None:
