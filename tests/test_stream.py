@@ -245,3 +245,58 @@ def test_descriptor_stream_fields_are_checked(field: str, value: object, why: st
     ok = dict(d, stream="[::1]:9") if field == "stream" else d
     if field == "stream":
         assert PeerDescriptor.from_dict(ok).stream == "[::1]:9"
+
+
+class _Local:
+    """A stream server in this process over one tensor (real sockets and threads, no UCX)."""
+
+    def __init__(self) -> None:
+        self.src = torch.from_numpy(pattern(1 << 20, 5).copy())
+        self.key = S.new_key()
+        self.server = S.StreamServer("127.0.0.1", self._lookup)
+
+    def _lookup(self, region: int) -> S.Served | None:
+        return S.Served(self.src.data_ptr(), self.src.numel(), self.key, self.src) if region == 0 else None
+
+    def job(self, dst: torch.Tensor) -> S.Job:
+        n = dst.numel()
+        keys = np.array([(0, self.key)], dtype=S.KEY_DT)
+        one = np.zeros(1, dtype=np.uint64)
+        return S.jobs_for(lambda p: ("local", self.server.address, keys), one, one, one,
+                          np.array([n], dtype=np.uint64), np.array([dst.data_ptr()], dtype=np.uint64))[0]
+
+
+def test_a_pooled_connection_the_server_dropped_is_replaced() -> None:
+    """A consumer pulling less often than the server's idle timeout finds its pooled connection
+    closed: the read goes again on a fresh connection instead of failing."""
+    local, reader = _Local(), S.StreamReader()
+    try:
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        assert reader.read([local.job(dst)], timeout=30) == []
+        with local.server._lock:
+            conns = list(local.server._conns)
+        assert len(conns) == 1
+        conns[0].shutdown(socket.SHUT_RDWR)  # what the server's idle timeout does
+        deadline = time.monotonic() + 10
+        while local.server._conns and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dst.zero_()
+        assert reader.read([local.job(dst)], timeout=30) == []
+        assert np.array_equal(dst.numpy(), local.src.numpy())
+        assert reader.bytes == 2 << 20
+    finally:
+        reader.close()
+        local.server.close()
+
+
+def test_a_server_with_no_room_sends_the_rows_another_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(S, "MAX_CONNECTIONS", 0)  # every new connection is closed at accept
+    local, reader = _Local(), S.StreamReader()
+    try:
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        job = local.job(dst)
+        assert reader.read([job], timeout=30) == [job]  # returned untouched, for UCX
+        assert not dst.numpy().any() and reader.bytes == 0
+    finally:
+        reader.close()
+        local.server.close()

@@ -103,7 +103,7 @@ def check_ucx() -> list[Check]:
                             "check /dev/shm is mounted and writable"))
     if not any(t in tls for t in _RDMA_TLS):
         checks.append(Check("ucx rdma", "WARN", "no RDMA transport (verbs): pulls between hosts go over tcp "
-                            "(about 1 GB/s here)", "on RDMA hosts use a UCX built with verbs: "
+                            "(streamed: about a gloo broadcast's speed)", "on RDMA hosts use a UCX built with verbs: "
                             "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true with a system UCX (ucx_info -d lists rc/dc)"))
     return checks
 

@@ -65,6 +65,7 @@ MAX_KEYS = 1 << 16
 MAX_CONNECTIONS = 256  # open connections one server serves at once; more are closed at accept
 _IOV = 1024  # buffers per sendmsg / recvmsg_into (Linux IOV_MAX)
 _IDLE_S = 600.0  # a server connection with no request for this long is closed
+_POOL_IDLE_S = _IDLE_S / 2  # a client drops pooled connections idle this long (before the server does)
 _STALL_S = 120.0  # no byte moving for this long: the peer is gone (also bounds get(timeout=None))
 _DOWN_S = 30.0  # an address that refused a connection is retried after this long
 _CONNECT_S = 5.0
@@ -300,8 +301,8 @@ class StreamReader:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: dict[str, list[socket.socket]] = {}
-        self._down: dict[str, float] = {}  # address -> monotonic time it refused a connection
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}  # address -> (socket, last used)
+        self._down: dict[str, float] = {}  # address -> monotonic time it could not be connected to
         self._pid = os.getpid()
         self._pool: ThreadPoolExecutor | None = None
         self.bytes = 0  # bytes received by completed streamed reads
@@ -311,31 +312,42 @@ class StreamReader:
         (untouched: for another path). Raises PeerUnreachable / TransportError."""
         self._after_fork()
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        ready, left = [], []
+        ready: list[tuple[Job, socket.socket, bool]] = []
+        left: list[Job] = []
         for j in jobs:
-            sock = self._take(j.address, deadline)
-            (ready if sock is not None else left).append((j, sock))
+            sock, pooled = self._take(j.address, deadline)
+            if sock is None:
+                left.append(j)
+            else:
+                ready.append((j, sock, pooled))
         if ready:
             self._run(ready, deadline)
-        return [j for j, _ in left]
+        return left
 
-    def _run(self, ready: list[tuple[Job, socket.socket]], deadline: float | None) -> None:
+    def _run(self, ready: list[tuple[Job, socket.socket, bool]], deadline: float | None) -> None:
         if len(ready) == 1:
             self._one(*ready[0], deadline)
             return
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(16, thread_name_prefix="astate-stream-read")
-        futs = [self._pool.submit(self._one, j, s, deadline) for j, s in ready]
-        errors = [f.exception() for f in futs]
+        futs = [self._pool.submit(self._one, j, s, pooled, deadline) for j, s, pooled in ready]
+        errors = [f.exception() for f in futs]  # waits for every job: none writes after read() returns
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
 
-    def _one(self, job: Job, sock: socket.socket, deadline: float | None) -> None:
+    def _one(self, job: Job, sock: socket.socket, pooled: bool, deadline: float | None) -> None:
         try:
-            for lo in range(0, len(job.rows), MAX_ROWS):
-                self._request(sock, job, lo, min(len(job.rows), lo + MAX_ROWS), deadline)
+            try:
+                self._requests(sock, job, pooled, deadline)
+            except _Stale:  # the server had closed this pooled connection: once more on a fresh one
+                sock.close()
+                fresh = self._connect(job.address, deadline)
+                if fresh is None:
+                    raise ConnectionError("the stream server no longer accepts connections") from None
+                sock = fresh
+                self._requests(sock, job, False, deadline)
         except _PeerRefused as exc:
             self._give_back(job.address, sock)
             raise _error(TransportError, f"peer {job.peer!r} ({job.address}) refused a streamed read", str(exc)) \
@@ -349,12 +361,23 @@ class StreamReader:
             self.bytes += int(job.rows["length"].sum(dtype=np.uint64))
         self._give_back(job.address, sock)
 
-    def _request(self, sock: socket.socket, job: Job, lo: int, hi: int, deadline: float | None) -> None:
+    def _requests(self, sock: socket.socket, job: Job, pooled: bool, deadline: float | None) -> None:
+        for lo in range(0, len(job.rows), MAX_ROWS):
+            self._request(sock, job, lo, min(len(job.rows), lo + MAX_ROWS), pooled and lo == 0, deadline)
+
+    def _request(self, sock: socket.socket, job: Job, lo: int, hi: int, may_be_stale: bool,
+                 deadline: float | None) -> None:
         rows = job.rows[lo:hi]
         keys = job.keys[np.isin(job.keys["region"], np.unique(rows["region"]))]
-        self._arm(sock, deadline)
-        sock.sendall(_REQ.pack(REQUEST, len(keys), len(rows)) + keys.tobytes() + rows.tobytes())
-        magic, status, n = _RESP.unpack(_exact(sock, _RESP.size))
+        try:
+            self._arm(sock, deadline)
+            sock.sendall(_REQ.pack(REQUEST, len(keys), len(rows)) + keys.tobytes() + rows.tobytes())
+            magic, status, n = _RESP.unpack(_exact(sock, _RESP.size))
+        except (ConnectionError, OSError) as exc:
+            # Closed before any answer (no byte written here yet): an idle connection the server dropped.
+            if may_be_stale and not isinstance(exc, (socket.timeout, TimeoutError)):
+                raise _Stale() from exc
+            raise
         if magic != RESPONSE:
             raise ConnectionError(f"not a stream response (magic {magic!r})")
         if status == REFUSED:
@@ -379,26 +402,49 @@ class StreamReader:
             raise TimeoutError("timed out")
         sock.settimeout(left)
 
-    def _take(self, address: str, deadline: float | None) -> socket.socket | None:
+    def _take(self, address: str, deadline: float | None) -> tuple[socket.socket | None, bool]:
+        """A pooled connection (True) or a fresh one (False); None: not reachable now."""
+        stale: list[socket.socket] = []
+        found = None
         with self._lock:
-            idle = self._idle.get(address)
-            if idle:
-                return idle.pop()
+            idle = self._idle.get(address, [])
+            while idle and found is None:
+                sock, used = idle.pop()
+                if time.monotonic() - used < _POOL_IDLE_S:
+                    found = sock
+                else:
+                    stale.append(sock)
+        for sock in stale:
+            sock.close()
+        if found is not None:
+            return found, True
+        return self._connect(address, deadline), False
+
+    def _connect(self, address: str, deadline: float | None) -> socket.socket | None:
+        """A new connection that answered an empty request (so it is a stream server with room for
+        us), or None, remembered for ``_DOWN_S``: those rows go another way."""
+        with self._lock:
             since = self._down.get(address)
             if since is not None and time.monotonic() - since < _DOWN_S:
                 return None
         host, port = parse_address(address)
         t = _CONNECT_S if deadline is None else max(0.05, min(_CONNECT_S, deadline - time.monotonic()))
+        sock = None
         try:
             sock = socket.create_connection((host, port), timeout=t)
-        except OSError as exc:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(_REQ.pack(REQUEST, 0, 0))
+            if _RESP.unpack(_exact(sock, _RESP.size)) != (RESPONSE, OK, 0):
+                raise ConnectionError("not a stream server")
+        except (OSError, ConnectionError, struct.error) as exc:
+            if sock is not None:
+                sock.close()
             with self._lock:
                 first = address not in self._down
                 self._down[address] = time.monotonic()
             if first:
                 log.warning("stream address %s cannot be reached (%s): its rows go through UCX", address, exc)
             return None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
             self._down.pop(address, None)
         return sock
@@ -407,7 +453,7 @@ class StreamReader:
         with self._lock:
             pool = self._idle.setdefault(address, [])
             if len(pool) < 4:
-                pool.append(sock)
+                pool.append((sock, time.monotonic()))
                 return
         sock.close()
 
@@ -416,8 +462,8 @@ class StreamReader:
         with self._lock:
             socks = self._idle.pop(address, [])
             self._down.pop(address, None)
-        for s in socks:
-            s.close()
+        for sock, _ in socks:
+            sock.close()
 
     def _after_fork(self) -> None:
         if os.getpid() != self._pid:  # a forked child must not share its parent's connections
@@ -427,7 +473,7 @@ class StreamReader:
 
     def close(self) -> None:
         with self._lock:
-            socks = [s for pool in self._idle.values() for s in pool]
+            socks = [sock for pool in self._idle.values() for sock, _ in pool]
             self._idle.clear()
             pool, self._pool = self._pool, None
         for s in socks:
@@ -437,6 +483,10 @@ class StreamReader:
 
 
 class _PeerRefused(Exception):
+    pass
+
+
+class _Stale(Exception):
     pass
 
 
