@@ -4,6 +4,7 @@ served by UCX instead, a stalled or dead publisher a typed error with no late wr
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import socket
@@ -258,12 +259,13 @@ class _Local:
     def _lookup(self, region: int) -> S.Served | None:
         return S.Served(self.src.data_ptr(), self.src.numel(), self.key, self.src) if region == 0 else None
 
-    def job(self, dst: torch.Tensor) -> S.Job:
-        n = dst.numel()
+    def job(self, dst: torch.Tensor | None = None, *, address: int = 0, n: int = 0) -> S.Job:
+        if dst is not None:
+            address, n = dst.data_ptr(), dst.numel()
         keys = np.array([(0, self.key)], dtype=S.KEY_DT)
-        one = np.zeros(1, dtype=np.uint64)
-        return S.jobs_for(lambda p: ("local", self.server.address, keys), one, one, one,
-                          np.array([n], dtype=np.uint64), np.array([dst.data_ptr()], dtype=np.uint64))[0]
+        zero = np.zeros(1, dtype=np.uint64)
+        return S.jobs_for(lambda p: ("local", self.server.address, keys), zero, zero, zero,
+                          np.array([n], dtype=np.uint64), np.array([address], dtype=np.uint64))[0]
 
 
 def test_a_pooled_connection_the_server_dropped_is_replaced() -> None:
@@ -300,3 +302,20 @@ def test_a_server_with_no_room_sends_the_rows_another_way(monkeypatch: pytest.Mo
     finally:
         reader.close()
         local.server.close()
+
+
+def test_a_destination_the_kernel_cannot_write_goes_back_for_ucx() -> None:
+    """Device memory nobody registered (here: a read-only page) fails the receive with EFAULT: the
+    job comes back for UCX, which can write such memory, instead of failing the pull."""
+    local, reader = _Local(), S.StreamReader()
+    ro = mmap.mmap(-1, 1 << 20, prot=mmap.PROT_READ)
+    try:
+        job = local.job(address=np.frombuffer(ro, dtype=np.uint8).ctypes.data, n=1 << 20)
+        assert reader.read([job], timeout=30) == [job] and reader.bytes == 0
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)  # the reader (and the server) go on
+        assert reader.read([local.job(dst)], timeout=30) == []
+        assert np.array_equal(dst.numpy(), local.src.numpy())
+    finally:
+        reader.close()
+        local.server.close()
+        ro.close()

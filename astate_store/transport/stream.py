@@ -31,6 +31,7 @@ logged once.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hmac
 import ipaddress
 import logging
@@ -60,7 +61,7 @@ _REQ = struct.Struct("<8sII")
 _RESP = struct.Struct("<8sIQ")
 KEY_DT = np.dtype([("region", "<u4"), ("key", f"S{KEY_BYTES}")])
 ROW_DT = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])
-MAX_ROWS = 1 << 20  # rows per request (20 MiB of request); a longer plan sends several
+MAX_ROWS = 1 << 18  # rows per request (5 MiB of request); a longer plan sends several
 MAX_KEYS = 1 << 16
 MAX_CONNECTIONS = 256  # open connections one server serves at once; more are closed at accept
 _IOV = 1024  # buffers per sendmsg / recvmsg_into (Linux IOV_MAX)
@@ -219,21 +220,26 @@ class StreamServer:
         magic, n_keys, n_rows = _REQ.unpack(head)
         if magic != REQUEST or n_keys > MAX_KEYS or n_rows > MAX_ROWS:
             # out of step with the peer (not our protocol, or absurd counts): drop the connection
-            self.refused += 1
+            self._count(refused=1)
             raise ConnectionError(f"bad request header (magic {magic!r}, {n_keys} keys, {n_rows} rows)")
         keys = np.frombuffer(_exact(conn, n_keys * KEY_DT.itemsize), dtype=KEY_DT)
         rows = np.frombuffer(_exact(conn, n_rows * ROW_DT.itemsize), dtype=ROW_DT)
         try:
             bufs, total, keep = self._check(keys, rows)
         except _Refused as exc:
-            self.refused += 1
+            self._count(refused=1)
             msg = str(exc).encode()[:4096]
             conn.sendall(_RESP.pack(RESPONSE, REFUSED, len(msg)) + msg)
             return
         conn.sendall(_RESP.pack(RESPONSE, OK, total))
         move_all(conn.sendmsg, bufs)
-        self.served_bytes += total
+        self._count(served=total)
         del keep  # the regions' storages were held until every byte was out
+
+    def _count(self, refused: int = 0, served: int = 0) -> None:
+        with self._lock:  # several connection threads
+            self.refused += refused
+            self.served_bytes += served
 
     def _check(self, keys: np.ndarray, rows: np.ndarray) -> tuple[list[memoryview], int, list[Any]]:
         """The send buffers of a whole request, or _Refused naming the first problem."""
@@ -321,13 +327,13 @@ class StreamReader:
             else:
                 ready.append((j, sock, pooled))
         if ready:
-            self._run(ready, deadline)
+            left += self._run(ready, deadline)
         return left
 
-    def _run(self, ready: list[tuple[Job, socket.socket, bool]], deadline: float | None) -> None:
+    def _run(self, ready: list[tuple[Job, socket.socket, bool]], deadline: float | None) -> list[Job]:
+        """The jobs done here; returns those to send another way."""
         if len(ready) == 1:
-            self._one(*ready[0], deadline)
-            return
+            return [] if self._one(*ready[0], deadline) else [ready[0][0]]
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(16, thread_name_prefix="astate-stream-read")
@@ -336,8 +342,11 @@ class StreamReader:
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
+        return [j for (j, _, _), f in zip(ready, futs) if not f.result()]
 
-    def _one(self, job: Job, sock: socket.socket, pooled: bool, deadline: float | None) -> None:
+    def _one(self, job: Job, sock: socket.socket, pooled: bool, deadline: float | None) -> bool:
+        """True: every byte landed; False: a destination the kernel cannot write (EFAULT: device
+        memory nobody registered), so the job goes through UCX, which can."""
         try:
             try:
                 self._requests(sock, job, pooled, deadline)
@@ -352,14 +361,25 @@ class StreamReader:
             self._give_back(job.address, sock)
             raise _error(TransportError, f"peer {job.peer!r} ({job.address}) refused a streamed read", str(exc)) \
                 from None
-        except (OSError, ConnectionError, ValueError) as exc:
+        except OSError as exc:
             sock.close()
-            what = "timed out" if isinstance(exc, (socket.timeout, TimeoutError)) else \
-                (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
-            raise _error(PeerUnreachable, f"streamed read from peer {job.peer!r} ({job.address})", what) from exc
+            if exc.errno != errno.EFAULT:
+                raise self._unreachable(job, exc) from exc
+            log.info("streamed read from %s: a destination is not host memory (EFAULT); UCX reads it", job.address)
+            return False
+        except ValueError as exc:  # a malformed response
+            sock.close()
+            raise self._unreachable(job, exc) from exc
         with self._lock:
             self.bytes += int(job.rows["length"].sum(dtype=np.uint64))
         self._give_back(job.address, sock)
+        return True
+
+    @staticmethod
+    def _unreachable(job: Job, exc: BaseException) -> TransportError:
+        what = "timed out" if isinstance(exc, (socket.timeout, TimeoutError)) else \
+                (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+        return _error(PeerUnreachable, f"streamed read from peer {job.peer!r} ({job.address})", what)
 
     def _requests(self, sock: socket.socket, job: Job, pooled: bool, deadline: float | None) -> None:
         for lo in range(0, len(job.rows), MAX_ROWS):

@@ -12,7 +12,7 @@ always wins over the mode's transport list, and ``config=`` wins over everything
     ``UCX_TLS=tcp,self`` plus ``UCX_TCP_TX_SEG_SIZE=1M UCX_TCP_RX_SEG_SIZE=1M`` (each
     unless already set in the environment; ~4-5x the default segment size's
     throughput here). RMA is emulated, so the publisher's worker must be progressed:
-    the progress thread is on. Endpoints use PEER error handling: a dead peer gives an
+    the progress thread is on. Host rows are streamed instead (below). Endpoints use PEER error handling: a dead peer gives an
     error, not a hang.
 ``"auto"`` (default)
     ``UCX_TLS=sm,tcp,self`` + the tcp segment sizes; per peer: same node (equal
@@ -42,8 +42,14 @@ logged. At ``get`` time EFAULT,
 EPERM or ENOSYS send the whole plan through UCX instead; ESRCH (peer gone) raises
 :class:`~astate_store.errors.PeerUnreachable`. A pidfd per peer, polled after the
 reads, catches a peer that exited mid-plan (so a reused pid cannot supply the bytes).
-Rows of CUDA / unknown-memory regions, or into registered non-host local memory, and
-all rows of tcp / remote peers use UCX. ``timeout`` applies to the UCX part only.
+Rows of CUDA / unknown-memory regions, or into registered non-host local memory, use UCX.
+``timeout`` applies to the UCX and streamed parts.
+
+Streamed path (``stream=True``, the default in modes ``tcp`` and ``auto``; ``ASTATE_STREAM=0``
+turns it off): rows of host regions of a peer UCX reaches over tcp go as one request per peer
+to its stream server, which sends their bytes back in plan order (``stream.py``: why, the wire
+format, what the server checks). A peer whose stream server cannot be connected to is read
+with UCX.
 
 The progress thread (default on in every mode) sleeps on the worker's event fd and
 progresses the worker when something arrives; during ``get`` the calling thread
