@@ -90,8 +90,10 @@ class StoreContext:
             apply_env(self.affinity)
             with pinned(self.affinity.cpus):
                 self._transport = self._factory(self.options.transport, self.options.window)
-            if isinstance(self._transport, UcxTransport) and not self._transport.stream_host:
-                self._transport.stream_host = self._stream_host()
+            ucx = self._transport if isinstance(self._transport, UcxTransport) else \
+                getattr(self._transport, "shared", None)  # a session hub's namespace view of its worker
+            if isinstance(ucx, UcxTransport) and not ucx.stream_host and not ucx.stream_address:
+                ucx.stream_host = self._stream_host()
         return self._transport
 
     def _stream_host(self) -> str | None:

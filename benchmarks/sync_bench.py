@@ -25,7 +25,8 @@ Cases (``--cases``, comma list; default all):
 References (same bytes, same run): ``memcpy_gbps`` (torch ``copy_``, best of a few, torch's default
 threads) and ``gloo_gbps`` (torch.distributed gloo broadcast between 2 processes, median).
 
-Per case: gbps/seconds (median, steady state), first_step_seconds, step_seconds, put_step_seconds (the slower
+Per case: gbps/seconds (median, steady state), first_step_seconds, step_seconds, step_phases (metadata, plan,
+transfer seconds per step of the first rollout process), put_step_seconds (the slower
 trainer rank's put per step), transport_seconds (inside
 the batched UCX get), user/sys/gc_seconds of the busiest rollout process, ucx_rows (UCX reads per step),
 verified (checksums), store_stats.
@@ -298,6 +299,9 @@ def run_case(pool: Pool, name: str, gcfg: dict[str, Any], args: argparse.Namespa
         "seconds": round(med, 4),
         "first_step_seconds": round(steps[0]["seconds"], 4),
         "step_seconds": [round(s["seconds"], 4) for s in steps],
+        # per step, of the first rollout process: (metadata, plan, transfer) seconds of its get_into
+        "step_phases": [[round((s["stats"].get("last_pull") or {}).get(k, 0.0), 4)
+                         for k in ("metadata_s", "plan_s", "transfer_s")] for s in steps],
         # inside the batched UCX get (per process, max) vs the whole get_into: the rest is Python + etcd
         "transport_seconds": round(med_tr, 4),
         "transport_gbps": _gbps(nbytes // parts if parts > 1 else nbytes, med_tr),

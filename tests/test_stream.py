@@ -10,6 +10,7 @@ import signal
 import socket
 import struct
 import time
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -88,22 +89,24 @@ def test_same_host_peers_keep_shared_memory_in_auto_mode() -> None:
         peer.stop()
 
 
-def test_a_wrong_stream_key_is_refused_before_any_byte() -> None:
+def test_a_wrong_stream_key_is_refused_and_ucx_reads_instead() -> None:
+    """The server refuses a key it does not hold (checked on connecting, before any row is asked);
+    the UCX rkey of the same descriptor still governs a UCX read of it."""
     peer = Peer("tcp", [1 << 20])
     try:
         forged = dict(peer.descriptor)
         forged["regions"] = [dict(r) for r in forged["regions"]]
         forged["regions"][0]["stream_key"] = b"\x01" * S.KEY_BYTES
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
         with UcxTransport("tcp") as t:
             p = t.connect("p", forged)
-            dst = torch.zeros(1 << 20, dtype=torch.uint8)
-            with pytest.raises(TransportError, match="refused a streamed read.*wrong stream key") as ei:
-                t.get(ops_for([(p, 0, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
-            assert not isinstance(ei.value, PeerUnreachable)
-            assert not dst.numpy().any()
-            p = t.connect("p", peer.descriptor)  # the true key, on the same pooled connection
             t.get(ops_for([(p, 0, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
-            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0))
+            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0)) and t.streamed_bytes == 0
+        dst.zero_()
+        with UcxTransport("tcp") as t:  # the true key streams
+            p = t.connect("p", peer.descriptor)
+            t.get(ops_for([(p, 0, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
+            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0)) and t.streamed_bytes == 1 << 20
     finally:
         peer.stop()
 
@@ -133,12 +136,14 @@ def test_the_server_checks_every_request_and_keeps_serving() -> None:
         with socket.create_connection(S.parse_address(d.stream), timeout=30) as c:
             status, body = _request(c, [(0, key0)], [(0, 10, 100), (0, 5000, 7)])
             assert status == S.OK and body == pattern(n, 0)[10:110].tobytes() + pattern(n, 0)[5000:5007].tobytes()
+            # region numbers only tie a request's rows to its keys: the key says which region is read
+            status, body = _request(c, [(7, key1)], [(7, 3, 5)])
+            assert status == S.OK and body == pattern(n, 1)[3:8].tobytes()
             refusals = [
                 ([(0, key0)], [(0, n - 4, 5)], "outside region 0"),  # past the end
                 ([(0, key0)], [(0, 0, 0)], "empty"),  # an empty row
-                ([(0, key1)], [(0, 0, 8)], "wrong stream key"),  # region 1's key for region 0
+                ([(0, key0[::-1])], [(0, 0, 8)], "wrong stream key"),  # a key nobody holds
                 ([(0, key0)], [(1, 0, 8)], "region 1 has no key"),  # a row of a region not keyed
-                ([(7, key0)], [(7, 0, 8)], "unknown"),  # no such region
                 ([(2, b"")], [(2, 0, 8)], "unknown"),  # the proof region is not streamed
             ]
             for keys, rows, why in refusals:
@@ -181,37 +186,9 @@ def test_an_unreachable_stream_address_is_served_by_ucx() -> None:
         peer.stop()
 
 
-def test_a_stalled_stream_times_out_and_writes_nothing_later() -> None:
-    n = 64 << 20
-    peer = Peer("tcp", [n])
-    try:
-        with UcxTransport("tcp") as t:
-            p = t.connect("p", peer.descriptor)
-            dst = torch.zeros(n, dtype=torch.uint8)
-            ops = ops_for([(p, 0, 0, dst.data_ptr(), n)] * 64)  # 4 GiB: many seconds over tcp
-            t.get(ops[:1], timeout=60)  # the connection is up
-            os.kill(peer.pid, signal.SIGSTOP)
-            _wait_stopped(peer.pid)
-            t0 = time.monotonic()
-            with pytest.raises(PeerUnreachable, match="timed out") as ei:
-                t.get(ops, timeout=1.0)
-            assert time.monotonic() - t0 < 20 and ei.value.status_text == "timed out"  # type: ignore[attr-defined]
-            dst.fill_(0x77)  # the caller owns its buffer again
-            os.kill(peer.pid, signal.SIGCONT)  # the peer sends what it was asked before it stopped
-            time.sleep(1.5)
-            assert bool((dst == 0x77).all()), "a streamed byte landed after get() returned"
-            dst.zero_()
-            t.get(ops[:1], timeout=60)  # a new connection reads normally
-            assert np.array_equal(dst.numpy(), pattern(n, 0))
-    finally:
-        try:
-            os.kill(peer.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        peer.stop()
-
-
-def test_a_publisher_killed_mid_stream_raises_peer_unreachable() -> None:
+@pytest.fixture
+def streaming() -> Iterator[tuple[Peer, UcxTransport, int, torch.Tensor]]:
+    """A 64 MiB tcp publisher, a consumer that has streamed it once (the connection is up)."""
     n = 64 << 20
     peer = Peer("tcp", [n])
     try:
@@ -219,12 +196,43 @@ def test_a_publisher_killed_mid_stream_raises_peer_unreachable() -> None:
             p = t.connect("p", peer.descriptor)
             dst = torch.zeros(n, dtype=torch.uint8)
             t.get(ops_for([(p, 0, 0, dst.data_ptr(), n)]), timeout=60)
-            os.kill(peer.pid, signal.SIGKILL)
-            peer.proc.join(10)
-            with pytest.raises(PeerUnreachable):
-                t.get(ops_for([(p, 0, 0, dst.data_ptr(), n)] * 8), timeout=30)
+            assert t.streamed_bytes == n
+            yield peer, t, p, dst
     finally:
+        try:
+            os.kill(peer.pid, signal.SIGCONT)  # a test may leave it stopped
+        except ProcessLookupError:
+            pass
         peer.stop()
+
+
+def test_a_stalled_stream_times_out_and_writes_nothing_later(
+        streaming: tuple[Peer, UcxTransport, int, torch.Tensor]) -> None:
+    peer, t, p, dst = streaming
+    n = dst.numel()
+    ops = ops_for([(p, 0, 0, dst.data_ptr(), n)] * 64)  # 4 GiB: many seconds over tcp
+    os.kill(peer.pid, signal.SIGSTOP)
+    _wait_stopped(peer.pid)
+    t0 = time.monotonic()
+    with pytest.raises(PeerUnreachable, match="timed out") as ei:
+        t.get(ops, timeout=1.0)
+    assert time.monotonic() - t0 < 20 and ei.value.status_text == "timed out"  # type: ignore[attr-defined]
+    dst.fill_(0x77)  # the caller owns its buffer again
+    os.kill(peer.pid, signal.SIGCONT)  # the peer sends what it was asked before it stopped
+    time.sleep(1.5)
+    assert bool((dst == 0x77).all()), "a streamed byte landed after get() returned"
+    dst.zero_()
+    t.get(ops[:1], timeout=60)  # a new connection reads normally
+    assert np.array_equal(dst.numpy(), pattern(n, 0))
+
+
+def test_a_publisher_killed_mid_stream_raises_peer_unreachable(
+        streaming: tuple[Peer, UcxTransport, int, torch.Tensor]) -> None:
+    peer, t, p, dst = streaming
+    os.kill(peer.pid, signal.SIGKILL)
+    peer.proc.join(10)
+    with pytest.raises(PeerUnreachable):
+        t.get(ops_for([(p, 0, 0, dst.data_ptr(), dst.numel())] * 8), timeout=30)
 
 
 @pytest.mark.parametrize("field,value,why", [
@@ -256,8 +264,8 @@ class _Local:
         self.key = S.new_key()
         self.server = S.StreamServer("127.0.0.1", self._lookup)
 
-    def _lookup(self, region: int) -> S.Served | None:
-        return S.Served(self.src.data_ptr(), self.src.numel(), self.key, self.src) if region == 0 else None
+    def _lookup(self, key: bytes) -> S.Served | None:
+        return S.Served(self.src.data_ptr(), self.src.numel(), self.key, self.src) if key == self.key else None
 
     def job(self, dst: torch.Tensor | None = None, *, address: int = 0, n: int = 0) -> S.Job:
         if dst is not None:
@@ -319,3 +327,52 @@ def test_a_destination_the_kernel_cannot_write_goes_back_for_ucx() -> None:
         reader.close()
         local.server.close()
         ro.close()
+
+
+def test_a_stream_address_reaching_another_server_is_served_by_ucx() -> None:
+    """A descriptor's address may reach some other process's stream server (a loopback address seen
+    from another host): it does not know this descriptor's keys, so the rows go through UCX."""
+    local = _Local()
+    peer = Peer("tcp", [1 << 20])
+    try:
+        with UcxTransport("tcp") as t:
+            p = t.connect("p", dict(peer.descriptor, stream=local.server.address))
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            t.get(ops_for([(p, 0, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
+            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0)) and t.streamed_bytes == 0
+    finally:
+        peer.stop()
+        local.server.close()
+
+
+def test_a_descriptor_listing_some_regions_streams_them_by_key() -> None:
+    """A session hub's namespace publishes a subset of its worker's regions, numbered its own way
+    (here: its region 0 is the worker's region 1): streamed reads still find the right bytes."""
+    a, b = torch.from_numpy(pattern(1 << 16, 3).copy()), torch.from_numpy(pattern(1 << 18, 4).copy())
+    with UcxTransport("tcp") as pub, UcxTransport("tcp") as con:
+        pub.register_tensor(a)
+        rb = pub.register_tensor(b)
+        view = pub.descriptor([pub.region(rb)])  # what NamespaceTransport.descriptor publishes
+        p = con.connect("ns-b", view)
+        dst = torch.zeros(1 << 18, dtype=torch.uint8)
+        con.get(ops_for([(p, 0, 0, dst.data_ptr(), 1 << 18)]), timeout=30)
+        assert np.array_equal(dst.numpy(), b.numpy()) and con.streamed_bytes == 1 << 18
+
+
+def test_a_read_of_a_region_freed_since_the_descriptor_is_refused_with_a_typed_error() -> None:
+    n = 1 << 16
+    peer = Peer("tcp", [n, n])
+    try:
+        with UcxTransport("tcp") as t:
+            p = t.connect("p", peer.descriptor)
+            dst = torch.zeros(n, dtype=torch.uint8)
+            t.get(ops_for([(p, 1, 0, dst.data_ptr(), n)]), timeout=30)  # streamed; the connection is pooled
+            peer.call("unregister", 1)  # this consumer still holds the old descriptor
+            dst.zero_()
+            with pytest.raises(TransportError, match="refused a streamed read.*region 1") as ei:
+                t.get(ops_for([(p, 1, 0, dst.data_ptr(), n)]), timeout=30)
+            assert not isinstance(ei.value, PeerUnreachable) and not dst.numpy().any()
+            t.get(ops_for([(p, 0, 0, dst.data_ptr(), n)]), timeout=30)  # the connection is still in step
+            assert np.array_equal(dst.numpy(), pattern(n, 0))
+    finally:
+        peer.stop()

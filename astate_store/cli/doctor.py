@@ -218,13 +218,17 @@ def check_shm() -> Check:
 # ---- memory -------------------------------------------------------------------------------
 
 
-def check_hugepages() -> Check:
-    thp = "unknown"
+def _thp_mode(name: str) -> str:
+    """The bracketed choice of ``/sys/kernel/mm/transparent_hugepage/<name>``."""
     try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-        thp = next((w.strip("[]") for w in text.split() if w.startswith("[")), text.strip())
+        text = Path("/sys/kernel/mm/transparent_hugepage", name).read_text()
     except OSError:
-        pass
+        return "unknown"
+    return next((w.strip("[]") for w in text.split() if w.startswith("[")), text.strip())
+
+
+def check_hugepages() -> Check:
+    thp, shmem = _thp_mode("enabled"), _thp_mode("shmem_enabled")
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -233,7 +237,7 @@ def check_hugepages() -> Check:
                 info[k] = v.strip()
     except OSError:
         pass
-    detail = (f"transparent huge pages: {thp}; HugePages_Total {info.get('HugePages_Total', '?')}, "
+    detail = (f"transparent huge pages: {thp} (shmem: {shmem}, memfd staging); HugePages_Total {info.get('HugePages_Total', '?')}, "
               f"free {info.get('HugePages_Free', '?')}, size {info.get('Hugepagesize', '?')}")
     if thp == "never":
         return Check("hugepages", "WARN", detail, "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled "

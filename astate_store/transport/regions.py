@@ -65,6 +65,7 @@ class LocalRegions:
         self._worker = worker
         self._slots: list[LocalRegion] = []
         self._by_range: dict[tuple[int, int], int] = {}  # live (base, nbytes) -> index
+        self._by_key: dict[bytes, int] = {}  # stream key of a live slot -> index
         self._snapshot: LocalSnapshot | None = None  # cached until the table changes
         self._free: deque[int] = deque()  # freed indices, oldest first
         self._live = 0  # slots with a UCX registration
@@ -111,6 +112,8 @@ class LocalRegions:
             idx = len(self._slots)
             self._slots.append(reg)
         self._by_range[key] = idx
+        if skey:
+            self._by_key[skey] = idx
         self._live += memh is not None
         self._snapshot = None
         return idx
@@ -128,17 +131,20 @@ class LocalRegions:
         if reg.memh is not None:
             reg.memh.unmap()
             self._live -= 1
+        self._by_key.pop(reg.info.stream_key, None)
         self._slots[region] = LocalRegion(RegionInfo(reg.info.base, 0, b""))
         self._free.append(region)
         self._snapshot = None
 
-    def served(self, region: int) -> "stream.Served | None":
-        """What a streamed read may take of slot ``region``: None unless it is live, host memory
-        and has a stream key."""
-        if not 0 <= region < len(self._slots):
+    def served(self, key: bytes) -> "stream.Served | None":
+        """What a streamed read naming stream key ``key`` may take: the live host region holding
+        that key, or None. By key, not index: a descriptor that lists some of the slots (a
+        session hub's namespace) numbers them its own way; the key is the capability."""
+        idx = self._by_key.get(key)
+        if idx is None:
             return None
-        r = self._slots[region]
-        if r.memh is None or not r.info.stream_key or r.keepalive is None:
+        r = self._slots[idx]
+        if r.memh is None or r.info.stream_key != key or r.keepalive is None:
             return None
         return stream.Served(r.info.base, r.info.size, r.info.stream_key, r.keepalive)
 
@@ -184,6 +190,7 @@ class LocalRegions:
                 r.memh.unmap()
         self._slots = []
         self._by_range.clear()
+        self._by_key.clear()
         self._free.clear()
         self._live = 0
         self._snapshot = None

@@ -23,9 +23,12 @@ reader of that descriptor could. Requests are checked whole (magic, counts, keys
 before a byte is sent; a bad one gets REFUSED and the connection stays usable. The consumer
 writes only into the destinations of its own checked plan, and takes exactly the byte count
 it asked for; a peer that sends less, closes, or stalls past the timeout raises
-:class:`~astate_store.errors.PeerUnreachable`. A peer whose address cannot be connected to
-(a server bound to loopback seen from another host, a firewall) is served by UCX instead,
-logged once.
+:class:`~astate_store.errors.PeerUnreachable`. A new connection first sends the job's keys with
+no rows; a peer whose address cannot be connected to, or whose server there does not hold those
+keys (a server bound to loopback seen from another host reaches some other process; a firewall),
+is served by UCX instead, logged once. Regions are found by key, not by the request's region
+numbers, which are the consumer's descriptor indices (a session hub's namespace numbers its
+subset of the worker's regions its own way).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import socket
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
@@ -62,7 +65,7 @@ _RESP = struct.Struct("<8sIQ")
 KEY_DT = np.dtype([("region", "<u4"), ("key", f"S{KEY_BYTES}")])
 ROW_DT = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 MAX_ROWS = 1 << 18  # rows per request (5 MiB of request); a longer plan sends several
-MAX_KEYS = 1 << 16
+MAX_KEYS = MAX_ROWS  # a request's rows name at most that many regions
 MAX_CONNECTIONS = 256  # open connections one server serves at once; more are closed at accept
 _IOV = 1024  # buffers per sendmsg / recvmsg_into (Linux IOV_MAX)
 _IDLE_S = 600.0  # a server connection with no request for this long is closed
@@ -116,9 +119,15 @@ def _segments(addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndar
     return addr[idx], np.add.reduceat(length, idx)
 
 
-def _slices(base: int, view: memoryview, addr: np.ndarray, length: np.ndarray) -> list[memoryview]:
+def _slices(addr: np.ndarray, length: np.ndarray) -> list[memoryview]:
+    """Views of the merged rows: slices of one view over their whole span, or one view each where
+    the span is beyond what a view may cover."""
     a, n = _segments(addr, length)
-    return [view[o:o + k] for o, k in zip((a - np.uint64(base)).tolist(), n.tolist())]
+    lo, hi = int(a.min()), int((a + n).max())
+    if hi - lo >= 1 << 62:
+        return [_view(o, k) for o, k in zip(a.tolist(), n.tolist())]
+    view = _view(lo, hi - lo)
+    return [view[o:o + k] for o, k in zip((a - np.uint64(lo)).tolist(), n.tolist())]
 
 
 def move_all(call: Callable[[list[memoryview]], int], bufs: list[memoryview]) -> None:
@@ -163,10 +172,12 @@ class _Refused(Exception):
 class StreamServer:
     """Listens on ``host`` (an ephemeral port); one thread per connection.
 
-    ``lookup(region)``: the transport's live region, or None (unknown, freed, not streamable).
+    ``lookup(key)``: the transport's live region holding stream key ``key``, or None (unknown,
+    freed, not streamable). A request's region numbers are the consumer's (its descriptor's
+    indices): only labels tying its rows to its keys.
     """
 
-    def __init__(self, host: str, lookup: Callable[[int], Served | None]) -> None:
+    def __init__(self, host: str, lookup: Callable[[bytes], Served | None]) -> None:
         ip = ipaddress.ip_address(host)
         fam = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
         self._ls = socket.create_server((str(ip), 0), family=fam, backlog=128)
@@ -202,11 +213,11 @@ class StreamServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not self._closed.is_set():
                 conn.settimeout(_IDLE_S)
-                head = conn.recv(_REQ.size, socket.MSG_WAITALL)
+                head = conn.recv(_REQ.size)
                 if not head:
                     return  # the consumer closed: done
                 conn.settimeout(_STALL_S)
-                self._answer(conn, head)
+                self._answer(conn, head + _exact(conn, _REQ.size - len(head)))
         except (OSError, ConnectionError) as exc:
             log.debug("stream connection ended: %s", exc)
         finally:
@@ -245,8 +256,9 @@ class StreamServer:
         """The send buffers of a whole request, or _Refused naming the first problem."""
         served: dict[int, Served] = {}
         for region, key in zip(keys["region"].tolist(), keys["key"].tolist()):
-            s = self._lookup(int(region))
-            if s is None or not hmac.compare_digest(s.key, key.ljust(KEY_BYTES, b"\0")):
+            key = key.ljust(KEY_BYTES, b"\0")  # numpy drops trailing NULs of an S16 value
+            s = self._lookup(key)
+            if s is None or not hmac.compare_digest(s.key, key):
                 raise _Refused(f"region {region}: unknown, freed, or a wrong stream key")
             served[int(region)] = s
         if not len(rows):
@@ -267,8 +279,7 @@ class StreamServer:
             raise _Refused(f"row {i}: [{int(off[i])}, +{int(length[i])}) is empty or outside region "
                            f"{int(region[i])} ({int(size[i])} bytes)")
         total = int(length.sum(dtype=np.uint64))
-        lo, hi = int(base.min()), int((base + size).max())
-        return _slices(lo, _view(lo, hi - lo), base + off, length), total, [s.keepalive for s in served.values()]
+        return _slices(base + off, length), total, [s.keepalive for s in served.values()]
 
     def close(self) -> None:
         self._closed.set()
@@ -312,49 +323,47 @@ class StreamReader:
         self._pid = os.getpid()
         self._pool: ThreadPoolExecutor | None = None
         self.bytes = 0  # bytes received by completed streamed reads
+        self._closed = False
 
     def read(self, jobs: list[Job], timeout: float | None) -> list[Job]:
-        """Run ``jobs``; the ones whose publisher could not be connected to are returned
-        (untouched: for another path). Raises PeerUnreachable / TransportError."""
+        """Run ``jobs``, publishers in parallel; returns the ones to send another way (their
+        stream server cannot be reached, or a destination is not host memory). Raises
+        PeerUnreachable / TransportError."""
         self._after_fork()
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        ready: list[tuple[Job, socket.socket, bool]] = []
-        left: list[Job] = []
-        for j in jobs:
-            sock, pooled = self._take(j.address, deadline)
-            if sock is None:
-                left.append(j)
-            else:
-                ready.append((j, sock, pooled))
-        if ready:
-            left += self._run(ready, deadline)
-        return left
-
-    def _run(self, ready: list[tuple[Job, socket.socket, bool]], deadline: float | None) -> list[Job]:
-        """The jobs done here; returns those to send another way."""
-        if len(ready) == 1:
-            return [] if self._one(*ready[0], deadline) else [ready[0][0]]
+        if len(jobs) == 1:
+            return [] if self._job(jobs[0], deadline) else list(jobs)
         with self._lock:
+            if self._closed:
+                raise TransportError("transport is closed")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(16, thread_name_prefix="astate-stream-read")
-        futs = [self._pool.submit(self._one, j, s, pooled, deadline) for j, s, pooled in ready]
-        errors = [f.exception() for f in futs]  # waits for every job: none writes after read() returns
+            pool = self._pool
+        futs = [pool.submit(self._job, j, deadline) for j in jobs]
+        try:
+            errors = [f.exception() for f in futs]  # waits for every job: none writes after read() returns
+        except BaseException:  # e.g. KeyboardInterrupt: still none may write once this returns
+            wait(futs)
+            raise
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
-        return [j for (j, _, _), f in zip(ready, futs) if not f.result()]
+        return [j for j, f in zip(jobs, futs) if not f.result()]
 
-    def _one(self, job: Job, sock: socket.socket, pooled: bool, deadline: float | None) -> bool:
-        """True: every byte landed; False: a destination the kernel cannot write (EFAULT: device
-        memory nobody registered), so the job goes through UCX, which can."""
+    def _job(self, job: Job, deadline: float | None) -> bool:
+        """True: every byte of ``job`` landed; False: it goes another way, nothing half done
+        that UCX would not redo."""
+        sock, pooled = self._take(job, deadline)
+        if sock is None:
+            return False
         try:
             try:
                 self._requests(sock, job, pooled, deadline)
             except _Stale:  # the server had closed this pooled connection: once more on a fresh one
                 sock.close()
-                fresh = self._connect(job.address, deadline)
+                fresh = self._connect(job, deadline)
                 if fresh is None:
-                    raise ConnectionError("the stream server no longer accepts connections") from None
+                    return False
                 sock = fresh
                 self._requests(sock, job, False, deadline)
         except _PeerRefused as exc:
@@ -367,7 +376,7 @@ class StreamReader:
                 raise self._unreachable(job, exc) from exc
             log.info("streamed read from %s: a destination is not host memory (EFAULT); UCX reads it", job.address)
             return False
-        except ValueError as exc:  # a malformed response
+        except (ValueError, OverflowError) as exc:  # a malformed response
             sock.close()
             raise self._unreachable(job, exc) from exc
         with self._lock:
@@ -401,13 +410,13 @@ class StreamReader:
         if magic != RESPONSE:
             raise ConnectionError(f"not a stream response (magic {magic!r})")
         if status == REFUSED:
-            raise _PeerRefused(_exact(sock, min(n, 4096)).decode(errors="replace"))
+            if n > 4096:
+                raise ConnectionError(f"refusal of {n} bytes (at most 4096)")
+            raise _PeerRefused(_exact(sock, n).decode(errors="replace"))
         want = int(rows["length"].sum(dtype=np.uint64))
         if status != OK or n != want:
             raise ConnectionError(f"response status {status} with {n} bytes, {want} asked")
-        local, length = job.local[lo:hi], rows["length"]
-        a, b = int(local.min()), int((local + length).max())
-        bufs = _slices(a, _view(a, b - a), local, length)
+        bufs = _slices(job.local[lo:hi], rows["length"])
 
         def recv(batch: list[memoryview]) -> int:
             self._arm(sock, deadline)
@@ -422,12 +431,12 @@ class StreamReader:
             raise TimeoutError("timed out")
         sock.settimeout(left)
 
-    def _take(self, address: str, deadline: float | None) -> tuple[socket.socket | None, bool]:
+    def _take(self, job: Job, deadline: float | None) -> tuple[socket.socket | None, bool]:
         """A pooled connection (True) or a fresh one (False); None: not reachable now."""
         stale: list[socket.socket] = []
         found = None
         with self._lock:
-            idle = self._idle.get(address, [])
+            idle = self._idle.get(job.address, [])
             while idle and found is None:
                 sock, used = idle.pop()
                 if time.monotonic() - used < _POOL_IDLE_S:
@@ -438,11 +447,14 @@ class StreamReader:
             sock.close()
         if found is not None:
             return found, True
-        return self._connect(address, deadline), False
+        return self._connect(job, deadline), False
 
-    def _connect(self, address: str, deadline: float | None) -> socket.socket | None:
-        """A new connection that answered an empty request (so it is a stream server with room for
-        us), or None, remembered for ``_DOWN_S``: those rows go another way."""
+    def _connect(self, job: Job, deadline: float | None) -> socket.socket | None:
+        """A new connection to the job's server whose server accepted the job's keys in a request
+        of no rows (so it is the server of this descriptor, with room for us; a loopback address
+        seen from another host may reach some other process), or None, remembered for
+        ``_DOWN_S``: those rows go another way."""
+        address = job.address
         with self._lock:
             since = self._down.get(address)
             if since is not None and time.monotonic() - since < _DOWN_S:
@@ -453,9 +465,12 @@ class StreamReader:
         try:
             sock = socket.create_connection((host, port), timeout=t)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(_REQ.pack(REQUEST, 0, 0))
-            if _RESP.unpack(_exact(sock, _RESP.size)) != (RESPONSE, OK, 0):
-                raise ConnectionError("not a stream server")
+            keys = job.keys[:MAX_KEYS]
+            sock.sendall(_REQ.pack(REQUEST, len(keys), 0) + keys.tobytes())
+            got = _RESP.unpack(_exact(sock, _RESP.size))
+            if got != (RESPONSE, OK, 0):
+                raise ConnectionError("not this descriptor's stream server" if got[:2] == (RESPONSE, REFUSED)
+                                      else "not a stream server")
         except (OSError, ConnectionError, struct.error) as exc:
             if sock is not None:
                 sock.close()
@@ -463,7 +478,7 @@ class StreamReader:
                 first = address not in self._down
                 self._down[address] = time.monotonic()
             if first:
-                log.warning("stream address %s cannot be reached (%s): its rows go through UCX", address, exc)
+                log.warning("stream address %s cannot be used (%s): its rows go through UCX", address, exc)
             return None
         with self._lock:
             self._down.pop(address, None)
@@ -471,8 +486,8 @@ class StreamReader:
 
     def _give_back(self, address: str, sock: socket.socket) -> None:
         with self._lock:
-            pool = self._idle.setdefault(address, [])
-            if len(pool) < 4:
+            pool = None if self._closed else self._idle.setdefault(address, [])
+            if pool is not None and len(pool) < 4:
                 pool.append((sock, time.monotonic()))
                 return
         sock.close()
@@ -493,6 +508,7 @@ class StreamReader:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             socks = [sock for pool in self._idle.values() for sock, _ in pool]
             self._idle.clear()
             pool, self._pool = self._pool, None

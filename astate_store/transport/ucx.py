@@ -79,6 +79,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -299,9 +300,9 @@ class UcxTransport(Transport):
                 self._stream_failed = True
         return self.stream_address
 
-    def _served(self, region: int) -> Served | None:
+    def _served(self, key: bytes) -> Served | None:
         with self._lock:
-            return None if self._closed else self._regions.served(region)
+            return None if self._closed else self._regions.served(key)
 
     def descriptor(self, regions: Sequence[RegionInfo] | None = None) -> dict[str, Any]:
         """``regions``: publish these instead of every registration (a view that shares this
@@ -404,9 +405,12 @@ class UcxTransport(Transport):
             if rows is None:
                 return
         if self.stream and t.streams and os.getpid() == self._me.pid:
+            deadline = None if timeout is None else time.monotonic() + timeout
             rows = self._stream_rows(t, lt, rows, timeout)
             if rows is None:
                 return
+            if deadline is not None:  # one timeout for the whole get
+                timeout = max(0.0, deadline - time.monotonic())
         self._ucx_reader.read(t, lt, rows, timeout=timeout, window=self.window)
 
     def _stream_rows(self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, timeout: float | None) -> Rows | None:
