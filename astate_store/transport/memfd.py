@@ -206,7 +206,7 @@ class PeerMapping:
 
 
 _reaper: tuple[int, "queue.SimpleQueue[mmap.mmap]"] | None = None  # (pid, queue) of the unmapping thread
-_reaper_lock = threading.Lock()
+_reaper_lock = threading.RLock()  # re-entrant: a collection inside the block may run another __del__
 
 
 def _unmap_later(mm: mmap.mmap) -> None:
