@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -175,3 +177,33 @@ def test_shared_mapping_is_sealed_and_tracked() -> None:
 
     gc.collect()
     assert memfd.fd_of(base, 10) == -1  # released with the mapping (and its fd closed)
+
+
+def test_a_dropped_peer_mapping_is_unmapped_off_the_callers_thread() -> None:
+    """The last mapping of a released pool frees its pages when unmapped: that happens on a
+    background thread, and it does happen (the mapping leaves /proc/self/maps)."""
+    import mmap as _mmap
+
+    from astate_store.transport.memfd import PeerMapping
+
+    fd = os.memfd_create("astate-test")
+    try:
+        os.ftruncate(fd, 8 << 20)
+        mm = _mmap.mmap(fd, 8 << 20, prot=_mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    m = PeerMapping(mm, 0)
+    start = f"{m.address:x}-"
+    del mm
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as f:
+            return any(line.startswith(start) for line in f)
+
+    assert mapped()
+    del m
+    deadline = time.monotonic() + 30
+    while mapped() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not mapped()
+    assert any(t.name == "astate-unmap" for t in threading.enumerate())
