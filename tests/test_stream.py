@@ -272,7 +272,7 @@ class _Local:
             address, n = dst.data_ptr(), dst.numel()
         keys = np.array([(0, self.key)], dtype=S.KEY_DT)
         zero = np.zeros(1, dtype=np.uint64)
-        return S.jobs_for(lambda p: ("local", self.server.address, keys), zero, zero, zero,
+        return S.jobs_for({0: ("local", self.server.address, keys)}, zero, zero, zero,
                           np.array([n], dtype=np.uint64), np.array([address], dtype=np.uint64))[0]
 
 

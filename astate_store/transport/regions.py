@@ -53,6 +53,14 @@ class LocalSnapshot:
         jj = np.maximum(j, 0)
         return jj, (j >= 0) & (local + length <= self.end[jj])
 
+    def host_only(self, mask: np.ndarray, local: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """``mask`` without the rows landing in registered non-host memory (only UCX, with
+        cuda_copy, writes those; unregistered destinations count as host memory)."""
+        if not self.device.any():
+            return mask
+        j, inside = self.containing(local, length)
+        return mask & ~(inside & self.device[j])
+
 
 class LocalRegions:
     """The registration table: indices are stable; a freed index is reused only after
@@ -144,7 +152,7 @@ class LocalRegions:
         if idx is None:
             return None
         r = self._slots[idx]
-        if r.memh is None or r.info.stream_key != key or r.keepalive is None:
+        if r.memh is None or r.keepalive is None:  # (a freed slot's key left _by_key with it)
             return None
         return stream.Served(r.info.base, r.info.size, r.info.stream_key, r.keepalive)
 

@@ -273,10 +273,7 @@ class SameHostReader:
         regions; one for process_vm_readv). A fallback error leaves every row to UCX,
         the ones already read included.
         """
-        dmask = t.direct[rows.flat]
-        if lt.device.any():  # into registered non-host local memory: UCX
-            j, inside = lt.containing(rows.local, rows.length)
-            dmask &= ~(inside & lt.device[j])
+        dmask = lt.host_only(t.direct[rows.flat], rows.local, rows.length)
         nd = int(np.count_nonzero(dmask))
         if nd == 0:
             return rows

@@ -46,7 +46,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Mapping
 
 import numpy as np
 
@@ -535,20 +535,17 @@ def _error(cls: type[TransportError], message: str, reason: str) -> TransportErr
     return err
 
 
-def jobs_for(keys_of: Callable[[int], tuple[Hashable, str, np.ndarray] | None], pidx: np.ndarray,
+def jobs_for(streams: Mapping[int, tuple[Hashable, str, np.ndarray]], pidx: np.ndarray,
              region: np.ndarray, offset: np.ndarray, length: np.ndarray, local: np.ndarray) -> list[Job]:
-    """Group plan rows by peer into jobs. ``keys_of(peer_index)`` -> (peer key, stream address,
-    KEY_DT keys of its regions)."""
+    """Group plan rows by peer into jobs. ``streams[peer_index]`` = (peer key, stream address,
+    KEY_DT keys of its regions); every peer of ``pidx`` must be in it."""
     jobs = []
     order = np.argsort(pidx, kind="stable")
     peers, starts = np.unique(pidx[order], return_index=True)
     ends = np.append(starts[1:], len(order))
     for p, s, e in zip(peers.tolist(), starts.tolist(), ends.tolist()):
         idx = order[s:e]
-        got = keys_of(int(p))
-        if got is None:
-            continue
-        peer, address, keys = got
+        peer, address, keys = streams[int(p)]
         rows = np.empty(len(idx), dtype=ROW_DT)
         rows["region"], rows["offset"], rows["length"] = region[idx], offset[idx], length[idx]
         jobs.append(Job(peer, address, keys, rows, local[idx], idx))

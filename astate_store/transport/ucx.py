@@ -12,8 +12,8 @@ always wins over the mode's transport list, and ``config=`` wins over everything
     ``UCX_TLS=tcp,self`` plus ``UCX_TCP_TX_SEG_SIZE=1M UCX_TCP_RX_SEG_SIZE=1M`` (each
     unless already set in the environment; ~4-5x the default segment size's
     throughput here). RMA is emulated, so the publisher's worker must be progressed:
-    the progress thread is on. Host rows are streamed instead (below). Endpoints use PEER error handling: a dead peer gives an
-    error, not a hang.
+    the progress thread is on. Host rows are streamed instead (below). Endpoints use
+    PEER error handling: a dead peer gives an error, not a hang.
 ``"auto"`` (default)
     ``UCX_TLS=sm,tcp,self`` + the tcp segment sizes; per peer: same node (equal
     ``node`` ids, both sides with shared memory) -> mode NONE, which selects CMA;
@@ -415,15 +415,12 @@ class UcxTransport(Transport):
 
     def _stream_rows(self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, timeout: float | None) -> Rows | None:
         """Stream the rows of tcp peers' host regions into host memory; the rows left for UCX."""
-        mask = t.stream[rows.flat]
-        if len(lt.base) and mask.any():
-            jj, inside = lt.containing(rows.local, rows.length)
-            mask &= ~(inside & lt.device[jj])  # registered device memory: UCX (cuda_copy) writes it
+        mask = lt.host_only(t.stream[rows.flat], rows.local, rows.length)
         if not mask.any():
             return rows
         sel = np.flatnonzero(mask)
         flat, pidx = rows.flat[sel], rows.pidx[sel]
-        jobs = jobs_for(lambda p: t.streams.get(p), pidx, flat - t.reg_off[pidx], rows.remote[sel] - t.base[flat],
+        jobs = jobs_for(t.streams, pidx, flat - t.reg_off[pidx], rows.remote[sel] - t.base[flat],
                         rows.length[sel], rows.local[sel])
         left = self._stream_reader.read(jobs, timeout)
         keep = np.ones(len(rows), dtype=bool)
