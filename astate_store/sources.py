@@ -9,16 +9,16 @@ consumer by a stable rotation so that independent consumers spread over the grou
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import Callable, Container, Hashable, Mapping, Sequence
 
 import numpy as np
 
 from .catalog import Layout, Version
 from .errors import LayoutError
-from .layout import Entry, ShardRecord, TensorLayout, check_fit, group_layouts, merge_tensor_layout
+from .layout import Entry, ShardRecord, TensorLayout, check_fit, group_layouts, itemsize, merge_tensor_layout
 
 __all__ = ["PUBLISHERS", "SourceGroup", "source_groups", "assign", "failover_order", "bases", "dest_records",
-           "converted_layout", "to_transport_ops"]
+           "converted_layout", "to_transport_ops", "publisher_peer", "byte_spans"]
 
 PUBLISHERS = "pub"  # the group id of the version's publisher ranks
 
@@ -38,8 +38,13 @@ class SourceGroup:
     converted: tuple[ShardRecord, ...] = ()  # copies built in another dtype (converted on the publisher)
 
 
+def publisher_peer(rank: int, lay: Layout) -> Hashable:
+    """The transport peer key of publisher ``rank`` (its layout names the session epoch)."""
+    return ("pub", lay.epoch, rank)
+
+
 def _publisher_group(version: Version) -> SourceGroup:
-    src = {r: (("pub", version.layouts[r].epoch, r), r, version.layouts[r]) for r in version.layouts}
+    src = {r: (publisher_peer(r, version.layouts[r]), r, version.layouts[r]) for r in version.layouts}
     layouts = group_layouts(s for lay in version.layouts.values() for s in lay.shards)
     # One copy per (tensor, box, dtype) serves every consumer: the planner uses a copy only where
     # it equals a piece this consumer reads.
@@ -135,6 +140,23 @@ def bases(version: Version, g: SourceGroup) -> dict[int, int]:
     """Per source id, the byte offset of this step's bytes in its regions (a publisher's
     staging slot; 0 for in-place and re-served memory)."""
     return {sid: (0 if r is None else version.pieces[r].base_offset) for sid, (_p, r, _l) in g.sources.items()}
+
+
+def byte_spans(shards: Sequence[ShardRecord], names: Container[str]) -> list[tuple[int, int, int]]:
+    """Per region, ``(region, lo, hi)``: the bytes the shards of ``names`` occupy (from their
+    byte offsets, relative to the source's base offset), a superset of what a plan reads."""
+    lo: dict[int, int] = {}
+    hi: dict[int, int] = {}
+    for s in shards:
+        if s.name not in names or 0 in s.box.sizes:
+            continue
+        end = s.byte_offset + itemsize(s.dtype) * (1 + sum((z - 1) * st for z, st in zip(s.box.sizes, s.strides)))
+        r = s.region
+        if r not in lo:
+            lo[r], hi[r] = s.byte_offset, end
+        else:
+            lo[r], hi[r] = min(lo[r], s.byte_offset), max(hi[r], end)
+    return [(r, lo[r], hi[r]) for r in sorted(lo)]
 
 
 def dest_records(dests: Sequence[Entry]) -> tuple[ShardRecord, ...]:

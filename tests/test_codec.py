@@ -122,6 +122,17 @@ def test_wrong_kind_missing_and_extra_fields() -> None:
         codec.decode("commit", msgpack.packb([1, 2]))
 
 
+@pytest.mark.parametrize("bad, why", [(7, "expected string"), ("a b", "does not match"), (b"x", "expected string")])
+def test_a_bad_item_of_a_long_array_is_named(bad: object, why: str) -> None:
+    # 10^4 names are checked in one pass; a bad one is still found and named by its index
+    rec = manifest_record([ShardRecord(f"t{i:05d}", "float32", (2,), Box((0,), (2,)), (1,), 0, 0, 0)
+                           for i in range(10_000)])
+    codec.validate("manifest", {"schema": "manifest/1", **rec})
+    rec["names"][4321] = bad
+    with pytest.raises(CodecError, match=rf"names\[4321\].*{why}"):
+        codec.validate("manifest", {"schema": "manifest/1", **rec})
+
+
 def test_counters() -> None:
     assert codec.decode_counter(codec.encode_counter(42)) == 42
     assert codec.encode_counter(None) == b"" and codec.decode_counter(b"") is None

@@ -76,6 +76,44 @@ def test_memfd_regions_are_mapped_and_read_with_memcpy(monkeypatch: pytest.Monke
 
 
 @pytest.mark.timeout(120)
+def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prefault`` (given before planning) populates on the background thread; a get that
+    comes while it runs waits for it instead of populating again, and reads every byte."""
+    pub = Peer("shm", [N], memfd=True)
+    try:
+        with UcxTransport("shm") as t:
+            t.connect("pub", pub.descriptor)
+            p = t.peer_index("pub")
+            calls: list[tuple[str, int]] = []
+            release = threading.Event()
+            real = memfd._populate
+
+            def spy(address: int, length: int) -> bool:
+                calls.append((threading.current_thread().name, length))
+                if threading.current_thread().name == "astate-prefault":
+                    release.wait(30)  # still running when the get arrives (unless the timer won)
+                return real(address, length)
+
+            monkeypatch.setattr(memfd, "_populate", spy)
+            # hints about what the transport does not know, or beyond a region, are ignored
+            t.prefault("nobody", [(0, 0, N)])
+            t.prefault("pub", [(7, 0, N), (-1, 0, N), (0, N, 2 * N), (0, 16, 16)])
+            assert calls == []
+            t.prefault("pub", [(0, 0, N)])
+            t.prefault("pub", [(0, 4096, N // 2)])  # inside the span under way: nothing more
+            threading.Timer(0.2, release.set).start()
+            dst = torch.zeros(N, dtype=torch.uint8)
+            t.get(ops_for([(p, 0, 0, dst.data_ptr(), N)]), timeout=30)
+            assert np.array_equal(dst.numpy(), pattern(N, 0))
+            assert {name for name, _ in calls} == {"astate-prefault"} and sum(n for _, n in calls) == N
+            t.get(ops_for([(p, 0, 0, dst.data_ptr(), N)]), timeout=30)  # prefaulted: not again
+            assert sum(n for _, n in calls) == N
+    finally:
+        pub.stop()
+
+
+@pytest.mark.timeout(120)
 def test_mapped_reads_of_an_exited_peer_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     """The mapping outlives the publisher, but its pid may be reused: same rule as
     process_vm_readv, the read raises PeerUnreachable instead of returning bytes."""

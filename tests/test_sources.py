@@ -8,7 +8,7 @@ import torch
 from astate_store.catalog import Layout, Piece, Replica, Version
 from astate_store.errors import LayoutError
 from astate_store.layout import Box, Shard, ShardRecord, contiguous_strides, validate_tensors
-from astate_store.sources import PUBLISHERS, assign, bases, failover_order, source_groups
+from astate_store.sources import PUBLISHERS, assign, bases, byte_spans, failover_order, source_groups
 
 SHAPE = (8, 4)
 
@@ -82,3 +82,18 @@ def test_failover_tries_other_groups_then_the_publishers_alone() -> None:
     # "b" has no re-serving source: the replicas-only set cannot serve this pull and is skipped.
     with_b = failover_order(groups, _bufs(w=torch.zeros(SHAPE), b=torch.zeros(SHAPE)))
     assert [sorted(gs) for gs in with_b] == [["g:solo", PUBLISHERS], [PUBLISHERS]]
+
+
+def test_byte_spans_cover_the_wanted_tensors_per_region() -> None:
+    def rec(name: str, sizes: tuple[int, ...], strides: tuple[int, ...], region: int, off: int,
+            dtype: str = "float32") -> ShardRecord:
+        return ShardRecord(name, dtype, sizes, Box((0,) * len(sizes), sizes), strides, 0, region, off)
+
+    shards = [rec("a", (4, 8), (8, 1), 0, 1024),          # 128 bytes at 1024
+              rec("b", (4, 8), (1, 4), 0, 4096),          # strided: last element at (3*1 + 7*4) -> 128 bytes
+              rec("c", (2, 3), (3, 1), 1, 64, "bfloat16"),  # 12 bytes at 64 of region 1
+              rec("d", (0, 5), (5, 1), 1, 0),             # empty: occupies nothing
+              rec("e", (1000,), (1,), 0, 1 << 20)]        # not wanted
+    assert byte_spans(shards, {"a", "b", "c", "d"}) == [(0, 1024, 4096 + 128), (1, 64, 76)]
+    assert byte_spans(shards, {"b"}) == [(0, 4096, 4096 + 128)]
+    assert byte_spans(shards, set()) == []

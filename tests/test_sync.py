@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import uuid
 from typing import Any, Iterator
 
@@ -228,6 +229,16 @@ def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkey
     Byte-exact either way, and across steps that reuse the slots."""
     if not memfd:
         monkeypatch.setenv("ASTATE_MEMFD", "0")  # inherited by the spawned publishers
+    from astate_store.transport import memfd as memfd_mod
+
+    populated: list[str] = []  # the thread each prefault ran on
+    real = memfd_mod._populate
+
+    def spy(address: int, length: int) -> bool:
+        populated.append(threading.current_thread().name)
+        return real(address, length)
+
+    monkeypatch.setattr(memfd_mod, "_populate", spy)
     g = group(etcd, "shm")
     s = Store(g.ns, endpoint=etcd.endpoint, transport="shm")
     try:
@@ -241,6 +252,9 @@ def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkey
         assert infos and all(i.direct for i in infos)
         mapped = [m for i in infos for m in i.mapped_regions]
         assert any(mapped) if memfd else not any(mapped)
+        # each new slot's pages were prefaulted from the hint given before planning, never by
+        # the pull's own thread
+        assert set(populated) == ({"astate-prefault"} if memfd else set())
     finally:
         s.close()
         g.close()

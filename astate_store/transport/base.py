@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -336,6 +336,12 @@ class Transport(ABC):
         Raises TransportError (bad rows, before any byte moves; UCX failures) or
         PeerUnreachable (peer dead/unreachable, or ``timeout`` seconds passed).
         """
+
+    def prefault(self, peer: Hashable, spans: Sequence[tuple[int, int, int]]) -> None:
+        """A hint, before planning: a coming ``get`` reads within these ``(region, lo, hi)``
+        byte ranges of a connected ``peer``. A transport that reads mapped memory starts mapping
+        their pages in the background; the default does nothing. Never raises for a peer or a
+        region it does not know."""
 
     @abstractmethod
     def close(self) -> None:

@@ -37,6 +37,7 @@ import sys
 import threading
 import weakref
 from bisect import bisect_right
+from typing import Callable
 
 import numpy as np
 
@@ -173,10 +174,12 @@ class PeerMapping:
     ``address``: where the region's first byte is mapped in this process. Before rows are
     copied from it, :meth:`prepare` maps the pages they span in one
     ``madvise(MADV_POPULATE_READ)`` (0.1 s per GiB; faulting them one by one cost ~1.4 us
-    per 4 KiB page, 0.4 s per GiB, on the first read of a slot). Only spans being read:
-    not at map time (pages the publisher has not written would be allocated), and not in
-    the background (a thread prefaulting the rest of a region competed with the pulls on a
-    small host, and a consumer of part of a model prefaulted what it never reads).
+    per 4 KiB page, 0.4 s per GiB, on the first read of a slot). Only spans a pull reads:
+    not at map time (pages the publisher has not written would be allocated), and not the
+    rest of a region (a thread prefaulting that competed with the pulls on a small host, and
+    a consumer of part of a model prefaulted what it never reads). :meth:`prefault_later`
+    starts a pull's spans on a background thread as soon as the pull knows them, so the
+    kernel maps pages while the pull still plans in Python; ``prepare`` then waits for it.
     """
 
     _MAX_SPANS = 16  # a few slots' spans per region; an older one is prefaulted again at worst
@@ -185,6 +188,7 @@ class PeerMapping:
         self._mm = mm  # the mapping lives as long as this object
         self.address = _address(mm) + delta
         self._done: list[tuple[int, int]] = []  # region byte spans prefaulted
+        self._pending: list[tuple[int, int, threading.Event]] = []  # spans a background job prefaults
         self._lock = threading.Lock()
 
     def __del__(self) -> None:
@@ -195,35 +199,103 @@ class PeerMapping:
             _unmap_later(mm)
 
     def prepare(self, lo: int, hi: int) -> None:
-        """Prefault region bytes ``[lo, hi)`` unless done; a failure leaves the pages to fault."""
+        """Prefault region bytes ``[lo, hi)`` unless done (waiting for a background job that
+        covers them); a failure leaves the pages to fault."""
         with self._lock:
-            if any(a <= lo and hi <= b for a, b in self._done):
+            if self._covered(lo, hi):
                 return
-        if _populate(self.address + lo, hi - lo):
+            job = next((ev for a, b, ev in self._pending if a <= lo and hi <= b), None)
+        if job is not None and job.wait(_PREFAULT_WAIT):
             with self._lock:
-                self._done = [(a, b) for a, b in self._done if not (lo <= a and b <= hi)] + [(lo, hi)]
-                del self._done[:-self._MAX_SPANS]
+                if self._covered(lo, hi):
+                    return
+        if _populate(self.address + lo, hi - lo):
+            self._add_done(lo, hi)
+
+    def prefault_later(self, lo: int, hi: int) -> None:
+        """Start prefaulting ``[lo, hi)`` on the background thread unless done or under way
+        (a hint: nothing happens where no thread can start)."""
+        with self._lock:
+            if self._covered(lo, hi) or any(a <= lo and hi <= b for a, b, _ev in self._pending):
+                return
+            entry = (lo, hi, threading.Event())
+            self._pending.append(entry)
+        if not _PREFAULTER.submit(lambda: self._prefault(entry)):
+            self._finish(entry)
+
+    def _prefault(self, entry: tuple[int, int, threading.Event]) -> None:
+        # In chunks: madvise holds the process's mmap lock while it populates, and the pull's
+        # own thread needs that lock to allocate (mmap/brk) while it plans.
+        lo, hi = entry[0], entry[1]
+        try:
+            ok = all(_populate(self.address + a, min(a + _PREFAULT_CHUNK, hi) - a)
+                     for a in range(lo, hi, _PREFAULT_CHUNK))
+            if ok:
+                self._add_done(lo, hi)
+        finally:
+            self._finish(entry)
+
+    def _finish(self, entry: tuple[int, int, threading.Event]) -> None:
+        with self._lock:
+            self._pending.remove(entry)
+        entry[2].set()
+
+    def _covered(self, lo: int, hi: int) -> bool:
+        return any(a <= lo and hi <= b for a, b in self._done)
+
+    def _add_done(self, lo: int, hi: int) -> None:
+        with self._lock:
+            self._done = [(a, b) for a, b in self._done if not (lo <= a and b <= hi)] + [(lo, hi)]
+            del self._done[:-self._MAX_SPANS]
 
 
-_reaper: tuple[int, "queue.SimpleQueue[mmap.mmap]"] | None = None  # (pid, queue) of the unmapping thread
-_reaper_lock = threading.RLock()  # re-entrant: a collection inside the block may run another __del__
+_PREFAULT_CHUNK = 2 << 20
+_PREFAULT_WAIT = 60.0  # seconds a pull waits for a background prefault before doing it itself
+
+
+class _Background:
+    """One daemon thread running jobs in order: made on first use, and again in a forked child
+    (which inherits no threads); jobs keep what they reference alive until they have run."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._state: tuple[int, "queue.SimpleQueue[Callable[[], None]]"] | None = None  # (pid, queue)
+        self._lock = threading.RLock()  # re-entrant: a collection inside the block may submit (a __del__)
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Queue ``job``; False when no thread can run it (the interpreter is shutting down)."""
+        if sys.is_finalizing():
+            return False
+        try:
+            with self._lock:
+                if self._state is None or self._state[0] != os.getpid():
+                    q: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+                    threading.Thread(target=_run_jobs, args=(q,), name=self.name, daemon=True).start()
+                    self._state = (os.getpid(), q)
+                self._state[1].put(job)
+            return True
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            return False
+
+
+def _run_jobs(q: "queue.SimpleQueue[Callable[[], None]]") -> None:
+    while True:
+        job = q.get()
+        try:
+            job()
+        except Exception as exc:  # a hint or a cleanup: its failure must not end the thread
+            log.debug("background job failed: %s", exc)
+        del job  # drop what it held (a mapping to unmap) before waiting for the next
+
+
+_UNMAPPER = _Background("astate-unmap")
+_PREFAULTER = _Background("astate-prefault")
 
 
 def _unmap_later(mm: mmap.mmap) -> None:
     """Close ``mm`` on a background thread (``mmap.close`` releases the GIL while it unmaps);
     inline while the interpreter shuts down (no new threads then; the process is going anyway)."""
-    global _reaper
-    if sys.is_finalizing():
-        _close(mm)
-        return
-    try:
-        with _reaper_lock:
-            if _reaper is None or _reaper[0] != os.getpid():  # none yet, or inherited through fork
-                q: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
-                threading.Thread(target=_unmap_loop, args=(q,), name="astate-unmap", daemon=True).start()
-                _reaper = (os.getpid(), q)
-            _reaper[1].put(mm)
-    except RuntimeError:  # "can't create new thread at interpreter shutdown"
+    if not _UNMAPPER.submit(lambda: _close(mm)):
         _close(mm)
 
 
@@ -232,13 +304,6 @@ def _close(mm: mmap.mmap) -> None:
         mm.close()
     except (BufferError, OSError) as exc:  # a view still exported: it unmaps when that goes
         log.debug("unmap: %s", exc)
-
-
-def _unmap_loop(q: "queue.SimpleQueue[mmap.mmap]") -> None:
-    while True:
-        mm = q.get()
-        _close(mm)
-        del mm
 
 
 def _populate(address: int, length: int) -> bool:

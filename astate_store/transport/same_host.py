@@ -42,7 +42,7 @@ import select
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
@@ -265,6 +265,21 @@ class SameHostReader:
                     m = got
             maps.append(m)
         p.maps = maps
+
+    @staticmethod
+    def prefault(p: Peer, spans: Sequence[tuple[int, int, int]]) -> None:
+        """Start prefaulting the mapped regions' byte ranges ``(region, lo, hi)`` in the
+        background (``memfd.PeerMapping.prefault_later``), clipped to each region; ranges of
+        unmapped or unknown regions are left alone (the hint comes from etcd)."""
+        if not p.direct:
+            return
+        regions = p.desc.regions
+        for region, lo, hi in spans:
+            if not 0 <= region < len(p.maps) or p.maps[region] is None:
+                continue
+            lo, hi = max(lo, 0), min(hi, regions[region].size)
+            if lo < hi:
+                p.maps[region].prefault_later(lo, hi)
 
     def serve(self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, *, threads: int | None) -> Rows | None:
         """Read the rows this path may take; the rows left for UCX (None: none left).

@@ -388,6 +388,12 @@ class UcxTransport(Transport):
             if p is not None:
                 self._drop_peer(p)
 
+    def prefault(self, peer: Hashable, spans: Sequence[tuple[int, int, int]]) -> None:
+        with self._lock:
+            p = None if self._closed else self._peers.get(peer)
+            if p is not None and os.getpid() == self._me.pid:
+                self._same_host.prefault(p, spans)
+
     def get(self, ops: np.ndarray, *, timeout: float | None = None) -> None:
         o = check_ops(ops)
         if o is None:
