@@ -99,6 +99,8 @@ def _validate(kind: str, node: dict[str, Any], value: Any, path: str, defs: dict
             elif node.get("additionalProperties", True) is False:
                 raise _fail(kind, path, f"unknown field {key!r}")
     elif typ == "array" and "items" in node:
+        if "maxItems" in node and len(value) > node["maxItems"]:
+            raise _fail(kind, path, f"{len(value)} items, at most {node['maxItems']} allowed")
         items = node["items"]
         if _all_plain(items, value):
             return

@@ -12,7 +12,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import replace
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from . import codec, plan as planner
@@ -229,14 +229,32 @@ class Consumer:
         kernel map those pages on another core while this thread plans (~0.1 s per GiB, about
         a third of a first pull). A hint: a failure here is left to the pull, which connects
         and reports it itself. A steady pull costs a few lookups per publisher."""
+        for peer, piece, spans in self._publisher_spans(version, dests, connect=True):
+            self.ctx.transport.prefault(peer, _shifted(spans, piece.base_offset))
+
+    def _prefault_ahead(self, version: Version, dests: list[Entry]) -> None:
+        """After a good pull: the same spans in the publishers' other staging slots (their
+        pieces list them), mapped in the background before a step first reads from them — a
+        slot's first read otherwise waits for it with nothing left to overlap (the plan is
+        cached by then)."""
+        for peer, piece, spans in self._publisher_spans(version, dests, connect=False):
+            for b in piece.slot_bases:
+                if b != piece.base_offset:
+                    self.ctx.transport.prefault(peer, _shifted(spans, b))
+
+    def _publisher_spans(self, version: Version, dests: list[Entry], *, connect: bool
+                         ) -> Iterator[tuple[Any, Any, list[tuple[int, int, int]]]]:
+        """(peer, piece, byte spans of the buffers' tensors) per connected publisher, when the
+        publishers serve the whole version (with re-serving groups, sources are chosen per buffer)."""
         if version.missing or version.replica_layouts:
-            return  # sources chosen per buffer among groups: nothing to guess ahead
+            return
         fp = self.buffers.fingerprint
         if self._names[0] is not fp:
             self._names = (fp, frozenset(n for e in dests for n in (e.name, *e.aliases)))
         for r, lay in version.layouts.items():
             peer = publisher_peer(r, lay)
-            if not self._connect_peer(peer, lay, report=False):
+            if not (self._connect_peer(peer, lay, report=False) if connect
+                    else self._connected.get(peer) == lay.layout_id):
                 continue
             key = (lay.layout_id, fp)
             spans = self._spans.get(key)
@@ -244,8 +262,7 @@ class Consumer:
                 if len(self._spans) >= 4 * _CACHE:
                     self._spans.clear()
                 spans = self._spans[key] = byte_spans(lay.shards, self._names[1])
-            base = version.pieces[r].base_offset
-            self.ctx.transport.prefault(peer, [(g, lo + base, hi + base) for g, lo, hi in spans])
+            yield peer, version.pieces[r], spans
 
     def _pull_from(self, version: Version, groups: Mapping[str, SourceGroup], dests: list[Entry], t: PullTimes
                    ) -> frozenset[object]:
@@ -274,6 +291,8 @@ class Consumer:
         t3 = _now()
         t.convert += t3 - t2
         self._disconnect_departed(version)
+        if PUBLISHERS in groups:
+            self._prefault_ahead(version, dests)
         t.plan += _now() - t3  # connection upkeep counts with planning
         self._last = work
         return work.sources
@@ -433,6 +452,10 @@ class Consumer:
         self._pack_key = key
         if packs:
             log.info("asked publishers for %d pre-packed pieces", len(packs))
+
+
+def _shifted(spans: list[tuple[int, int, int]], base: int) -> list[tuple[int, int, int]]:
+    return [(region, lo + base, hi + base) for region, lo, hi in spans]
 
 
 def _report(t: PullTimes, done: int, total: int) -> None:

@@ -115,7 +115,7 @@ class Publisher:
                 lid, base = self._stage(step, entries)
             except StagingCapExceeded as exc:
                 return self._put_streamed(step, entries, exc, meta), "streamed"
-            return self.ctx.catalog.versions.put_piece(step, lid, base, meta), "copy"
+            return self.ctx.catalog.versions.put_piece(step, lid, base, meta, self._slot_bases()), "copy"
         else:
             lid, base = self._in_place(entries), 0
             if self._zero_copy_live:
@@ -194,6 +194,11 @@ class Publisher:
         pool.fill(k, [e.tensor for e in entries], step, key=entries)
         sync_device(entries[0].tensor.device)  # the slot must hold step's bytes before the commit
         return self._stage_lid, k * pool.slot_size
+
+    def _slot_bases(self) -> list[int]:
+        """Every slot's base offset in the staging pool (consumers map the next slot's pages ahead)."""
+        pool = self._pool
+        return [] if pool is None or pool.depth < 2 else [k * pool.slot_size for k in range(pool.depth)]
 
     def _put_streamed(self, step: int, entries: list[Entry], why: Exception, meta: bytes | None) -> bool:
         """A snapshot larger than the staging cap: publish the tensors in place and return only

@@ -133,6 +133,17 @@ def test_a_bad_item_of_a_long_array_is_named(bad: object, why: str) -> None:
         codec.validate("manifest", {"schema": "manifest/1", **rec})
 
 
+def test_piece_slot_bases_are_optional_and_bounded() -> None:
+    rec = {"step": 1, "epoch": 1, "rank": 0, "world_size": 1, "layout_id": "x", "base_offset": 4096,
+           "manifest_id": "0" * 24}
+    assert "slot_bases" not in codec.decode("piece", codec.encode("piece", rec))
+    assert codec.decode("piece", codec.encode("piece", {**rec, "slot_bases": [0, 4096]}))["slot_bases"] == [0, 4096]
+    with pytest.raises(CodecError, match=r"slot_bases.*at most 64"):
+        codec.encode("piece", {**rec, "slot_bases": list(range(65))})
+    with pytest.raises(CodecError, match=r"slot_bases\[1\].*minimum"):
+        codec.encode("piece", {**rec, "slot_bases": [0, -1]})
+
+
 def test_counters() -> None:
     assert codec.decode_counter(codec.encode_counter(42)) == 42
     assert codec.encode_counter(None) == b"" and codec.decode_counter(b"") is None

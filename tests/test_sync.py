@@ -241,12 +241,23 @@ def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkey
     monkeypatch.setattr(memfd_mod, "_populate", spy)
     g = group(etcd, "shm")
     s = Store(g.ns, endpoint=etcd.endpoint, transport="shm")
+    hints: list[tuple[Any, int]] = []  # (peer, first byte hinted) per prefault hint the pulls gave
+    real_hint = s._ctx.transport.prefault
+    monkeypatch.setattr(s._ctx.transport, "prefault",
+                        lambda peer, spans: (hints.extend((peer, lo) for _r, lo, _hi in spans), real_hint(peer, spans)))
     try:
         bufs = whole_buffers()
         for step in (1, 2, 3):
             g.put(step)
             assert s.get_into(bufs, step=step, timeout=30) == step
             assert_exact(bufs, step)
+            if step == 1:
+                # each piece lists its pool's slots; the pull hinted its own slot and then the other
+                # (to be mapped before step 2 reads it)
+                pieces = s._ctx.catalog.versions.layouts_of(s._ctx.catalog.readers.begin_read(1, "probe")).pieces
+                s._ctx.catalog.readers.end_read(1, "probe")
+                assert all(len(p.slot_bases) == 2 and p.base_offset in p.slot_bases for p in pieces.values())
+                assert len({lo for _peer, lo in hints}) >= 2 and len({peer for peer, _lo in hints}) == len(pieces)
         t = s._ctx.transport
         infos = [t.peer_info(k) for k in t.peers]
         assert infos and all(i.direct for i in infos)

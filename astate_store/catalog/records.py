@@ -152,6 +152,7 @@ class Piece:
     layout_id: str
     base_offset: int
     manifest_id: str = ""
+    slot_bases: tuple[int, ...] = ()  # every slot of the rank's staging pool (a prefault hint)
 
 
 @dataclass(frozen=True)
@@ -474,7 +475,8 @@ def version_from_kvs(namespace: str, step: int, kvs: Iterable[tuple[bytes, Any]]
             report(k, "its layout id is not a content address", rev)
             bad.append(k)
         else:
-            pieces[r] = Piece(step, epoch, r, world, p["layout_id"], p["base_offset"], p["manifest_id"])
+            pieces[r] = Piece(step, epoch, r, world, p["layout_id"], p["base_offset"], p["manifest_id"],
+                              tuple(p.get("slot_bases", ())))
     if len(pieces) != world:
         # world can be anything a record says: never materialize range(world).
         missing = [r for r in range(min(world, len(pieces) + 8)) if r not in pieces][:8]

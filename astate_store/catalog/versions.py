@@ -125,10 +125,12 @@ class Versions:
         self._write_blob("write manifest", self.client.key("manifests", mid), codec.encode("manifest", man), None)
         self._written_manifests.add(mid)
 
-    def put_piece(self, step: int, layout_id: str, base_offset: int = 0, meta: bytes | None = None) -> bool:
+    def put_piece(self, step: int, layout_id: str, base_offset: int = 0, meta: bytes | None = None,
+                  slot_bases: Sequence[int] = ()) -> bool:
         """Write this rank's piece of ``step`` (and its ``meta``, the msgpack of ``put(meta=...)``)
         and, when this piece completes the set, commit it in the same transaction; True if the
-        version is committed.
+        version is committed. ``slot_bases``: the staging pool's slot offsets, for consumers to
+        prefault ahead (see ``schemas/piece.json``).
 
         Raises:
             CatalogError: ``step`` is not an int in [0, 1e19), or ``layout_id`` was not written here.
@@ -141,7 +143,8 @@ class Versions:
         if mid is None:
             raise CatalogError(f"layout {layout_id} was not written by this process (write_layout first)")
         for _attempt in range(2):
-            committed = self._piece_result(step, self._piece_txn(step, layout_id, mid, base_offset, meta))
+            committed = self._piece_result(step, self._piece_txn(step, layout_id, mid, base_offset, meta,
+                                                                 slot_bases))
             if committed is not None:
                 return committed
             # The manifest is gone (retention collected it while unused): write it again, once.
@@ -153,13 +156,17 @@ class Versions:
         shards = cached.records(0)
         self._ensure_manifest(mid, manifest_record(shards), force=True)
 
-    def _piece_txn(self, step: int, lid: str, mid: str, base: int, meta: bytes | None) -> Any:
+    def _piece_txn(self, step: int, lid: str, mid: str, base: int, meta: bytes | None,
+                   slot_bases: Sequence[int] = ()) -> Any:
         """One transaction: the piece (with its meta), and the commit when every other rank's
         piece is there. etcd serializes transactions, so the last rank's transaction sees all
         the pieces."""
         s, k = self.sessions.require(), self.client.key
-        piece = codec.encode("piece", {"step": step, "epoch": s.epoch, "rank": s.rank, "world_size": s.world_size,
-                                       "layout_id": lid, "base_offset": base, "manifest_id": mid})
+        rec = {"step": step, "epoch": s.epoch, "rank": s.rank, "world_size": s.world_size, "layout_id": lid,
+               "base_offset": base, "manifest_id": mid}
+        if slot_bases:
+            rec["slot_bases"] = list(slot_bases)
+        piece = codec.encode("piece", rec)
         pkey = k("versions", pad20(step), "pieces", pad20(s.epoch), pad20(s.rank))
         writes = [tx.Put(pkey, piece)]
         if meta is not None:
