@@ -261,7 +261,8 @@ class Consumer:
             if spans is None:
                 if len(self._spans) >= 4 * _CACHE:
                     self._spans.clear()
-                spans = self._spans[key] = byte_spans(lay.shards, self._names[1])
+                # pre-packed copies too: a plan reads those instead of the strided shards
+                spans = self._spans[key] = byte_spans(lay.shards + lay.packed, self._names[1])
             yield peer, version.pieces[r], spans
 
     def _pull_from(self, version: Version, groups: Mapping[str, SourceGroup], dests: list[Entry], t: PullTimes
