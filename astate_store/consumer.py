@@ -42,6 +42,7 @@ from .sources import (
     dest_records,
     failover_order,
     publisher_peer,
+    read_spans,
     source_groups,
     to_transport_ops,
 )
@@ -86,6 +87,7 @@ class Consumer:
         self._last: Work | None = None  # the batch the last good attempt ran
         self._spans: dict[object, list[tuple[int, int, int]]] = {}  # (layout id, buffers) -> byte spans
         self._names: tuple[object, frozenset[str]] = (None, frozenset())  # (buffers, their tensor names)
+        self._ahead: tuple[object, dict[tuple[int, int], tuple[int, int]]] = (None, {})  # (batch, its read spans)
 
     def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
                  progress: Progress | None = None) -> int:
@@ -229,20 +231,29 @@ class Consumer:
         kernel map those pages on another core while this thread plans (~0.1 s per GiB, about
         a third of a first pull). A hint: a failure here is left to the pull, which connects
         and reports it itself. A steady pull costs a few lookups per publisher."""
-        for peer, piece, spans in self._publisher_spans(version, dests, connect=True):
+        for peer, piece, spans in self._publisher_spans(version, dests):
             self.ctx.transport.prefault(peer, _shifted(spans, piece.base_offset))
 
-    def _prefault_ahead(self, version: Version, dests: list[Entry]) -> None:
-        """After a good pull: the same spans in the publishers' other staging slots (their
-        pieces list them), mapped in the background before a step first reads from them — a
-        slot's first read otherwise waits for it with nothing left to overlap (the plan is
-        cached by then)."""
-        for peer, piece, spans in self._publisher_spans(version, dests, connect=False):
+    def _prefault_ahead(self, version: Version, work: Work) -> None:
+        """After a good pull: the byte ranges it read from each publisher's slot, in that
+        publisher's other staging slots (its piece lists them), mapped in the background before
+        a step first reads them — a slot's first read otherwise waits for that with nothing
+        left to overlap (the plan is cached by then). Computed once per ready-made batch."""
+        if self._ahead[0] is not work:
+            self._ahead = (work, read_spans(work.ops))
+        spans, tr = self._ahead[1], self.ctx.transport
+        for r, lay in version.layouts.items():
+            piece, peer = version.pieces[r], publisher_peer(r, lay)
+            if len(piece.slot_bases) < 2 or self._connected.get(peer) != lay.layout_id:
+                continue
+            index, base = tr.peer_index(peer), piece.base_offset
+            mine = [(region, lo - base, hi - base) for (p, region), (lo, hi) in spans.items()
+                    if p == index and lo >= base]
             for b in piece.slot_bases:
-                if b != piece.base_offset:
-                    self.ctx.transport.prefault(peer, _shifted(spans, b))
+                if b != base and mine:
+                    tr.prefault(peer, _shifted(mine, b))
 
-    def _publisher_spans(self, version: Version, dests: list[Entry], *, connect: bool
+    def _publisher_spans(self, version: Version, dests: list[Entry]
                          ) -> Iterator[tuple[Any, Any, list[tuple[int, int, int]]]]:
         """(peer, piece, byte spans of the buffers' tensors) per connected publisher, when the
         publishers serve the whole version (with re-serving groups, sources are chosen per buffer)."""
@@ -253,8 +264,7 @@ class Consumer:
             self._names = (fp, frozenset(n for e in dests for n in (e.name, *e.aliases)))
         for r, lay in version.layouts.items():
             peer = publisher_peer(r, lay)
-            if not (self._connect_peer(peer, lay, report=False) if connect
-                    else self._connected.get(peer) == lay.layout_id):
+            if not self._connect_peer(peer, lay, report=False):
                 continue
             key = (lay.layout_id, fp)
             spans = self._spans.get(key)
@@ -292,8 +302,8 @@ class Consumer:
         t3 = _now()
         t.convert += t3 - t2
         self._disconnect_departed(version)
-        if PUBLISHERS in groups:
-            self._prefault_ahead(version, dests)
+        if PUBLISHERS in groups and not version.replica_layouts:
+            self._prefault_ahead(version, work)
         t.plan += _now() - t3  # connection upkeep counts with planning
         self._last = work
         return work.sources

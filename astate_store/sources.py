@@ -18,7 +18,7 @@ from .errors import LayoutError
 from .layout import Entry, ShardRecord, TensorLayout, check_fit, group_layouts, itemsize, merge_tensor_layout
 
 __all__ = ["PUBLISHERS", "SourceGroup", "source_groups", "assign", "failover_order", "bases", "dest_records",
-           "converted_layout", "to_transport_ops", "publisher_peer", "byte_spans"]
+           "converted_layout", "to_transport_ops", "publisher_peer", "byte_spans", "read_spans"]
 
 PUBLISHERS = "pub"  # the group id of the version's publisher ranks
 
@@ -157,6 +157,19 @@ def byte_spans(shards: Sequence[ShardRecord], names: Container[str]) -> list[tup
         else:
             lo[r], hi[r] = min(lo[r], s.byte_offset), max(hi[r], end)
     return [(r, lo[r], hi[r]) for r in sorted(lo)]
+
+
+def read_spans(ops: np.ndarray) -> dict[tuple[int, int], tuple[int, int]]:
+    """Per (peer index, region) of transport ops, the byte range ``[lo, hi)`` they read."""
+    if not len(ops):
+        return {}
+    keys, inv = np.unique(ops[:, :2], axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    lo = np.full(len(keys), np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.zeros(len(keys), dtype=np.int64)
+    np.minimum.at(lo, inv, ops[:, 2])
+    np.maximum.at(hi, inv, ops[:, 2] + ops[:, 4])
+    return {(int(k[0]), int(k[1])): (int(a), int(b)) for k, a, b in zip(keys, lo, hi)}
 
 
 def dest_records(dests: Sequence[Entry]) -> tuple[ShardRecord, ...]:

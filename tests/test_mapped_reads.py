@@ -80,7 +80,7 @@ def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``prefault`` (given before planning) populates on the background thread; a get that
     comes while it runs waits for it instead of populating again, and reads every byte."""
-    pub = Peer("shm", [N], memfd=True)
+    pub = Peer("shm", [2 * N], memfd=True)
     try:
         with UcxTransport("shm") as t:
             t.connect("pub", pub.descriptor)
@@ -98,7 +98,7 @@ def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
             monkeypatch.setattr(memfd, "_populate", spy)
             # hints about what the transport does not know, or beyond a region, are ignored
             t.prefault("nobody", [(0, 0, N)])
-            t.prefault("pub", [(7, 0, N), (-1, 0, N), (0, N, 2 * N), (0, 16, 16)])
+            t.prefault("pub", [(7, 0, N), (-1, 0, N), (0, 2 * N, 3 * N), (0, 16, 16)])
             assert calls == []
             t.prefault("pub", [(0, 0, N)])
             t.prefault("pub", [(0, 4096, N // 2)])  # inside the span under way: nothing more
@@ -109,6 +109,11 @@ def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
             assert {name for name, _ in calls} == {"astate-prefault"} and sum(n for _, n in calls) == N
             t.get(ops_for([(p, 0, 0, dst.data_ptr(), N)]), timeout=30)  # prefaulted: not again
             assert sum(n for _, n in calls) == N
+            # a hint overlapping what is done maps only the rest (and past the region's end, nothing)
+            t.prefault("pub", [(0, N // 2, 4 * N)])
+            t.get(ops_for([(p, 0, N, dst.data_ptr(), N)]), timeout=30)
+            assert np.array_equal(dst.numpy(), pattern(2 * N, 0)[N:])
+            assert {name for name, _ in calls} == {"astate-prefault"} and sum(n for _, n in calls) == 2 * N
     finally:
         pub.stop()
 

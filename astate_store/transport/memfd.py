@@ -199,39 +199,39 @@ class PeerMapping:
             _unmap_later(mm)
 
     def prepare(self, lo: int, hi: int) -> None:
-        """Prefault region bytes ``[lo, hi)`` unless done (waiting for a background job that
-        covers them); a failure leaves the pages to fault."""
+        """Prefault region bytes ``[lo, hi)`` where not done yet, waiting first for background
+        jobs on them; a failure leaves the pages to fault."""
         with self._lock:
-            if self._covered(lo, hi):
-                return
-            job = next((ev for a, b, ev in self._pending if a <= lo and hi <= b), None)
-        if job is not None and job.wait(_PREFAULT_WAIT):
-            with self._lock:
-                if self._covered(lo, hi):
-                    return
-        if _populate(self.address + lo, hi - lo):
-            self._add_done(lo, hi)
+            jobs = [ev for a, b, ev in self._pending if a < hi and lo < b]
+        for ev in jobs:
+            ev.wait(_PREFAULT_WAIT)
+        with self._lock:
+            todo = _minus(lo, hi, self._done)
+        for a, b in todo:
+            if _populate(self.address + a, b - a):
+                self._add_done(a, b)
 
     def prefault_later(self, lo: int, hi: int) -> None:
-        """Start prefaulting ``[lo, hi)`` on the background thread unless done or under way
-        (a hint: nothing happens where no thread can start)."""
+        """Start prefaulting the parts of ``[lo, hi)`` neither done nor under way, on the
+        background thread (a hint: nothing happens where no thread can start)."""
         with self._lock:
-            if self._covered(lo, hi) or any(a <= lo and hi <= b for a, b, _ev in self._pending):
-                return
-            entry = (lo, hi, threading.Event())
-            self._pending.append(entry)
-        if not _PREFAULTER.submit(lambda: self._prefault(entry)):
-            self._finish(entry)
+            parts = _minus(lo, hi, self._done + [(a, b) for a, b, _ev in self._pending])
+            entries = [(a, b, threading.Event()) for a, b in parts]
+            self._pending += entries
+        for entry in entries:
+            if not _PREFAULTER.submit(lambda e=entry: self._prefault(e)):
+                self._finish(entry)
 
     def _prefault(self, entry: tuple[int, int, threading.Event]) -> None:
         # In chunks: madvise holds the process's mmap lock while it populates, and the pull's
         # own thread needs that lock to allocate (mmap/brk) while it plans.
         lo, hi = entry[0], entry[1]
         try:
-            ok = all(_populate(self.address + a, min(a + _PREFAULT_CHUNK, hi) - a)
-                     for a in range(lo, hi, _PREFAULT_CHUNK))
-            if ok:
-                self._add_done(lo, hi)
+            for a in range(lo, hi, _PREFAULT_CHUNK):
+                b = min(a + _PREFAULT_CHUNK, hi)
+                if not _populate(self.address + a, b - a):
+                    break
+                self._add_done(a, b)
         finally:
             self._finish(entry)
 
@@ -240,13 +240,36 @@ class PeerMapping:
             self._pending.remove(entry)
         entry[2].set()
 
-    def _covered(self, lo: int, hi: int) -> bool:
-        return any(a <= lo and hi <= b for a, b in self._done)
-
     def _add_done(self, lo: int, hi: int) -> None:
+        """Record ``[lo, hi)`` as prefaulted: spans kept merged and sorted, at most
+        ``_MAX_SPANS`` (beyond that the lowest go: prefaulted again at worst)."""
         with self._lock:
-            self._done = [(a, b) for a, b in self._done if not (lo <= a and b <= hi)] + [(lo, hi)]
-            del self._done[:-self._MAX_SPANS]
+            spans = sorted(self._done + [(lo, hi)])
+            merged: list[tuple[int, int]] = []
+            for a, b in spans:
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+                else:
+                    merged.append((a, b))
+            self._done = merged[-self._MAX_SPANS:]
+
+
+def _minus(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[lo, hi)`` that none of ``spans`` covers, in order."""
+    out, pos = [], lo
+    for a, b in sorted(spans):
+        if b <= pos:
+            continue
+        if a >= hi:
+            break
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, b)
+        if pos >= hi:
+            return out
+    if pos < hi:
+        out.append((pos, hi))
+    return out
 
 
 _PREFAULT_CHUNK = 2 << 20
