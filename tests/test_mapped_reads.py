@@ -79,7 +79,8 @@ def test_memfd_regions_are_mapped_and_read_with_memcpy(monkeypatch: pytest.Monke
 def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``prefault`` (given before planning) populates on the background thread; a get that
-    comes while it runs waits for it instead of populating again, and reads every byte."""
+    comes while it runs takes the chunks still left from the far end and waits for the rest:
+    no chunk is populated twice, and every byte is read."""
     pub = Peer("shm", [2 * N], memfd=True)
     try:
         with UcxTransport("shm") as t:
@@ -106,14 +107,16 @@ def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
             dst = torch.zeros(N, dtype=torch.uint8)
             t.get(ops_for([(p, 0, 0, dst.data_ptr(), N)]), timeout=30)
             assert np.array_equal(dst.numpy(), pattern(N, 0))
-            assert {name for name, _ in calls} == {"astate-prefault"} and sum(n for _, n in calls) == N
+            me = threading.current_thread().name
+            assert "astate-prefault" in {name for name, _ in calls} <= {"astate-prefault", me}
+            assert sum(n for _, n in calls) == N
             t.get(ops_for([(p, 0, 0, dst.data_ptr(), N)]), timeout=30)  # prefaulted: not again
             assert sum(n for _, n in calls) == N
             # a hint overlapping what is done maps only the rest (and past the region's end, nothing)
             t.prefault("pub", [(0, N // 2, 4 * N)])
             t.get(ops_for([(p, 0, N, dst.data_ptr(), N)]), timeout=30)
             assert np.array_equal(dst.numpy(), pattern(2 * N, 0)[N:])
-            assert {name for name, _ in calls} == {"astate-prefault"} and sum(n for _, n in calls) == 2 * N
+            assert sum(n for _, n in calls) == 2 * N
     finally:
         pub.stop()
 

@@ -266,9 +266,9 @@ def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkey
         assert infos and all(i.direct for i in infos)
         mapped = [m for i in infos for m in i.mapped_regions]
         assert any(mapped) if memfd else not any(mapped)
-        # each new slot's pages were prefaulted from the hint given before planning, never by
-        # the pull's own thread
-        assert set(populated) == ({"astate-prefault"} if memfd else set())
+        # each new slot's pages were prefaulted from the hints (given before planning, and ahead
+        # for the other slot): the pull's own thread at most helped a job under way
+        assert ("astate-prefault" in set(populated)) if memfd else not populated
     finally:
         s.close()
         g.close()

@@ -188,7 +188,7 @@ class PeerMapping:
         self._mm = mm  # the mapping lives as long as this object
         self.address = _address(mm) + delta
         self._done: list[tuple[int, int]] = []  # region byte spans prefaulted
-        self._pending: list[tuple[int, int, threading.Event]] = []  # spans a background job prefaults
+        self._pending: list[_Job] = []  # spans background jobs prefault
         self._lock = threading.Lock()
 
     def __del__(self) -> None:
@@ -199,12 +199,15 @@ class PeerMapping:
             _unmap_later(mm)
 
     def prepare(self, lo: int, hi: int) -> None:
-        """Prefault region bytes ``[lo, hi)`` where not done yet, waiting first for background
-        jobs on them; a failure leaves the pages to fault."""
+        """Prefault region bytes ``[lo, hi)`` where not done yet: background jobs on them are
+        helped from their far end (this thread would only wait), the rest done here; a failure
+        leaves the pages to fault."""
         with self._lock:
-            jobs = [ev for a, b, ev in self._pending if a < hi and lo < b]
-        for ev in jobs:
-            ev.wait(_PREFAULT_WAIT)
+            jobs = [job for job in self._pending if job.lo < hi and lo < job.hi]
+        for job in jobs:
+            while self._step(job, from_end=True):
+                pass
+            job.done.wait(_PREFAULT_WAIT)
         with self._lock:
             todo = _minus(lo, hi, self._done)
         for a, b in todo:
@@ -215,30 +218,52 @@ class PeerMapping:
         """Start prefaulting the parts of ``[lo, hi)`` neither done nor under way, on the
         background thread (a hint: nothing happens where no thread can start)."""
         with self._lock:
-            parts = _minus(lo, hi, self._done + [(a, b) for a, b, _ev in self._pending])
-            entries = [(a, b, threading.Event()) for a, b in parts]
-            self._pending += entries
-        for entry in entries:
-            if not _PREFAULTER.submit(lambda e=entry: self._prefault(e)):
-                self._finish(entry)
+            jobs = [_Job(a, b) for a, b in _minus(lo, hi, self._done + [(j.lo, j.hi) for j in self._pending])]
+            self._pending += jobs
+        for job in jobs:
+            if not _PREFAULTER.submit(lambda job=job: self._run(job)):
+                with self._lock:
+                    job.next_lo = job.next_hi  # nothing left to take: done once no chunk is in flight
+                self._release(job)
 
-    def _prefault(self, entry: tuple[int, int, threading.Event]) -> None:
-        # In chunks: madvise holds the process's mmap lock while it populates, and the pull's
-        # own thread needs that lock to allocate (mmap/brk) while it plans.
-        lo, hi = entry[0], entry[1]
+    def _run(self, job: "_Job") -> None:
+        while self._step(job, from_end=False):
+            pass
+
+    def _step(self, job: "_Job", *, from_end: bool) -> bool:
+        """Populate one chunk of ``job`` (from its start, or from its end for a helper); False
+        when none is left. In chunks: madvise holds the process's mmap lock while it populates,
+        and the pull's own thread needs that lock to allocate (mmap/brk) while it plans."""
+        with self._lock:
+            if job.next_lo >= job.next_hi:
+                return False
+            if from_end:
+                b = job.next_hi
+                a = job.next_hi = max(b - _PREFAULT_CHUNK, job.next_lo)
+            else:
+                a = job.next_lo
+                b = job.next_lo = min(a + _PREFAULT_CHUNK, job.next_hi)
+            job.inflight += 1
+        ok = False
         try:
-            for a in range(lo, hi, _PREFAULT_CHUNK):
-                b = min(a + _PREFAULT_CHUNK, hi)
-                if not _populate(self.address + a, b - a):
-                    break
+            ok = _populate(self.address + a, b - a)
+            if ok:
                 self._add_done(a, b)
         finally:
-            self._finish(entry)
+            with self._lock:
+                job.inflight -= 1
+                if not ok:
+                    job.next_lo = job.next_hi  # madvise refused: leave the rest to page faults
+            self._release(job)
+        return ok
 
-    def _finish(self, entry: tuple[int, int, threading.Event]) -> None:
+    def _release(self, job: "_Job") -> None:
+        """Mark ``job`` done once no chunk is left or in flight."""
         with self._lock:
-            self._pending.remove(entry)
-        entry[2].set()
+            if job.next_lo < job.next_hi or job.inflight or job.done.is_set():
+                return
+            self._pending.remove(job)
+            job.done.set()
 
     def _add_done(self, lo: int, hi: int) -> None:
         """Record ``[lo, hi)`` as prefaulted: spans kept merged and sorted, at most
@@ -252,6 +277,19 @@ class PeerMapping:
                 else:
                     merged.append((a, b))
             self._done = merged[-self._MAX_SPANS:]
+
+
+class _Job:
+    """A span being prefaulted in chunks: the background thread takes them from ``next_lo`` up,
+    a pull that needs the span takes them from ``next_hi`` down; ``done`` is set once none is
+    left or in flight."""
+
+    __slots__ = ("lo", "hi", "next_lo", "next_hi", "inflight", "done")
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi, self.next_lo, self.next_hi = lo, hi, lo, hi
+        self.inflight = 0
+        self.done = threading.Event()
 
 
 def _minus(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
