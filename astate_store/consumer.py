@@ -86,7 +86,7 @@ class Consumer:
         self._registered = False
         self._last: Work | None = None  # the batch the last good attempt ran
         self._spans: dict[object, list[tuple[int, int, int]]] = {}  # (layout id, buffers) -> byte spans
-        self._names: tuple[object, frozenset[str]] = (None, frozenset())  # (buffers, their tensor names)
+        self._names: tuple[object, frozenset[str], bool] = (None, frozenset(), False)  # buffers: names, all host
         self._ahead: tuple[object, dict[tuple[int, int], tuple[int, int]]] = (None, {})  # (batch, its read spans)
 
     def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
@@ -246,7 +246,10 @@ class Consumer:
             piece, peer = version.pieces[r], publisher_peer(r, lay)
             if len(piece.slot_bases) < 2 or self._connected.get(peer) != lay.layout_id:
                 continue
-            index, base = tr.peer_index(peer), piece.base_offset
+            try:
+                index, base = tr.peer_index(peer), piece.base_offset
+            except KeyError:  # dropped meanwhile: a hint is not worth failing a good pull over
+                continue
             mine = [(region, lo - base, hi - base) for (p, region), (lo, hi) in spans.items()
                     if p == index and lo >= base]
             for b in piece.slot_bases:
@@ -257,16 +260,13 @@ class Consumer:
                          ) -> Iterator[tuple[Any, Any, list[tuple[int, int, int]]]]:
         """(peer, piece, byte spans of the buffers' tensors) per connected publisher, when the
         publishers serve the whole version (with re-serving groups, sources are chosen per buffer)."""
-        if version.missing or version.replica_layouts:
+        if version.missing or version.replica_layouts or not self._host_buffers(dests):
             return
-        fp = self.buffers.fingerprint
-        if self._names[0] is not fp:
-            self._names = (fp, frozenset(n for e in dests for n in (e.name, *e.aliases)))
         for r, lay in version.layouts.items():
             peer = publisher_peer(r, lay)
             if not self._connect_peer(peer, lay, report=False):
                 continue
-            key = (lay.layout_id, fp)
+            key = (lay.layout_id, self.buffers.fingerprint)
             spans = self._spans.get(key)
             if spans is None:
                 if len(self._spans) >= 4 * _CACHE:
@@ -274,6 +274,15 @@ class Consumer:
                 # pre-packed copies too: a plan reads those instead of the strided shards
                 spans = self._spans[key] = byte_spans(lay.shards + lay.packed, self._names[1])
             yield peer, version.pieces[r], spans
+
+    def _host_buffers(self, dests: list[Entry]) -> bool:
+        """Whether every buffer is host memory (rows into device memory never read a mapping:
+        prefaulting one for them would be wasted); caches the buffers' tensor names too."""
+        fp = self.buffers.fingerprint
+        if self._names[0] is not fp:
+            self._names = (fp, frozenset(n for e in dests for n in (e.name, *e.aliases)),
+                           all(e.tensor.is_cpu for e in dests))
+        return self._names[2]
 
     def _pull_from(self, version: Version, groups: Mapping[str, SourceGroup], dests: list[Entry], t: PullTimes
                    ) -> frozenset[object]:
@@ -302,7 +311,7 @@ class Consumer:
         t3 = _now()
         t.convert += t3 - t2
         self._disconnect_departed(version)
-        if PUBLISHERS in groups and not version.replica_layouts:
+        if PUBLISHERS in groups and not version.replica_layouts and self._host_buffers(dests):
             self._prefault_ahead(version, work)
         t.plan += _now() - t3  # connection upkeep counts with planning
         self._last = work
