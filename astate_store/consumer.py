@@ -12,7 +12,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import replace
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from . import codec, plan as planner
@@ -87,7 +87,6 @@ class Consumer:
         self._last: Work | None = None  # the batch the last good attempt ran
         self._spans: dict[object, list[tuple[int, int, int]]] = {}  # (layout id, buffers) -> byte spans
         self._names: tuple[object, frozenset[str], bool] = (None, frozenset(), False)  # buffers: names, all host
-        self._ahead: tuple[object, dict[tuple[int, int], tuple[int, int]]] = (None, {})  # (batch, its read spans)
 
     def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
                  progress: Progress | None = None) -> int:
@@ -230,38 +229,11 @@ class Consumer:
         of their bytes the buffers' tensors occupy, so that a mapped same-host source has the
         kernel map those pages on another core while this thread plans (~0.1 s per GiB, about
         a third of a first pull). A hint: a failure here is left to the pull, which connects
-        and reports it itself. A steady pull costs a few lookups per publisher."""
-        for peer, piece, spans in self._publisher_spans(version, dests):
-            self.ctx.transport.prefault(peer, _shifted(spans, piece.base_offset))
-
-    def _prefault_ahead(self, version: Version, work: Work) -> None:
-        """After a good pull: the byte ranges it read from each publisher's slot, in that
-        publisher's other staging slots (its piece lists them), mapped in the background before
-        a step first reads them — a slot's first read otherwise waits for that with nothing
-        left to overlap (the plan is cached by then). Computed once per ready-made batch."""
-        if self._ahead[0] is not work:
-            self._ahead = (work, read_spans(work.ops))
-        spans, tr = self._ahead[1], self.ctx.transport
-        for r, lay in version.layouts.items():
-            piece, peer = version.pieces[r], publisher_peer(r, lay)
-            if len(piece.slot_bases) < 2 or self._connected.get(peer) != lay.layout_id:
-                continue
-            try:
-                index, base = tr.peer_index(peer), piece.base_offset
-            except KeyError:  # dropped meanwhile: a hint is not worth failing a good pull over
-                continue
-            mine = [(region, lo - base, hi - base) for (p, region), (lo, hi) in spans.items()
-                    if p == index and lo >= base]
-            for b in piece.slot_bases:
-                if b != base and mine:
-                    tr.prefault(peer, _shifted(mine, b))
-
-    def _publisher_spans(self, version: Version, dests: list[Entry]
-                         ) -> Iterator[tuple[Any, Any, list[tuple[int, int, int]]]]:
-        """(peer, piece, byte spans of the buffers' tensors) per connected publisher, when the
-        publishers serve the whole version (with re-serving groups, sources are chosen per buffer)."""
-        if version.missing or version.replica_layouts or not self._host_buffers(dests):
-            return
+        and reports it itself. Only for a batch not built yet (new layouts, buffers or slots):
+        a ready-made one read these pages before."""
+        if version.missing or version.replica_layouts or not self._host_buffers(dests) or \
+                self._batch_key(version, (PUBLISHERS,)) in self._ops_cache:
+            return  # with re-serving groups, sources are chosen per buffer: nothing to guess ahead
         for r, lay in version.layouts.items():
             peer = publisher_peer(r, lay)
             if not self._connect_peer(peer, lay, report=False):
@@ -273,7 +245,26 @@ class Consumer:
                     self._spans.clear()
                 # pre-packed copies too: a plan reads those instead of the strided shards
                 spans = self._spans[key] = byte_spans(lay.shards + lay.packed, self._names[1])
-            yield peer, version.pieces[r], spans
+            self.ctx.transport.prefault(peer, _shifted(spans, version.pieces[r].base_offset))
+
+    def _prefault_ahead(self, version: Version, work: Work) -> None:
+        """After the first good pull of a new batch: the byte ranges it read from each
+        publisher's slot, in that publisher's other staging slots (its piece lists them), mapped
+        in the background before a step first reads them — a slot's first read otherwise waits
+        for that with nothing left to overlap (the plan is cached by then)."""
+        spans, tr = read_spans(work.ops), self.ctx.transport
+        for r, lay in version.layouts.items():
+            piece, peer = version.pieces[r], publisher_peer(r, lay)
+            if len(piece.slot_bases) < 2 or self._connected.get(peer) != lay.layout_id:
+                continue
+            try:
+                index, base = tr.peer_index(peer), piece.base_offset
+            except KeyError:  # dropped meanwhile: a hint is not worth failing a good pull over
+                continue
+            mine = [(region, lo - base, hi - base) for region, lo, hi in spans.get(index, ()) if lo >= base]
+            for b in piece.slot_bases:
+                if b != base and mine:
+                    tr.prefault(peer, _shifted(mine, b))
 
     def _host_buffers(self, dests: list[Entry]) -> bool:
         """Whether every buffer is host memory (rows into device memory never read a mapping:
@@ -284,14 +275,19 @@ class Consumer:
                            all(e.tensor.is_cpu for e in dests))
         return self._names[2]
 
+    def _batch_key(self, version: Version, gids: tuple[str, ...]) -> tuple[object, ...]:
+        """What a ready-made batch is cached under: sources, buffers and this step's slots."""
+        slots = tuple(p.base_offset for _r, p in sorted(version.pieces.items()))
+        return (version.layout_key, version.missing, gids, self.buffers.fingerprint, slots)
+
     def _pull_from(self, version: Version, groups: Mapping[str, SourceGroup], dests: list[Entry], t: PullTimes
                    ) -> frozenset[object]:
         t0 = _now()
         # Steady state: same sources, same buffers, same staging slots -> the ready-made batch.
-        slots = tuple(p.base_offset for _r, p in sorted(version.pieces.items()))
-        key = (version.layout_key, version.missing, tuple(sorted(groups)), self.buffers.fingerprint, slots)
+        key = self._batch_key(version, tuple(sorted(groups)))
         work = self._ops_cache.get(key)
-        if work is None:
+        built = work is None
+        if built:
             work = self._ops_cache[key] = self._build_pull(version, groups, dests)
             while len(self._ops_cache) > _CACHE:
                 self._ops_cache.popitem(last=False)
@@ -311,7 +307,7 @@ class Consumer:
         t3 = _now()
         t.convert += t3 - t2
         self._disconnect_departed(version)
-        if PUBLISHERS in groups and not version.replica_layouts and self._host_buffers(dests):
+        if built and PUBLISHERS in groups and not version.replica_layouts and self._host_buffers(dests):
             self._prefault_ahead(version, work)
         t.plan += _now() - t3  # connection upkeep counts with planning
         self._last = work

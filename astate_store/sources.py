@@ -159,8 +159,8 @@ def byte_spans(shards: Sequence[ShardRecord], names: Container[str]) -> list[tup
     return [(r, lo[r], hi[r]) for r in sorted(lo)]
 
 
-def read_spans(ops: np.ndarray) -> dict[tuple[int, int], tuple[int, int]]:
-    """Per (peer index, region) of transport ops, the byte range ``[lo, hi)`` they read."""
+def read_spans(ops: np.ndarray) -> dict[int, list[tuple[int, int, int]]]:
+    """Per peer index of transport ops, ``(region, lo, hi)``: the byte range they read per region."""
     if not len(ops):
         return {}
     keys, inv = np.unique(ops[:, :2], axis=0, return_inverse=True)
@@ -169,7 +169,10 @@ def read_spans(ops: np.ndarray) -> dict[tuple[int, int], tuple[int, int]]:
     hi = np.zeros(len(keys), dtype=np.int64)
     np.minimum.at(lo, inv, ops[:, 2])
     np.maximum.at(hi, inv, ops[:, 2] + ops[:, 4])
-    return {(int(k[0]), int(k[1])): (int(a), int(b)) for k, a, b in zip(keys, lo, hi)}
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for (peer, region), a, b in zip(keys.tolist(), lo.tolist(), hi.tolist()):
+        out.setdefault(peer, []).append((region, a, b))
+    return out
 
 
 def dest_records(dests: Sequence[Entry]) -> tuple[ShardRecord, ...]:

@@ -8,7 +8,7 @@ import torch
 from astate_store.catalog import Layout, Piece, Replica, Version
 from astate_store.errors import LayoutError
 from astate_store.layout import Box, Shard, ShardRecord, contiguous_strides, validate_tensors
-from astate_store.sources import PUBLISHERS, assign, bases, byte_spans, failover_order, source_groups
+from astate_store.sources import PUBLISHERS, assign, bases, byte_spans, failover_order, read_spans, source_groups
 
 SHAPE = (8, 4)
 
@@ -97,3 +97,11 @@ def test_byte_spans_cover_the_wanted_tensors_per_region() -> None:
     assert byte_spans(shards, {"a", "b", "c", "d"}) == [(0, 1024, 4096 + 128), (1, 64, 76)]
     assert byte_spans(shards, {"b"}) == [(0, 4096, 4096 + 128)]
     assert byte_spans(shards, set()) == []
+
+
+def test_read_spans_per_peer_and_region() -> None:
+    import numpy as np
+
+    ops = np.array([[0, 1, 100, 0, 10], [1, 0, 0, 0, 5], [0, 1, 40, 0, 20], [0, 2, 8, 0, 8]], dtype=np.int64)
+    assert read_spans(ops) == {0: [(1, 40, 110), (2, 8, 16)], 1: [(0, 0, 5)]}
+    assert read_spans(ops[:0]) == {}

@@ -179,7 +179,8 @@ class PeerMapping:
     rest of a region (a thread prefaulting that competed with the pulls on a small host, and
     a consumer of part of a model prefaulted what it never reads). :meth:`prefault_later`
     starts a pull's spans on a background thread as soon as the pull knows them, so the
-    kernel maps pages while the pull still plans in Python; ``prepare`` then waits for it.
+    kernel maps pages while the pull still plans in Python; ``prepare`` then takes what chunks
+    are left and waits for those in flight.
     """
 
     _MAX_SPANS = 16  # a few slots' spans per region; an older one is prefaulted again at worst
