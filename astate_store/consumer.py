@@ -29,12 +29,13 @@ from .errors import (
 )
 from .metrics import PullTimes
 from .progress import Progress, ProgressCounter
-from .layout import Entry, GCPaused, ShardRecord, TensorLike
+from .layout import Box, Entry, GCPaused, ShardRecord, TensorLike
 from .prepack import consumer_requests
 from .validated import ValidatedTensors
 from .sources import (
     PUBLISHERS,
     SourceGroup,
+    Wanted,
     assign,
     bases,
     byte_spans,
@@ -86,7 +87,7 @@ class Consumer:
         self._registered = False
         self._last: Work | None = None  # the batch the last good attempt ran
         self._spans: dict[object, list[tuple[int, int, int]]] = {}  # (layout id, buffers) -> byte spans
-        self._names: tuple[object, frozenset[str], bool] = (None, frozenset(), False)  # buffers: names, all host
+        self._wanted: tuple[object, Wanted, bool] = (None, {}, False)  # buffers: (box, dtype) per name, all host
 
     def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
                  progress: Progress | None = None) -> int:
@@ -244,7 +245,7 @@ class Consumer:
                 if len(self._spans) >= 4 * _CACHE:
                     self._spans.clear()
                 # pre-packed copies too: a plan reads those instead of the strided shards
-                spans = self._spans[key] = byte_spans(lay.shards + lay.packed, self._names[1])
+                spans = self._spans[key] = byte_spans(lay.shards, lay.packed, self._wanted[1])
             self.ctx.transport.prefault(peer, _shifted(spans, version.pieces[r].base_offset))
 
     def _prefault_ahead(self, version: Version, work: Work) -> None:
@@ -268,12 +269,15 @@ class Consumer:
 
     def _host_buffers(self, dests: list[Entry]) -> bool:
         """Whether every buffer is host memory (rows into device memory never read a mapping:
-        prefaulting one for them would be wasted); caches the buffers' tensor names too."""
+        prefaulting one for them would be wasted); caches each tensor name's boxes too."""
         fp = self.buffers.fingerprint
-        if self._names[0] is not fp:
-            self._names = (fp, frozenset(n for e in dests for n in (e.name, *e.aliases)),
-                           all(e.tensor.is_cpu for e in dests))
-        return self._names[2]
+        if self._wanted[0] is not fp:
+            wanted: dict[str, list[tuple[Box, str]]] = {}
+            for e in dests:
+                for n in (e.name, *e.aliases):
+                    wanted.setdefault(n, []).append((e.box, e.dtype))
+            self._wanted = (fp, wanted, all(e.tensor.is_cpu for e in dests))
+        return self._wanted[2]
 
     def _batch_key(self, version: Version, gids: tuple[str, ...]) -> tuple[object, ...]:
         """What a ready-made batch is cached under: sources, buffers and this step's slots."""

@@ -9,16 +9,17 @@ consumer by a stable rotation so that independent consumers spread over the grou
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Container, Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
 from .catalog import Layout, Version
 from .errors import LayoutError
-from .layout import Entry, ShardRecord, TensorLayout, check_fit, group_layouts, itemsize, merge_tensor_layout
+from .layout import Box, Entry, ShardRecord, TensorLayout, check_fit, group_layouts, itemsize, merge_tensor_layout
+from .spans import span_runs
 
 __all__ = ["PUBLISHERS", "SourceGroup", "source_groups", "assign", "failover_order", "bases", "dest_records",
-           "converted_layout", "to_transport_ops", "publisher_peer", "byte_spans", "read_spans"]
+           "converted_layout", "to_transport_ops", "publisher_peer", "byte_spans", "read_spans", "Wanted"]
 
 PUBLISHERS = "pub"  # the group id of the version's publisher ranks
 
@@ -142,36 +143,60 @@ def bases(version: Version, g: SourceGroup) -> dict[int, int]:
     return {sid: (0 if r is None else version.pieces[r].base_offset) for sid, (_p, r, _l) in g.sources.items()}
 
 
-def byte_spans(shards: Sequence[ShardRecord], names: Container[str]) -> list[tuple[int, int, int]]:
-    """Per region, ``(region, lo, hi)``: the bytes the shards of ``names`` occupy (from their
-    byte offsets, relative to the source's base offset), a superset of what a plan reads."""
-    lo: dict[int, int] = {}
-    hi: dict[int, int] = {}
-    for s in shards:
-        if s.name not in names or 0 in s.box.sizes:
-            continue
-        end = s.byte_offset + itemsize(s.dtype) * (1 + sum((z - 1) * st for z, st in zip(s.box.sizes, s.strides)))
-        r = s.region
-        if r not in lo:
-            lo[r], hi[r] = s.byte_offset, end
-        else:
-            lo[r], hi[r] = min(lo[r], s.byte_offset), max(hi[r], end)
-    return [(r, lo[r], hi[r]) for r in sorted(lo)]
+Wanted = Mapping[str, Sequence[tuple[Box, str]]]  # tensor name -> (box, dtype) of each buffer of it
+
+
+def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wanted: Wanted) -> list[tuple[int, int, int]]:
+    """``(region, lo, hi)`` runs (``spans.span_runs``) of the bytes a plan for the ``wanted``
+    buffers may read in one source, relative to its base offset: each buffer's piece of each
+    shard, and its pre-packed copies. A piece that a copy holds whole (of the buffer's or the
+    shard's dtype) is left out of the shard: the planner reads the copy; a copy of a third dtype
+    is left out. A superset of what a plan reads, without the other consumers' copies or the
+    shard bytes next to the piece."""
+    copies: dict[str, list[ShardRecord]] = {}
+    for r in packed:
+        if r.name in wanted:
+            copies.setdefault(r.name, []).append(r)
+    region: list[int] = []
+    lo: list[int] = []
+    hi: list[int] = []
+    for r in shards:
+        for box, dtype in wanted.get(r.name, ()):
+            piece = r.box.intersect(box)
+            if piece is not None and not any(c.box == piece and c.dtype in (dtype, r.dtype)
+                                             for c in copies.get(r.name, ())):
+                _add_piece(r, piece, region, lo, hi)
+    published = {r.name: r.dtype for r in shards if r.name in copies}
+    for name, recs in copies.items():
+        for r in recs:
+            for box, dtype in wanted[name]:
+                piece = r.box.intersect(box)
+                if piece is not None and r.dtype in (dtype, published.get(name)):
+                    _add_piece(r, piece, region, lo, hi)
+    return span_runs(np.array(region, dtype=np.int64), np.array(lo, dtype=np.int64), np.array(hi, dtype=np.int64))
+
+
+def _add_piece(r: ShardRecord, piece: Box, region: list[int], lo: list[int], hi: list[int]) -> None:
+    """The bytes from the first to the last element of ``piece`` inside record ``r``."""
+    if 0 in piece.sizes:
+        return
+    size = itemsize(r.dtype)
+    start = r.byte_offset + size * sum((o - ro) * st for o, ro, st in zip(piece.offsets, r.box.offsets, r.strides))
+    region.append(r.region)
+    lo.append(start)
+    hi.append(start + size * (1 + sum((z - 1) * st for z, st in zip(piece.sizes, r.strides))))
 
 
 def read_spans(ops: np.ndarray) -> dict[int, list[tuple[int, int, int]]]:
-    """Per peer index of transport ops, ``(region, lo, hi)``: the byte range they read per region."""
+    """Per peer index of transport ops, ``(region, lo, hi)`` runs (``spans.span_runs``) of
+    the bytes they read."""
     if not len(ops):
         return {}
-    keys, inv = np.unique(ops[:, :2], axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
-    lo = np.full(len(keys), np.iinfo(np.int64).max, dtype=np.int64)
-    hi = np.zeros(len(keys), dtype=np.int64)
-    np.minimum.at(lo, inv, ops[:, 2])
-    np.maximum.at(hi, inv, ops[:, 2] + ops[:, 4])
+    stride = int(ops[:, 1].max()) + 1
+    key = ops[:, 0].astype(np.int64) * stride + ops[:, 1]
     out: dict[int, list[tuple[int, int, int]]] = {}
-    for (peer, region), a, b in zip(keys.tolist(), lo.tolist(), hi.tolist()):
-        out.setdefault(peer, []).append((region, a, b))
+    for k, a, b in span_runs(key, ops[:, 2], ops[:, 2] + ops[:, 4]):
+        out.setdefault(k // stride, []).append((k % stride, a, b))
     return out
 
 

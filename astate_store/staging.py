@@ -18,6 +18,7 @@ import torch
 
 from .errors import LayoutError
 from .layout import Box, ShardRecord, contiguous_strides, itemsize, torch_dtype
+from .transport import memfd
 from .transport.binding import copy_threads, native
 
 __all__ = ["SlotEntry", "SnapshotPool", "StagingCapExceeded", "ALIGN"]
@@ -115,7 +116,9 @@ class SnapshotPool:
             self.buffer = self._alloc(need)
             # Write every slot now: the first write of fresh memory is the slow one (page
             # faults; ~1 s per GiB on a VM), so the first put pays it for all slots instead
-            # of the second put paying it again for the second slot.
+            # of the second put paying it again for the second slot. Memfd pages are
+            # allocated in bulk first (``memfd.preallocate``): the writes then only map them.
+            memfd.preallocate(self.buffer.data_ptr(), self.buffer.numel())
             self.buffer.zero_()
             self.region = self._register(self.buffer)
         self.signature, self.entries, self.slot_size, self.depth = sig, tuple(entries), slot, depth

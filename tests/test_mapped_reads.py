@@ -87,12 +87,13 @@ def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
             t.connect("pub", pub.descriptor)
             p = t.peer_index("pub")
             calls: list[tuple[str, int]] = []
-            release = threading.Event()
+            release, started = threading.Event(), threading.Event()
             real = memfd._populate
 
             def spy(address: int, length: int) -> bool:
                 calls.append((threading.current_thread().name, length))
                 if threading.current_thread().name == "astate-prefault":
+                    started.set()
                     release.wait(30)  # still running when the get arrives (unless the timer won)
                 return real(address, length)
 
@@ -103,6 +104,7 @@ def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
             assert calls == []
             t.prefault("pub", [(0, 0, N)])
             t.prefault("pub", [(0, 4096, N // 2)])  # inside the span under way: nothing more
+            assert started.wait(30)  # the background thread holds its first chunk
             threading.Timer(0.2, release.set).start()
             dst = torch.zeros(N, dtype=torch.uint8)
             t.get(ops_for([(p, 0, 0, dst.data_ptr(), N)]), timeout=30)
@@ -117,6 +119,42 @@ def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
             t.get(ops_for([(p, 0, N, dst.data_ptr(), N)]), timeout=30)
             assert np.array_equal(dst.numpy(), pattern(2 * N, 0)[N:])
             assert sum(n for _, n in calls) == 2 * N
+    finally:
+        pub.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_get_prefaults_only_the_runs_it_reads_and_a_prepared_one_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan reading the two ends of a region (a column-split consumer between another
+    one's copies) populates those runs, not the bytes between them; the same plan again
+    populates nothing (its window was prepared), and a new plan only what it adds."""
+    pub = Peer("shm", [4 * N], memfd=True)
+    try:
+        with UcxTransport("shm") as t:
+            t.connect("pub", pub.descriptor)
+            p = t.peer_index("pub")
+            spans: list[tuple[int, int]] = []
+            real = memfd._populate
+            mapping = t._peers.get("pub").maps[0]  # where region 0 is mapped here
+
+            def spy(address: int, length: int) -> bool:
+                spans.append((address - mapping.address, address - mapping.address + length))
+                return real(address, length)
+
+            monkeypatch.setattr(memfd, "_populate", spy)
+            dst = torch.zeros(2 * N, dtype=torch.uint8)
+            ends = ops_for([(p, 0, 0, dst.data_ptr(), N // 2), (p, 0, N // 2, dst.data_ptr() + N // 2, N // 2),
+                            (p, 0, 3 * N, dst.data_ptr() + N, N)])
+            t.get(ends, timeout=30)
+            src = pattern(4 * N, 0)
+            assert np.array_equal(dst.numpy(), np.concatenate([src[:N], src[3 * N:]]))
+            assert sorted(spans) == [(0, N), (3 * N, 4 * N)]  # two runs; the 2N between left alone
+            t.get(ends, timeout=30)
+            assert len(spans) == 2
+            more = ops_for([(p, 0, 0, dst.data_ptr(), N), (p, 0, 2 * N, dst.data_ptr() + N, N)])
+            t.get(more, timeout=30)
+            assert sorted(spans) == [(0, N), (2 * N, 3 * N), (3 * N, 4 * N)]
+            assert np.array_equal(dst.numpy(), np.concatenate([src[:N], src[2 * N: 3 * N]]))
     finally:
         pub.stop()
 
@@ -218,6 +256,13 @@ def test_shared_mapping_is_sealed_and_tracked() -> None:
     assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
     with pytest.raises(OSError):
         os.ftruncate(fd, 4096)  # nobody can shrink it under a reader
+    # preallocate: the file's pages exist before anything writes them (a staging pool's)
+    assert os.fstat(fd).st_blocks == 0
+    assert memfd.preallocate(base + 4096, 64 << 10)
+    assert os.fstat(fd).st_blocks * 512 == 64 << 10
+    assert not memfd.preallocate(base, (1 << 20) + 1) and not memfd.preallocate(base - 4096, 10)
+    assert not memfd.preallocate(torch.zeros(10).data_ptr(), 10)  # not a memfd's
+    assert not np.frombuffer(mm, dtype=np.uint8).any()  # still zero
     del mm
     import gc
 

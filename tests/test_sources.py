@@ -84,19 +84,39 @@ def test_failover_tries_other_groups_then_the_publishers_alone() -> None:
     assert [sorted(gs) for gs in with_b] == [["g:solo", PUBLISHERS], [PUBLISHERS]]
 
 
-def test_byte_spans_cover_the_wanted_tensors_per_region() -> None:
+def test_byte_spans_cover_the_pieces_the_buffers_may_read_per_region() -> None:
     def rec(name: str, sizes: tuple[int, ...], strides: tuple[int, ...], region: int, off: int,
-            dtype: str = "float32") -> ShardRecord:
-        return ShardRecord(name, dtype, sizes, Box((0,) * len(sizes), sizes), strides, 0, region, off)
+            dtype: str = "float32", offsets: tuple[int, ...] | None = None) -> ShardRecord:
+        box = Box(offsets or (0,) * len(sizes), sizes)
+        return ShardRecord(name, dtype, (8, 8) if len(sizes) == 2 else sizes, box, strides, 0, region, off)
 
-    shards = [rec("a", (4, 8), (8, 1), 0, 1024),          # 128 bytes at 1024
-              rec("b", (4, 8), (1, 4), 0, 4096),          # strided: last element at (3*1 + 7*4) -> 128 bytes
+    def whole(*names: str, dtype: str = "float32") -> dict[str, list[tuple[Box, str]]]:
+        return {n: [(Box((0, 0), (8, 8)), dtype)] for n in names}
+
+    shards = [rec("a", (4, 8), (8, 1), 0, 1024),           # 128 bytes at 1024
+              rec("b", (4, 8), (1, 4), 0, 4096),           # strided: last element at (3*1 + 7*4) -> 128 bytes
               rec("c", (2, 3), (3, 1), 1, 64, "bfloat16"),  # 12 bytes at 64 of region 1
-              rec("d", (0, 5), (5, 1), 1, 0),             # empty: occupies nothing
-              rec("e", (1000,), (1,), 0, 1 << 20)]        # not wanted
-    assert byte_spans(shards, {"a", "b", "c", "d"}) == [(0, 1024, 4096 + 128), (1, 64, 76)]
-    assert byte_spans(shards, {"b"}) == [(0, 4096, 4096 + 128)]
-    assert byte_spans(shards, set()) == []
+              rec("d", (0, 5), (5, 1), 1, 0),              # empty: occupies nothing
+              rec("e", (8, 8), (8, 1), 0, 1 << 20)]        # 1 MiB further on
+    # a and b lie closer than the merge gap: one run; e is a run of its own
+    assert byte_spans(shards, [], whole("a", "b", "c", "d")) == [(0, 1024, 4096 + 128), (1, 64, 76)]
+    assert byte_spans(shards, [], whole("a", "e")) == [(0, 1024, 1024 + 128), (0, 1 << 20, (1 << 20) + 256)]
+    assert byte_spans(shards, [], whole("b")) == [(0, 4096, 4096 + 128)]
+    assert byte_spans(shards, [], {}) == []
+    # rows 1-2 of "a" only: from its first element to its last
+    assert byte_spans(shards, [], {"a": [(Box((1, 0), (2, 8)), "float32")]}) == [(0, 1024 + 32, 1024 + 96)]
+    # columns 4-7 of "e" (row-major): from (0, 4) to (7, 7)
+    assert byte_spans(shards, [], {"e": [(Box((0, 4), (8, 4)), "float32")]}) == \
+        [(0, (1 << 20) + 16, (1 << 20) + 256)]
+    # a pre-packed copy of the wanted columns of "e" is read instead of the shard; the copy of
+    # the other columns (another consumer's) is not read at all
+    packed = [rec("e", (8, 4), (4, 1), 2, 0, offsets=(0, 4)), rec("e", (8, 4), (4, 1), 2, 1 << 20, offsets=(0, 0))]
+    assert byte_spans(shards, packed, {"e": [(Box((0, 4), (8, 4)), "float32")]}) == [(2, 0, 128)]
+    # a converted copy counts for a buffer of its dtype only
+    conv = [rec("e", (8, 4), (4, 1), 2, 0, "bfloat16", offsets=(0, 4))]
+    assert byte_spans(shards, conv, {"e": [(Box((0, 4), (8, 4)), "bfloat16")]}) == [(2, 0, 64)]
+    assert byte_spans(shards, conv, {"e": [(Box((0, 4), (8, 4)), "float16")]}) == \
+        [(0, (1 << 20) + 16, (1 << 20) + 256)]
 
 
 def test_read_spans_per_peer_and_region() -> None:
@@ -104,4 +124,7 @@ def test_read_spans_per_peer_and_region() -> None:
 
     ops = np.array([[0, 1, 100, 0, 10], [1, 0, 0, 0, 5], [0, 1, 40, 0, 20], [0, 2, 8, 0, 8]], dtype=np.int64)
     assert read_spans(ops) == {0: [(1, 40, 110), (2, 8, 16)], 1: [(0, 0, 5)]}
+    far = np.array([[0, 1, 1 << 20, 0, 8]], dtype=np.int64)  # past the merge gap: a run of its own
+    assert read_spans(np.concatenate([ops, far])) == {0: [(1, 40, 110), (1, 1 << 20, (1 << 20) + 8), (2, 8, 16)],
+                                                     1: [(0, 0, 5)]}
     assert read_spans(ops[:0]) == {}

@@ -47,6 +47,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from ..errors import PeerUnreachable, TransportError
+from ..spans import span_runs
 from . import memfd
 from .base import PeerDescriptor, RegionInfo
 from .binding import copy_threads, native, typed_error
@@ -274,12 +275,15 @@ class SameHostReader:
         if not p.direct:
             return
         regions = p.desc.regions
+        per: dict[int, list[tuple[int, int]]] = {}
         for region, lo, hi in spans:
             if not 0 <= region < len(p.maps) or p.maps[region] is None:
                 continue
             lo, hi = max(lo, 0), min(hi, regions[region].size)
             if lo < hi:
-                p.maps[region].prefault_later(lo, hi)
+                per.setdefault(region, []).append((lo, hi))
+        for region, got in per.items():
+            p.maps[region].prefault_later(got)
 
     def serve(self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, *, threads: int | None) -> Rows | None:
         """Read the rows this path may take; the rows left for UCX (None: none left).
@@ -320,16 +324,29 @@ class SameHostReader:
 
     @staticmethod
     def _prepare(t: PeerSnapshot, flat: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
-        """Prefault, per mapped region, the span this plan reads (``memfd.PeerMapping.prepare``).
-        One pass over the rows whatever the number of regions (a mask per region would cost
-        rows x regions every step)."""
+        """Prefault, per mapped region, the byte runs this plan reads (``memfd.PeerMapping.prepare``).
+        A region whose window (first byte, end, rows) was prepared before costs a lookup: a
+        steady step finds every region ready and sorts nothing. One pass over the rows whatever
+        the number of regions (a mask per region would cost rows x regions every step)."""
         regions, inv = np.unique(flat, return_inverse=True)
+        inv = inv.reshape(-1)
         span_lo = np.full(len(regions), np.iinfo(np.uint64).max, dtype=np.uint64)
         span_hi = np.zeros(len(regions), dtype=np.uint64)
         np.minimum.at(span_lo, inv, lo)
         np.maximum.at(span_hi, inv, hi)
-        for r, a, b in zip(regions.tolist(), span_lo.tolist(), span_hi.tolist()):
-            t.maps[r].prepare(a, b)
+        count = np.bincount(inv, minlength=len(regions))
+        windows = {r: (a, b, n) for r, a, b, n in zip(regions.tolist(), span_lo.tolist(), span_hi.tolist(),
+                                                       count.tolist()) if not t.maps[r].ready((a, b, n))}
+        if not windows:
+            return
+        if len(windows) < len(regions):
+            sel = np.isin(flat, np.fromiter(windows, dtype=np.uint64, count=len(windows)))
+            flat, lo, hi = flat[sel], lo[sel], hi[sel]
+        per: dict[int, list[tuple[int, int]]] = {}
+        for r, a, b in span_runs(flat, lo, hi):
+            per.setdefault(r, []).append((a, b))
+        for r, runs in per.items():
+            t.maps[r].prepare(runs, windows[r])
 
     def _cma(self, t: PeerSnapshot, rows: Rows, threads: int) -> bool:
         """Rows via process_vm_readv. False: fall back to UCX for the whole plan."""
