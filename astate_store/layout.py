@@ -187,10 +187,18 @@ class ShardRecord:
     @property
     def span_bytes(self) -> int:
         """Bytes from the first to one past the last element in memory."""
-        if self.box.numel == 0:
-            return 0
-        last = sum((s - 1) * st for s, st in zip(self.box.sizes, self.strides))
-        return (last + 1) * itemsize(self.dtype)
+        lo, hi = self.byte_range(self.box)
+        return hi - lo
+
+    def byte_range(self, piece: Box) -> tuple[int, int]:
+        """``[first, one past the last)`` byte of ``piece`` (a box inside this record's) in its
+        region, from ``byte_offset``; an empty piece occupies nothing."""
+        if piece.numel == 0:
+            return self.byte_offset, self.byte_offset
+        size = itemsize(self.dtype)
+        start = self.byte_offset + size * sum((o - ro) * st for o, ro, st in
+                                              zip(piece.offsets, self.box.offsets, self.strides))
+        return start, start + size * (1 + sum((z - 1) * st for z, st in zip(piece.sizes, self.strides)))
 
 
 @dataclass(frozen=True)

@@ -177,14 +177,11 @@ def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wan
 
 
 def _add_piece(r: ShardRecord, piece: Box, region: list[int], lo: list[int], hi: list[int]) -> None:
-    """The bytes from the first to the last element of ``piece`` inside record ``r``."""
-    if 0 in piece.sizes:
-        return
-    size = itemsize(r.dtype)
-    start = r.byte_offset + size * sum((o - ro) * st for o, ro, st in zip(piece.offsets, r.box.offsets, r.strides))
-    region.append(r.region)
-    lo.append(start)
-    hi.append(start + size * (1 + sum((z - 1) * st for z, st in zip(piece.sizes, r.strides))))
+    a, b = r.byte_range(piece)
+    if a < b:
+        region.append(r.region)
+        lo.append(a)
+        hi.append(b)
 
 
 def read_spans(ops: np.ndarray) -> dict[int, list[tuple[int, int, int]]]:

@@ -115,12 +115,18 @@ def _huge(mm: mmap.mmap) -> None:
 def fd_of(address: int, nbytes: int) -> int:
     """The memfd behind ``[address, +nbytes)`` if one shared mapping holds all of it, else -1."""
     with _lock:
-        i = bisect_right(_starts, address) - 1
-        if i < 0:
-            return -1
-        start = _starts[i]
-        length, fd = _live[start]
-    return fd if nbytes > 0 and address + nbytes <= start + length else -1
+        held = _holder(address, nbytes)
+    return held[1] if held is not None else -1
+
+
+def _holder(address: int, nbytes: int) -> tuple[int, int] | None:
+    """(start, fd) of the live shared mapping holding all of ``[address, +nbytes)``; under ``_lock``."""
+    i = bisect_right(_starts, address) - 1
+    if i < 0 or nbytes <= 0:
+        return None
+    start = _starts[i]
+    length, fd = _live[start]
+    return (start, fd) if address + nbytes <= start + length else None
 
 
 def preallocate(address: int, nbytes: int) -> bool:
@@ -131,13 +137,10 @@ def preallocate(address: int, nbytes: int) -> bool:
     memory policy (an ``mbind`` of the mapping is the file's shared policy). False where no
     memfd holds the range, or the kernel refused (the writes then allocate as before)."""
     with _lock:
-        i = bisect_right(_starts, address) - 1
-        if i < 0 or nbytes <= 0:
+        held = _holder(address, nbytes)
+        if held is None:
             return False
-        start = _starts[i]
-        length, fd = _live[start]
-        if address + nbytes > start + length:
-            return False
+        start, fd = held
         try:
             os.posix_fallocate(fd, address - start, nbytes)  # under the lock: the fd stays open
         except OSError as exc:
