@@ -19,7 +19,7 @@ import torch
 from .errors import LayoutError
 from .layout import Box, ShardRecord, contiguous_strides, itemsize, torch_dtype
 from .transport import memfd
-from .transport.binding import copy_threads, native
+from .transport.binding import copy_rows
 
 __all__ = ["SlotEntry", "SnapshotPool", "StagingCapExceeded", "ALIGN"]
 
@@ -179,7 +179,7 @@ class SnapshotPool:
         plan, rest = self._copy_plan(k, tensors[:n], key)
         with torch.no_grad():
             if len(plan):
-                native().copy_rows(plan, threads=copy_threads())
+                copy_rows(plan)
             if rest:
                 torch._foreach_copy_([views[i] for i in rest], [tensors[i] for i in rest])
             for e, dst in zip(self.entries[n:], views[n:]):

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import PeerUnreachable, TransportError
 
-__all__ = ["copy_threads", "native", "typed_error", "is_peer_status"]
+__all__ = ["copy_rows", "copy_streaming", "copy_threads", "native", "typed_error", "is_peer_status"]
 
 _native_mod: Any = None
 _native_lock = threading.Lock()
@@ -43,6 +43,22 @@ def copy_threads() -> int:
         return max(1, min(8, len(os.sched_getaffinity(0))))
     except (AttributeError, OSError):
         return max(1, min(8, os.cpu_count() or 1))
+
+
+def copy_streaming() -> int:
+    """Stores of the native ``copy_rows``: ``$ASTATE_COPY_STREAMING`` ``1`` (always non-temporal),
+    ``0`` (never), else -1: non-temporal for copies larger than a last-level cache (32 MiB),
+    which then skip reading each destination line before writing it."""
+    env = os.environ.get("ASTATE_COPY_STREAMING", "").strip().lower()
+    if env in ("0", "false", "no", "off"):
+        return 0
+    return 1 if env in ("1", "true", "yes", "on") else -1
+
+
+def copy_rows(plan: Any, threads: int | None = None) -> None:
+    """Copy rows ``(src_addr, dst_addr, length)`` of a uint64 ``(n, 3)`` array with the native
+    loop (GIL released). The caller has checked every row: nothing is checked here."""
+    native().copy_rows(plan, threads=copy_threads() if threads is None else threads, streaming=copy_streaming())
 
 
 def _memory_events_default() -> None:

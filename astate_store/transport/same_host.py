@@ -5,7 +5,8 @@ UCX's CMA transport pays ~3.7 us per row (one ``ucp_get_nbx`` each); the extensi
 ``cma_read`` batches up to 1024 rows per syscall with the GIL released, ~1 us per row.
 A region backed by a sealed memfd (a publisher's snapshot staging) is mapped once the
 peer is proven and ``memfd.map_peer_region``'s checks pass; its rows are then the
-extension's ``copy_rows`` (memcpy split over threads, GIL released): no syscall per row.
+extension's ``copy_rows`` (GIL released; threads take chunks in turn; streaming stores
+for large copies): no syscall per row.
 
 Rules (the module docstring of ``ucx.py`` has the user-facing summary):
 
@@ -50,7 +51,7 @@ from ..errors import PeerUnreachable, TransportError
 from ..spans import span_runs
 from . import memfd
 from .base import PeerDescriptor, RegionInfo
-from .binding import copy_threads, native, typed_error
+from .binding import copy_rows, native, typed_error
 from .peers import Peer, PeerSnapshot, PeerTable
 from .regions import LocalSnapshot
 from .rows import Rows
@@ -315,7 +316,7 @@ class SameHostReader:
             plan[:, 0] = t.mapped[m.flat] + off
             plan[:, 1] = m.local
             plan[:, 2] = m.length
-            native().copy_rows(plan, threads=copy_threads() if threads is None else threads)
+            copy_rows(plan, threads)
             left = None if n_map == len(rows) else rows.take(~on_map)
         if left is not None and not self._cma(t, left, 1 if threads is None else threads):
             return False
