@@ -161,7 +161,11 @@ def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wan
     lo: list[int] = []
     hi: list[int] = []
     for r in shards:
-        for box, dtype in wanted.get(r.name, ()):
+        boxes = wanted.get(r.name, ())
+        if len(boxes) == 1 and boxes[0][0].sizes == r.global_shape and r.name not in copies:
+            _add_piece(r, r.box, region, lo, hi)  # a whole-tensor buffer takes the whole shard
+            continue
+        for box, dtype in boxes:
             piece = r.box.intersect(box)
             if piece is not None and not any(c.box == piece and c.dtype in (dtype, r.dtype)
                                              for c in copies.get(r.name, ())):

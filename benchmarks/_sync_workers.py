@@ -225,6 +225,8 @@ class _Rollout:
 
         tr.get = timed_get  # type: ignore[method-assign]
         self.thp_kib = thp_kib()
+        self.profile_first: str | None = cfg.get("profile_first")
+        self.pulled = False
         # Time spent in the cyclic garbage collector during a pull (Python overhead that scales with
         # the number of live objects, e.g. per-tensor records of a 10,000-tensor model).
         self.gc_s, self._gc_t0 = 0.0, 0.0
@@ -246,14 +248,30 @@ class _Rollout:
         if barrier is not None:
             barrier.wait(120)
         self.get_s, self.get_rows, self.get_calls, self.gc_s = 0.0, 0, 0, 0.0
+        prof = self._first_profiler()
         c0 = os.times()
         t0 = time.perf_counter()
         got = self.store.get_into(self.bufs, step=step, timeout=120)
         t1 = time.perf_counter()
         c1 = os.times()
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(self.profile_first)
         return {"t0": t0, "t1": t1, "step": got, "transport_s": self.get_s, "rows": self.get_rows,
                 "calls": self.get_calls, "user_s": c1.user - c0.user, "sys_s": c1.system - c0.system,
                 "gc_s": self.gc_s, "nbytes": self.nbytes, "stats": dataclasses.asdict(self.store.stats)}
+
+    def _first_profiler(self) -> Any:
+        """A running cProfile for this rollout's first pull when ``--profile-dir`` asked (the
+        first step: connect, plan and pull), else None."""
+        if not self.profile_first or self.pulled:
+            return None
+        self.pulled = True
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+        return prof
 
     def repeat(self, step: int, n: int) -> dict[str, Any]:
         """Pull the same committed step ``n`` times (for attaching a profiler); per-pull seconds."""

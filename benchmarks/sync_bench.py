@@ -36,7 +36,8 @@ ratio_gloo, put_gbps / ratio_put_memcpy (tp1 case's steady snapshot put: both tr
 slower rank's put time, as the ranks share the host), ratio_many_tensors, ratio_column_vs_row, ratio_convert,
 cases{...}, targets{...}.
 A case that fails records {"error": "..."} instead of stopping the run. SYNC_BENCH_VERBOSE=1 logs progress
-to stderr; --profile-dir DIR cProfiles one extra steady-state get_into per case (DIR/<case>.prof).
+to stderr; --profile-dir DIR cProfiles one extra steady-state get_into per case (DIR/<case>.prof) and the
+first step of its first rollout process (DIR/<case>.first.prof).
 """
 
 from __future__ import annotations
@@ -253,7 +254,8 @@ def run_case(pool: Pool, name: str, gcfg: dict[str, Any], args: argparse.Namespa
     slots = [2, 3][:parts]
     rcfg = {"ns": gcfg["ns"], "model": gcfg["model"], "gib": args.gib, "n_many": args.n_many,
             "transport": args.transport, "parts": parts, "rule": c["rule"], "dtype": c["dtype"],
-            "alloc": c["alloc"], "staging_cap": args.staging_cap}
+            "alloc": c["alloc"], "staging_cap": args.staging_cap,
+            "profile_first": os.path.join(profile_dir, f"{name}.first.prof") if profile_dir else None}
     setup = pool.call(slots, ("",), {s: ("rollout", rcfg, i) for i, s in enumerate(slots)})
     nbytes = sum(v["nbytes"] for v in setup.values())
     steps: list[dict[str, Any]] = []
