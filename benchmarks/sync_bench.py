@@ -23,7 +23,8 @@ Cases (``--cases``, comma list; default all):
             convert_bf16 / same_bf16       fp32 published -> bf16 buffers (converted on pull) / bf16
                                             published -> bf16 buffers (same element count)
 References (same bytes, same run): ``memcpy_gbps`` (torch ``copy_``, best of a few, torch's default
-threads) and ``gloo_gbps`` (torch.distributed gloo broadcast between 2 processes, median).
+threads; ``memcpy_streaming_gbps``: the native copy loop with non-temporal stores, one row) and
+``gloo_gbps`` (torch.distributed gloo broadcast between 2 processes, median).
 
 Per case: gbps/seconds (median, steady state), first_step_seconds, step_seconds, step_phases (metadata, plan,
 transfer seconds per step of the first rollout process), put_step_seconds (the slower
@@ -31,8 +32,8 @@ trainer rank's put per step), transport_seconds (inside
 the batched UCX get), user/sys/gc_seconds of the busiest rollout process, ucx_rows (UCX reads per step),
 verified (checksums), store_stats.
 
-Keys: bytes, sync_gbps (min of tp1 and column_split), memcpy_gbps, gloo_gbps, ratio_memcpy,
-ratio_gloo, put_gbps / ratio_put_memcpy (tp1 case's steady snapshot put: both trainer ranks' bytes over the
+Keys: bytes, sync_gbps (min of tp1 and column_split), memcpy_gbps, memcpy_streaming_gbps, gloo_gbps,
+ratio_memcpy, ratio_memcpy_streaming, ratio_gloo, put_gbps / ratio_put_memcpy (tp1 case's steady snapshot put: both trainer ranks' bytes over the
 slower rank's put time, as the ranks share the host), ratio_many_tensors, ratio_column_vs_row, ratio_convert,
 cases{...}, targets{...}.
 A case that fails records {"error": "..."} instead of stopping the run. SYNC_BENCH_VERBOSE=1 logs progress
@@ -59,6 +60,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(_HERE, ".."))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import _sync_workers as W  # noqa: E402
@@ -133,6 +135,18 @@ def measure_memcpy(nbytes: int, reps: int = 4) -> dict[str, Any]:
         out["gbps_1thread"] = _gbps(nbytes, best(max(2, reps // 2)))
     finally:
         torch.set_num_threads(nt)
+    # The same bytes through our native copy loop as one row with non-temporal stores (what a pull's
+    # copy uses above 32 MiB): torch's copy_ reads each destination line before writing it, so this
+    # is the faster yardstick, reported next to it.
+    from astate_store.transport.binding import copy_threads, native
+
+    plan = np.array([[src.data_ptr(), dst.data_ptr(), nbytes // 4 * 4]], dtype=np.uint64)
+    b = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        native().copy_rows(plan, threads=copy_threads(), streaming=1)
+        b = min(b, time.perf_counter() - t0)
+    out["gbps_streaming"] = _gbps(nbytes, b)
     del src, dst
     gc.collect()
     return out
@@ -426,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     # torch's 2-thread copy needs the second core free (other work on a shared box swings it 18-36 GB/s);
     # the 1-thread copy is the steadier yardstick for a single-threaded pull.
     out["memcpy_1thread_gbps"] = out.get("memcpy", {}).get("gbps_1thread")
+    out["memcpy_streaming_gbps"] = out.get("memcpy", {}).get("gbps_streaming")
+    out["ratio_memcpy_streaming"] = _ratio(out["sync_gbps"], out["memcpy_streaming_gbps"])
     out["ratio_memcpy_1thread"] = _ratio(out["sync_gbps"], out["memcpy_1thread_gbps"])
     # put: the tp1 case's steady snapshot put (each rank copies its shards into a registered pool slot)
     out["put_gbps"] = (cases.get("tp1") or {}).get("put_gbps") if isinstance(cases.get("tp1"), dict) else None

@@ -272,3 +272,39 @@ def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkey
     finally:
         s.close()
         g.close()
+
+
+def test_new_staging_slot_reuses_the_ready_made_batch(etcd: Any, transport: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publisher's two snapshot slots hold the same layout at two bases: the first read of
+    the second slot moves the ready-made batch's rows there instead of planning again, and
+    the bytes are exact in both slots (whole and column-split buffers; pre-packing off, so
+    the layout stays the same)."""
+    g = group(etcd, transport)
+    s = Store(g.ns, endpoint=etcd.endpoint, transport=transport, prepack=False)
+    c = s._consumer
+    built: list[int] = []
+    real = c._build_pull
+    monkeypatch.setattr(c, "_build_pull", lambda v, *a: (built.append(v.step), real(v, *a))[1])
+    try:
+        bufs, cols = whole_buffers(), column_buffers(1)
+        bases: dict[int, set[int]] = {}
+        for step in (1, 2, 3, 4):
+            g.put(step)
+            assert s.get_into(bufs, step=step, timeout=30) == step
+            assert_exact(bufs, step)
+            version = s._ctx.catalog.versions.layouts_of(s._ctx.catalog.readers.begin_read(step, "probe"))
+            s._ctx.catalog.readers.end_read(step, "probe")
+            for r, p in version.pieces.items():
+                bases.setdefault(r, set()).add(p.base_offset)
+        assert all(len(b) == 2 for b in bases.values()), bases  # both slots were read
+        assert built == [1], built  # planned once; the second slot's batch was moved, not rebuilt
+        # another set of buffers is a new batch: planned once, then moved between the slots too
+        for step in (5, 6, 7):
+            g.put(step)
+            assert s.get_into(cols, step=step, timeout=30) == step
+            assert_exact(cols, step)
+        assert built == [1, 5], built
+    finally:
+        s.close()
+        g.close()
