@@ -21,7 +21,8 @@ exactly those ranges into one preallocated flat buffer:
   scatters them into their destinations (``recvmsg_into``, one thread per trainer rank); one request
   byte per pull. Our tcp path is this design inside the store (``transport/stream.py``: plan rows as the
   request, keys and bounds checked), so ``ratio_stream`` is the store's overhead on it;
-* ``memcpy``: torch ``copy_`` of the same number of bytes in one process (best of a few);
+* ``memcpy``: torch ``copy_`` of the same number of bytes in one process (best of a few); also
+  ``memcpy_streaming_gbps``, the same bytes through our copy loop with non-temporal stores;
 * ``gloo``: a torch.distributed gloo broadcast of the same number of bytes between 2 processes.
 
 Every system's result is checked byte for byte (the buffer is zeroed before a checked warm-up and
@@ -32,7 +33,8 @@ Modes: ``--transport shm`` (default: one host, shared memory where a system can 
 hosts joined by a veth link, tcp; needs root and iproute2; trainers on host A, rollout on host B).
 
 Keys: ours_gbps, nixl_gbps, mooncake_gbps, stream_gbps, memcpy_gbps, gloo_gbps, ratio_nixl, ratio_mooncake,
-ratio_stream, ratio_memcpy, ratio_gloo (ours / the other), null_reasons{system: why}, systems{...details}.
+ratio_stream, ratio_memcpy, ratio_gloo (ours / the other), memcpy_streaming_gbps, ratio_memcpy_streaming,
+null_reasons{system: why}, systems{...details}.
 A system that cannot be installed or run reports null and the reason.
 """
 
@@ -339,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 etcd.__exit__()
         if "memcpy" in only:
             systems["memcpy"] = measure_memcpy(out["bytes"])
-            systems["memcpy"]["what"] = "torch copy_ of the same bytes, one process, best of 4"
+            systems["memcpy"]["what"] = ("torch copy_ of the same bytes, one process, best of 4 (gbps_streaming: "
+                                         "our copy loop's non-temporal stores, one row)")
         if "gloo" in only:
             systems["gloo"] = run_gloo(out["bytes"], max(3, args.iters), hosts)
     finally:
@@ -355,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         reasons.setdefault("stream", "a tcp socket stream: run in the tcp modes only")
     for other in ("nixl", "mooncake", "stream", "memcpy", "gloo"):
         out[f"ratio_{other}"] = _ratio(out["ours_gbps"], out[f"{other}_gbps"])
+    memcpy = systems.get("memcpy")
+    out["memcpy_streaming_gbps"] = memcpy.get("gbps_streaming") if isinstance(memcpy, dict) else None
+    out["ratio_memcpy_streaming"] = _ratio(out["ours_gbps"], out["memcpy_streaming_gbps"])
     out["torchstore_gbps"] = out["checkpoint_engine_gbps"] = None
     out["null_reasons"] = reasons
     out["systems"] = systems

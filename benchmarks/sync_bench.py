@@ -32,10 +32,11 @@ trainer rank's put per step), transport_seconds (inside
 the batched UCX get), user/sys/gc_seconds of the busiest rollout process, ucx_rows (UCX reads per step),
 verified (checksums), store_stats.
 
-Keys: bytes, sync_gbps (min of tp1 and column_split), memcpy_gbps, memcpy_streaming_gbps, gloo_gbps,
-ratio_memcpy, ratio_memcpy_streaming, ratio_gloo, put_gbps / ratio_put_memcpy (tp1 case's steady snapshot put: both trainer ranks' bytes over the
-slower rank's put time, as the ranks share the host), ratio_many_tensors, ratio_column_vs_row, ratio_convert,
-cases{...}, targets{...}.
+Keys: bytes, python_ref_seconds (a fixed Python loop at the start and the end: the machine's speed),
+sync_gbps (min of tp1 and column_split), memcpy_gbps, memcpy_streaming_gbps, gloo_gbps, ratio_memcpy,
+ratio_memcpy_streaming, ratio_gloo, put_gbps / ratio_put_memcpy (tp1 case's steady snapshot put: both
+trainer ranks' bytes over the slower rank's put time, as the ranks share the host), ratio_many_tensors,
+ratio_column_vs_row, ratio_convert, cases{...}, targets{...}.
 A case that fails records {"error": "..."} instead of stopping the run. SYNC_BENCH_VERBOSE=1 logs progress
 to stderr; --profile-dir DIR cProfiles one extra steady-state get_into per case (DIR/<case>.prof) and the
 first step of its first rollout process (DIR/<case>.first.prof).
@@ -150,6 +151,17 @@ def measure_memcpy(nbytes: int, reps: int = 4) -> dict[str, Any]:
     del src, dst
     gc.collect()
     return out
+
+
+def python_ref() -> float:
+    """Seconds of a fixed pure-Python loop (10^7 additions), at the start and end of a run: first
+    steps are mostly Python, and this VM's speed moves 2-3x within hours, so a first step is only
+    comparable across runs next to this figure."""
+    t0 = time.perf_counter()
+    acc = 0
+    for i in range(10_000_000):
+        acc += i
+    return round(time.perf_counter() - t0, 3)
 
 
 def measure_gloo(nbytes: int, iters: int) -> dict[str, Any]:
@@ -411,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     model_bytes = sum(torch.Size(s).numel() * 4 for s, _ in W.transformer_spec(args.gib).values())
     out: dict[str, Any] = {"bytes": model_bytes, "gib": args.gib, "transport": args.transport, "steps": args.steps,
-                           "host_cpus": os.cpu_count()}
+                           "host_cpus": os.cpu_count(), "python_ref_seconds": [python_ref()]}
     if not args.no_refs:
         _log("memcpy")
         out["memcpy"] = measure_memcpy(model_bytes)
@@ -451,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     out["ratio_convert"] = _ratio(_case_gbps(cases, "convert_bf16"), _case_gbps(cases, "same_bf16"))
     out["targets"] = TARGETS
     out["meets_targets"] = {k: (out[k] >= v if out.get(k) is not None else None) for k, v in TARGETS.items()}
+    out["python_ref_seconds"].append(python_ref())
     out["total_seconds"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(out), flush=True)
     return 0
