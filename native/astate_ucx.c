@@ -1756,7 +1756,7 @@ static PyObject *mod_cma_read(PyObject *m, PyObject *args, PyObject *kwds)
 #define CHUNK_MIN (1ull << 20)
 #define CHUNK_MAX (8ull << 20)
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__SSE2__)
 #include <emmintrin.h>
 #define HAVE_STREAM 1
 /* dst aligned to 64 bytes by a short memcpy, then 64-byte blocks of streaming stores */
@@ -1842,11 +1842,15 @@ static void plan_chunks(copy_plan_t *p, size_t *row, uint64_t *skip)
 static PyObject *mod_copy_rows(PyObject *m, PyObject *args, PyObject *kwds)
 {
     Py_buffer pb;
-    int threads = 1, streaming = -1;
+    int threads = 1, streaming = -1, nomem = 0;
     unsigned long long split = 8ull << 20;
     if (rows_call(args, kwds, &pb, 3, "(src_addr, dst_addr, length)", &threads, &split, &streaming) != 0)
         return NULL;
     copy_plan_t p = {(const uint64_t *)pb.buf, (size_t)pb.shape[0], 1, NULL, NULL, 0, 0, 0, 0};
+    copy_plan_t *jobs[MAX_JOBS];
+    for (int t = 0; t < MAX_JOBS; t++) jobs[t] = &p;
+
+    Py_BEGIN_ALLOW_THREADS
     for (size_t i = 0; i < p.n; i++) p.total += p.rows[3 * i + 2];
     p.streaming = HAVE_STREAM && (streaming > 0 || (streaming < 0 && p.total >= STREAM_MIN));
     const int nj = (threads > 1 && p.total > split) ? threads : 1;
@@ -1859,23 +1863,18 @@ static PyObject *mod_copy_rows(PyObject *m, PyObject *args, PyObject *kwds)
     size_t *row = PyMem_RawMalloc(p.nchunks * sizeof(size_t));
     uint64_t *skip = PyMem_RawMalloc(p.nchunks * sizeof(uint64_t));
     if (row == NULL || skip == NULL) {
-        PyMem_RawFree(row);
-        PyMem_RawFree(skip);
-        PyBuffer_Release(&pb);
-        return PyErr_NoMemory();
+        nomem = 1;
+    } else {
+        p.row = row, p.skip = skip;
+        plan_chunks(&p, row, skip);
+        run_jobs(copy_worker, jobs, sizeof(jobs[0]), nj);
     }
-    p.row = row, p.skip = skip;
-    copy_plan_t *jobs[MAX_JOBS];
-    for (int t = 0; t < nj && t < MAX_JOBS; t++) jobs[t] = &p;
-
-    Py_BEGIN_ALLOW_THREADS
-    plan_chunks(&p, row, skip);
-    run_jobs(copy_worker, jobs, sizeof(jobs[0]), nj);
-    Py_END_ALLOW_THREADS
-
     PyMem_RawFree(row);
     PyMem_RawFree(skip);
+    Py_END_ALLOW_THREADS
+
     PyBuffer_Release(&pb);
+    if (nomem) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 

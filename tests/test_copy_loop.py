@@ -76,6 +76,22 @@ def test_big_rows_cut_into_chunks(threads: int, streaming: int) -> None:
     assert np.array_equal(got, src[7:7 + m * piece]) and dst[0] == 0 and not dst[1 + m * piece:].any()
 
 
+@pytest.mark.parametrize("streaming", [0, 1])
+def test_chunk_edges_on_row_edges_and_empty_rows(streaming: int) -> None:
+    """Rows of exactly one chunk (1 MiB, the smallest) with empty rows between them: chunk
+    starts fall on row starts and on the empty rows."""
+    piece, m = 1 << 20, 40
+    src = np.random.default_rng(3).integers(0, 256, piece * m, dtype=np.uint8)
+    dst = np.zeros(piece * m, dtype=np.uint8)
+    rows = []
+    for i in range(m):
+        rows.append((src.ctypes.data + i * piece, dst.ctypes.data + (m - 1 - i) * piece, piece))
+        rows.append((src.ctypes.data, dst.ctypes.data, 0))
+    plan = np.array(rows, dtype=np.uint64)
+    native().copy_rows(plan, threads=3, streaming=streaming)
+    assert np.array_equal(dst.reshape(m, piece)[::-1].reshape(-1), src)
+
+
 def test_empty_plan_and_bad_plans() -> None:
     native().copy_rows(np.empty((0, 3), dtype=np.uint64), threads=4, streaming=1)
     with pytest.raises(ValueError, match="3 columns"):

@@ -15,7 +15,7 @@ import torch
 from astate_store import LayoutError, PeerUnreachable, Shard, WaitTimeout
 from astate_store.store import Store
 
-from ._store_workers import SPECS, publisher_main, split, value, whole
+from ._store_workers import SPECS, STAGES, publisher_main, split, value, whole
 
 CTX = mp.get_context("spawn")
 TRANSPORTS = ["shm", "tcp"]
@@ -279,8 +279,9 @@ def test_new_staging_slot_reuses_the_ready_made_batch(etcd: Any, transport: str,
     """A publisher's two snapshot slots hold the same layout at two bases: the first read of
     the second slot moves the ready-made batch's rows there instead of planning again, and
     the bytes are exact in both slots (whole and column-split buffers; pre-packing off, so
-    the layout stays the same)."""
-    g = group(etcd, transport)
+    the layout stays the same). The ranks hold different tensors (pipeline stages), so their
+    slots lie at different distances and each rank's rows move by its own."""
+    g = group(etcd, transport, spec=STAGES)
     s = Store(g.ns, endpoint=etcd.endpoint, transport=transport, prepack=False)
     c = s._consumer
     built: list[int] = []
@@ -298,6 +299,7 @@ def test_new_staging_slot_reuses_the_ready_made_batch(etcd: Any, transport: str,
             for r, p in version.pieces.items():
                 bases.setdefault(r, set()).add(p.base_offset)
         assert all(len(b) == 2 for b in bases.values()), bases  # both slots were read
+        assert len({max(b) - min(b) for b in bases.values()}) == len(bases) == 2, bases  # distinct shifts
         assert built == [1], built  # planned once; the second slot's batch was moved, not rebuilt
         # another set of buffers is a new batch: planned once, then moved between the slots too
         for step in (5, 6, 7):
