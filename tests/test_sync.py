@@ -222,6 +222,14 @@ def test_dead_publisher_gives_typed_error(etcd: Any, transport: str, consumer: A
         g.close()
 
 
+def committed_pieces(s: Store, step: int) -> dict[int, Any]:
+    """The pieces of a committed version as the catalog gives them to a reader (a probe read)."""
+    catalog = s._ctx.catalog
+    pieces = catalog.versions.layouts_of(catalog.readers.begin_read(step, "probe")).pieces
+    catalog.readers.end_read(step, "probe")
+    return dict(pieces)
+
+
 @pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "anonymous"])
 def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Publisher processes stage snapshots in sealed memfds: a same-host consumer maps them
@@ -254,8 +262,7 @@ def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkey
             if step == 1:
                 # each piece lists its pool's slots; the pull hinted its own slot and then the other
                 # (to be mapped before step 2 reads it)
-                pieces = s._ctx.catalog.versions.layouts_of(s._ctx.catalog.readers.begin_read(1, "probe")).pieces
-                s._ctx.catalog.readers.end_read(1, "probe")
+                pieces = committed_pieces(s, 1)
                 assert all(len(p.slot_bases) == 2 and p.base_offset in p.slot_bases for p in pieces.values())
                 for r, p in pieces.items():
                     los = [lo for peer, lo in hints if peer[-1] == r]
@@ -294,9 +301,7 @@ def test_new_staging_slot_reuses_the_ready_made_batch(etcd: Any, transport: str,
             g.put(step)
             assert s.get_into(bufs, step=step, timeout=30) == step
             assert_exact(bufs, step)
-            version = s._ctx.catalog.versions.layouts_of(s._ctx.catalog.readers.begin_read(step, "probe"))
-            s._ctx.catalog.readers.end_read(step, "probe")
-            for r, p in version.pieces.items():
+            for r, p in committed_pieces(s, step).items():
                 bases.setdefault(r, set()).add(p.base_offset)
         assert all(len(b) == 2 for b in bases.values()), bases  # both slots were read
         assert len({max(b) - min(b) for b in bases.values()}) == len(bases) == 2, bases  # distinct shifts
