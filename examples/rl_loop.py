@@ -33,7 +33,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # Nothing is downloaded: the model is made from a config. Set before transformers is imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -230,10 +230,12 @@ def _verify(acks: Any, o: LoopOptions, step: int, ref: torch.Tensor, bufs: dict[
     return sync, equal
 
 
-def train(rank: int, world: int, o: LoopOptions, *, echo: bool = True) -> list[StepReport]:
+def train(rank: int, world: int, o: LoopOptions, *, echo: bool = True,
+          on_report: Callable[[StepReport], None] | None = None) -> list[StepReport]:
     """One trainer rank: FSDP2 over the gloo group, a put per step; rank 0 verifies and reports.
 
-    Returns rank 0's reports (empty on other ranks); prints each step's line on rank 0 when ``echo``.
+    Returns rank 0's reports (empty on other ranks); prints each step's line on rank 0 when ``echo``,
+    and hands each report to ``on_report`` as it is made.
     """
     import torch.distributed as dist
 
@@ -265,6 +267,8 @@ def train(rank: int, world: int, o: LoopOptions, *, echo: bool = True) -> list[S
                                           not bitwise_equal(ref, prev)))
                 if echo:
                     print(reports[-1].line(), flush=True)
+                if on_report is not None:
+                    on_report(reports[-1])
             prev = ref
             dist.barrier()  # the next step's put only after rank 0 saw every rollout's ack
         if acks is not None:
@@ -414,9 +418,11 @@ def free_port() -> int:
 
 
 def _trainer_proc(rank: int, world: int, o: LoopOptions, out: Any) -> None:
-    reports = train(rank, world, o)
+    # Rank 0 sends each step's report as it is made and the parent prints it: the parent owns the
+    # console (a fork-server child writes to the fork server's stdout, which may not be the caller's).
+    train(rank, world, o, echo=False, on_report=lambda r: out.put(dataclasses.asdict(r)))
     if rank == 0:
-        out.put([dataclasses.asdict(r) for r in reports])
+        out.put(None)  # the last step was reported
 
 
 def _rollout_proc(index: int, kind: str, o: LoopOptions) -> None:
@@ -467,15 +473,21 @@ def run_local(o: LoopOptions, *, world: int = 2) -> tuple[bool, list[StepReport]
 
 
 def _collect(procs: Sequence[Any], out: Any, timeout: float) -> list[StepReport]:
-    """Trainer rank 0's reports, or [] as soon as any process failed (or at the deadline)."""
+    """Trainer rank 0's reports, each step's line printed as it comes; [] as soon as any process
+    failed (or at the deadline)."""
     import queue
 
     deadline = time.monotonic() + timeout
+    reports: list[StepReport] = []
     while time.monotonic() < deadline and not any(p.exitcode not in (None, 0) for p in procs):
         try:
-            return [StepReport(**d) for d in out.get(timeout=1.0)]
+            d = out.get(timeout=1.0)
         except queue.Empty:
             continue
+        if d is None:
+            return reports
+        reports.append(StepReport(**d))
+        print(reports[-1].line(), flush=True)
     return []
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import random
@@ -29,8 +28,8 @@ from astate_store.etcd_server import EmbeddedEtcd
 from astate_store.layout import Box, ShardRecord
 
 from ._catalog_workers import commit_racer, hold_session, publish, row_shard
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 
 
 def _watches(client: EtcdClient, monkeypatch: pytest.MonkeyPatch) -> "queue.Queue[tuple[str, int | None]]":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import zlib
@@ -23,8 +22,8 @@ from astate_store.errors import CheckpointCorrupted, CheckpointError, Checkpoint
 from astate_store.layout import Box, ShardRecord, contiguous_strides, group_layouts
 
 from . import _checkpoint_workers as W
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "schemas" / "checkpoint_manifest.json").read_text())
 
 

@@ -3,7 +3,6 @@ self-describing after their publishers left, and pre-packed copies shared by con
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import uuid
 from typing import Any
 
@@ -15,8 +14,8 @@ from astate_store.store import Store
 
 from ._scale_workers import scale_publisher, tiny_model
 from .test_sync import Group, assert_exact, whole_buffers
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 pytestmark = pytest.mark.timeout(300)
 
 

@@ -9,7 +9,6 @@ multi-process run covers several cases, so process groups are started twice in a
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 import uuid
 from typing import Any, Iterator
@@ -23,8 +22,8 @@ from astate_store.store import Store
 
 from ._dtensor_workers import Net, TPNet, expected_net, expected_tp, fsdp_consumer, fsdp_trainer, full_w, \
     mesh2d_worker
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 
 
 def _port() -> int:

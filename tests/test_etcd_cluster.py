@@ -8,7 +8,6 @@ back, and puts and pulls carry on with exact bytes through the two surviving mem
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import uuid
 from typing import Any, Callable, Iterator
@@ -17,8 +16,8 @@ import pytest
 import torch
 
 from astate_store.etcd_server import EtcdCluster
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 SHAPE = (64, 48)
 TIMEOUT = 60.0
 

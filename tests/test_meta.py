@@ -3,7 +3,6 @@ back per rank, checkpoints keep it, and a bad meta record is contained."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ from astate_store.store import Store
 from astate_store.usermeta import MAX_META_BYTES, rng_state, set_rng_state
 
 from ._meta_workers import publisher, rank_meta, rank_tensors
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 
 
 def _publish(etcd, ns: str, uri: str, steps: int = 2) -> None:

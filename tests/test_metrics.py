@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import multiprocessing as mp
 import os
 import re
 import urllib.request
@@ -28,10 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 import astate_store
 from astate_store import Stats, connect, metrics
 from astate_store.catalog.records import pad20
+from ._procs import CTX
 
 pytestmark = pytest.mark.timeout(120)
 
-CTX = mp.get_context("spawn")
 SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     "w": ((256, 64), torch.float32), "b": ((1000,), torch.float32), "h": ((128, 32), torch.bfloat16)}
 NBYTES = sum(torch.empty(s, dtype=d).nbytes for s, d in SHAPES.values())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 import uuid
@@ -16,8 +15,8 @@ from astate_store.store import Store
 
 from ._store_workers import mutating_publisher
 from .test_sync import Group, expected
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 
 
 @pytest.mark.timeout(240)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import uuid
@@ -16,8 +15,8 @@ from astate_store.store import Store
 
 from ._store_workers import SPECS, consumer_main, looping_consumer, value
 from .test_sync import Group, assert_exact, whole_buffers
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 pytestmark = pytest.mark.timeout(240)
 
 

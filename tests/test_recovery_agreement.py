@@ -4,7 +4,6 @@ raise the same RecoveryError, before any of them republishes. Real etcd, real pr
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import time
 import uuid
 from pathlib import Path
@@ -23,8 +22,8 @@ from astate_store.store import Store
 from ._store_workers import STAGES, consumer_main, stage_names
 from .test_codec import _as_json
 from .test_sync import Group, assert_exact, whole_buffers
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 pytestmark = pytest.mark.timeout(240)
 
 

@@ -8,7 +8,6 @@ falls back to the checkpoint.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -26,8 +25,8 @@ from astate_store import LayoutError, PeerUnreachable, ReplicationTimeout, Shard
 from astate_store.kv import KeyInfo
 from astate_store.replica_server import ReplicaServer, parse_bytes
 from astate_store.store import Store, connect
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 pytestmark = pytest.mark.timeout(120)
 
 _SPECS = {"w": ((40, 24), torch.float32), "emb": ((10, 8), torch.bfloat16), "pos": ((3,), torch.int64)}

@@ -7,7 +7,6 @@ Real etcd, real UCX, separate processes.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -20,8 +19,8 @@ import torch
 from astate_store import SessionHub, Store, connect
 from astate_store.catalog.client import EtcdClient
 from astate_store.errors import CatalogError
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 pytestmark = pytest.mark.timeout(120)
 N = 50
 TTL = 2.0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -16,8 +15,8 @@ from astate_store import LayoutError, PeerUnreachable, Shard, WaitTimeout
 from astate_store.store import Store
 
 from ._store_workers import SPECS, STAGES, publisher_main, split, value, whole
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 TRANSPORTS = ["shm", "tcp"]
 
 

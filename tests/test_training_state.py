@@ -4,7 +4,6 @@ another layout (one process, no FSDP) with ``restore`` and ``meta``."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 from typing import Any
 
@@ -15,8 +14,8 @@ from astate_store.store import Store
 from astate_store.usermeta import set_rng_state
 
 from ._training_state_workers import full_training_state, make_model, train_step, trainer
+from ._procs import CTX
 
-CTX = mp.get_context("spawn")
 
 
 def _port() -> int:

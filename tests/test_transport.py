@@ -21,6 +21,7 @@ from astate_store.transport import base as transport_base
 from astate_store.transport.ucx import native
 
 from ._transport_peer import hold_secret, pattern, serve
+from ._procs import CTX
 
 MODES = ["shm", "tcp"]
 # (publisher/consumer mode, consumer's same-host process_vm_readv fast path)
@@ -30,7 +31,6 @@ PAIR_IDS = ["shm-direct", "shm-ucx", "tcp"]
 FIXTURE_PAIRS = [(m, d, False) for m, d in PAIRS] + [("shm", True, True)]
 FIXTURE_IDS = PAIR_IDS + ["shm-mapped"]
 SIZES = [8 << 20, 1 << 16, 0]  # region 0: 8 MiB, region 1: 64 KiB, region 2: empty
-CTX = mp.get_context("spawn")
 
 
 class Peer:
