@@ -146,13 +146,15 @@ def bases(version: Version, g: SourceGroup) -> dict[int, int]:
 Wanted = Mapping[str, Sequence[tuple[Box, str]]]  # tensor name -> (box, dtype) of each buffer of it
 
 
-def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wanted: Wanted) -> list[tuple[int, int, int]]:
+def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wanted: Wanted,
+               spans: np.ndarray | None = None) -> list[tuple[int, int, int]]:
     """``(region, lo, hi)`` runs (``spans.span_runs``) of the bytes a plan for the ``wanted``
     buffers may read in one source, relative to its base offset: each buffer's piece of each
     shard, and its pre-packed copies. A piece that a copy holds whole (of the buffer's or the
     shard's dtype) is left out of the shard: the planner reads the copy; a copy of a third dtype
     is left out. A superset of what a plan reads, without the other consumers' copies or the
-    shard bytes next to the piece."""
+    shard bytes next to the piece. ``spans``: each shard's whole byte range (``Layout.spans``),
+    taken for the shards a whole-tensor buffer wants instead of computing it per record."""
     copies: dict[str, list[ShardRecord]] = {}
     for r in packed:
         if r.name in wanted:
@@ -160,10 +162,14 @@ def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wan
     region: list[int] = []
     lo: list[int] = []
     hi: list[int] = []
-    for r in shards:
+    whole: list[int] = []  # shards a whole-tensor buffer takes whole (from ``spans``)
+    for i, r in enumerate(shards):
         boxes = wanted.get(r.name, ())
         if len(boxes) == 1 and boxes[0][0].sizes == r.global_shape and r.name not in copies:
-            _add_piece(r, r.box, region, lo, hi)  # a whole-tensor buffer takes the whole shard
+            if spans is None:
+                _add_piece(r, r.box, region, lo, hi)
+            else:
+                whole.append(i)
             continue
         for box, dtype in boxes:
             piece = r.box.intersect(box)
@@ -177,7 +183,10 @@ def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wan
                 piece = r.box.intersect(box)
                 if piece is not None and r.dtype in (dtype, published.get(name)):
                     _add_piece(r, piece, region, lo, hi)
-    return span_runs(np.array(region, dtype=np.int64), np.array(lo, dtype=np.int64), np.array(hi, dtype=np.int64))
+    rows = np.array([region, lo, hi], dtype=np.int64).reshape(3, -1)
+    if whole:
+        rows = np.concatenate([rows, spans[whole].T], axis=1)  # type: ignore[index]
+    return span_runs(rows[0], rows[1], rows[2])
 
 
 def _add_piece(r: ShardRecord, piece: Box, region: list[int], lo: list[int], hi: list[int]) -> None:

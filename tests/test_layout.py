@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 
 import pytest
@@ -201,6 +203,28 @@ def test_merge_matches_brute_force(recs):
             lay = merge()
             assert lay == TensorLayout("t.w", recs[0].dtype, recs[0].global_shape, tuple(want[1]))
             assert all(a is b for a, b in zip(lay.shards, want[1]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(tensor_shards(), min_size=1, max_size=6), st.randoms(use_true_random=False))
+def test_group_layouts_of_many_tensors_merges_each_as_alone(tensors, rnd):
+    """Several tensors' records interleaved (merged column-wise in one batch): each tensor's
+    layout, or the first failing tensor's error, is what merging it alone gives."""
+    named = [[dataclasses.replace(r, name=f"t{i}.w") for r in recs] for i, recs in enumerate(tensors)]
+    flat = [r for recs in named for r in recs]
+    rnd.shuffle(flat)
+    wants = {f"t{i}.w": _ref_merge(f"t{i}.w", recs) for i, recs in enumerate(named) if recs}
+    bad = [n for n, w in sorted(wants.items()) if isinstance(w, str)]
+    if bad:
+        with pytest.raises(LayoutError, match=rf"'{bad[0]}'.*{wants[bad[0]]}"):
+            group_layouts(flat)
+        return
+    out = group_layouts(flat)
+    assert list(out) == sorted(wants)
+    for n, w in wants.items():
+        # records of one tensor in the order merging it alone gives (ties: the order they came in)
+        alone = merge_tensor_layout(n, [r for r in flat if r.name == n])
+        assert out[n] == alone and all(a is b for a, b in zip(out[n].shards, alone.shards))
 
 
 def test_group_layouts_sorted_by_name_records_in_order():

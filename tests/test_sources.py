@@ -117,6 +117,15 @@ def test_byte_spans_cover_the_pieces_the_buffers_may_read_per_region() -> None:
     assert byte_spans(shards, conv, {"e": [(Box((0, 4), (8, 4)), "bfloat16")]}) == [(2, 0, 64)]
     assert byte_spans(shards, conv, {"e": [(Box((0, 4), (8, 4)), "float16")]}) == \
         [(0, (1 << 20) + 16, (1 << 20) + 256)]
+    # each shard's whole byte range given column-wise (``Layout.spans``): the same runs
+    import numpy as np
+
+    ranges = np.array([[r.region, *r.byte_range(r.box)] for r in shards], dtype=np.int64)
+    for want in (whole("a", "b", "c", "d"), whole("a", "e"), whole("b"), {}, {"a": [(Box((1, 0), (2, 8)), "float32")]},
+                 {**whole("a"), "e": [(Box((0, 4), (8, 4)), "float32")]}):
+        assert byte_spans(shards, [], want, ranges) == byte_spans(shards, [], want), want
+    assert byte_spans(shards, packed, {**whole("a"), "e": [(Box((0, 4), (8, 4)), "float32")]}, ranges) == \
+        [(0, 1024, 1024 + 128), (2, 0, 128)]
 
 
 def test_read_spans_per_peer_and_region() -> None:
