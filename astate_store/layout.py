@@ -20,6 +20,7 @@ from itertools import chain, compress, repeat
 from operator import and_, attrgetter, eq, gt
 from typing import Iterable, Mapping, Sequence, Union
 
+import numpy as np
 import torch
 
 from .errors import LayoutError
@@ -93,6 +94,11 @@ def torch_dtype(name: str, *, tensor: str = "?") -> torch.dtype:
 
 def itemsize(name: str) -> int:
     return _ITEMSIZE[name]
+
+
+DTYPE_NAMES: tuple[str, ...] = tuple(DTYPES)  # dtype code (as records carry it) -> name
+ITEMSIZES = np.array([_ITEMSIZE[n] for n in DTYPE_NAMES], dtype=np.int64)  # by dtype code
+DTYPE_CODES = {n: i for i, n in enumerate(DTYPE_NAMES)}
 
 
 def is_floating(name: str) -> bool:
@@ -205,6 +211,62 @@ class ShardRecord:
         size, mul, sub = itemsize(self.dtype), operator.mul, operator.sub
         start = self.byte_offset + size * sum(map(mul, map(sub, piece.offsets, self.box.offsets), self.strides))
         return start, start + size * (1 + sum(map(mul, map(sub, piece.sizes, _ONES[len(piece.sizes)]), self.strides)))
+
+
+_SAFE = float(1 << 60)  # int64 sums of byte offsets below this cannot overflow
+
+
+@dataclass(frozen=True, eq=False)
+class ShardColumns:
+    """One source's shards column-wise (a layout as decoded from its records): shard i is
+    ``names[i]``, dtype ``DTYPE_NAMES[dtypes[i]]``, with ``ndims[i]`` dims of global shape,
+    offsets, sizes and element strides starting at ``starts[i]`` of the flat columns, its bytes
+    at ``byte_offsets[i]`` of ``regions[i]``. What a first pull reads instead of 10^4 records."""
+
+    names: tuple[str, ...]
+    dtypes: np.ndarray
+    ndims: np.ndarray
+    global_shapes: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    strides: np.ndarray
+    regions: np.ndarray
+    byte_offsets: np.ndarray
+
+    @functools.cached_property
+    def starts(self) -> np.ndarray:
+        return np.concatenate(([0], np.cumsum(self.ndims, dtype=np.int64)))
+
+    @functools.cached_property
+    def itemsizes(self) -> np.ndarray:
+        return ITEMSIZES[self.dtypes]
+
+    @functools.cached_property
+    def spans(self) -> np.ndarray | None:
+        """Per shard ``(region, lo, hi)``: ``ShardRecord.byte_range`` of its whole box (``lo ==
+        hi`` when empty). None when a hostile record's numbers could overflow int64 (records,
+        in Python ints, decide then)."""
+        n, sz, st = len(self.names), self.sizes, self.strides
+        if n == 0:
+            return np.zeros((0, 3), dtype=np.int64)
+        if not self.bounded:
+            return None
+        starts, boffs = self.starts, self.byte_offsets
+        reach = np.concatenate(([0], np.cumsum((sz - 1) * st)))  # per dim (size - 1) * stride, summed per shard
+        zeros = np.concatenate(([0], np.cumsum(sz == 0)))
+        empty = zeros[starts[1:]] != zeros[starts[:-1]]
+        hi = boffs + self.itemsizes * (1 + reach[starts[1:]] - reach[starts[:-1]])
+        return np.stack([self.regions, boffs, np.where(empty, boffs, hi)], axis=1)
+
+    @functools.cached_property
+    def bounded(self) -> bool:
+        """Whether every byte offset this layout can name fits int64 with room to add to it."""
+        if not len(self.names):
+            return True
+        big = float(ITEMSIZES.max())
+        extent = float(np.sum(np.maximum(self.sizes - 1, 0).astype(np.float64) * self.strides))
+        numel = float(np.sum(self.global_shapes.astype(np.float64)))
+        return max(extent, numel) * big + float(self.byte_offsets.max()) + big < _SAFE
 
 
 @dataclass(frozen=True)

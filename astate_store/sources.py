@@ -153,7 +153,7 @@ def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wan
     shard, and its pre-packed copies. A piece that a copy holds whole (of the buffer's or the
     shard's dtype) is left out of the shard: the planner reads the copy; a copy of a third dtype
     is left out. A superset of what a plan reads, without the other consumers' copies or the
-    shard bytes next to the piece. ``spans``: each shard's whole byte range (``Layout.spans``),
+    shard bytes next to the piece. ``spans``: each shard's whole byte range (``Layout.columns.spans``),
     taken for the shards a whole-tensor buffer wants instead of computing it per record."""
     copies: dict[str, list[ShardRecord]] = {}
     for r in packed:

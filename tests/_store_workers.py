@@ -42,6 +42,14 @@ SPECS: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[int, in
         "norm": ((48,), torch.float32, lambda r, n: whole((48,))),                           # replicated
         "step_count": ((), torch.int64, lambda r, n: whole(())),
     },
+    "dim0": {  # the "mixed" tensors with every split on dim 0 (FSDP-like): one range per shard
+        "emb": ((64, 48), torch.float32, lambda r, n: split((64, 48), 0, n, r)),
+        "qkv": ((96, 48), torch.bfloat16, lambda r, n: split((96, 48), 0, n, r)),
+        "odd": ((37, 29), torch.float32, lambda r, n: split((37, 29), 0, n, r, uneven=True)),
+        "experts": ((8, 24, 16), torch.float16, lambda r, n: split((8, 24, 16), 0, n, r)),
+        "norm": ((48,), torch.float32, lambda r, n: whole((48,))),
+        "step_count": ((), torch.int64, lambda r, n: whole(())),
+    },
     "big": {  # 128 MiB: a pull takes long enough to be killed in the middle of it
         "w": ((2048, 16384), torch.float32, lambda r, n: split((2048, 16384), 0, n, r)),
     },

@@ -165,8 +165,8 @@ def test_columnar_layouts_give_back_the_shards(shs: list, rank: int, transport: 
     back = layout_from_record(codec.decode("layout", codec.encode("layout", lay)), m, key_id=lay["layout_id"],
                               epoch=3, rank=rank)
     assert list(back.shards) == recs and back.transport == transport
-    if back.spans is not None:  # byte ranges near 2**62 (these strides) overflow int64: left to the records
-        assert back.spans.tolist() == [[r.region, *r.byte_range(r.box)] for r in recs]
+    if back.columns.spans is not None:  # byte ranges near 2**62 (these strides) overflow int64: left to the records
+        assert back.columns.spans.tolist() == [[r.region, *r.byte_range(r.box)] for r in recs]
 
 
 small = st.integers(min_value=0, max_value=2**20)
@@ -187,13 +187,13 @@ def addressed_shards(draw: st.DrawFn) -> ShardRecord:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(addressed_shards(), max_size=8))
 def test_layout_spans_are_each_shards_byte_range(recs: list[ShardRecord]) -> None:
-    """``Layout.spans`` (column-wise, for a first pull's warm hint) is what each record's
+    """``Layout.columns.spans`` (column-wise, for a first pull's warm hint) is what each record's
     ``byte_range`` of its whole box says, empty boxes and 0-d tensors included."""
     man = manifest_record(recs)
     lay = layout_record(1, 0, man, recs, b"")
     back = layout_from_record(lay, manifest_from_record(man, man["manifest_id"]), key_id=lay["layout_id"])
-    assert back.spans is not None
-    assert back.spans.tolist() == [[r.region, *r.byte_range(r.box)] for r in recs]
+    assert back.columns.spans is not None
+    assert back.columns.spans.tolist() == [[r.region, *r.byte_range(r.box)] for r in recs]
 
 
 def test_records_that_are_not_what_their_key_says_are_rejected() -> None:

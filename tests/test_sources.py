@@ -117,7 +117,7 @@ def test_byte_spans_cover_the_pieces_the_buffers_may_read_per_region() -> None:
     assert byte_spans(shards, conv, {"e": [(Box((0, 4), (8, 4)), "bfloat16")]}) == [(2, 0, 64)]
     assert byte_spans(shards, conv, {"e": [(Box((0, 4), (8, 4)), "float16")]}) == \
         [(0, (1 << 20) + 16, (1 << 20) + 256)]
-    # each shard's whole byte range given column-wise (``Layout.spans``): the same runs
+    # each shard's whole byte range given column-wise (``Layout.columns.spans``): the same runs
     import numpy as np
 
     ranges = np.array([[r.region, *r.byte_range(r.box)] for r in shards], dtype=np.int64)

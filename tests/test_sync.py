@@ -157,6 +157,44 @@ def test_dp_replicas_serve_as_alternative_sources(etcd: Any, transport: str, con
         g.close()
 
 
+def test_whole_buffers_of_row_split_shards_are_planned_from_the_columns(etcd: Any, transport: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishers that split every tensor on dim 0 (DP replicas of each shard, a replicated norm,
+    a 0-d tensor): a consumer of whole buffers plans its first pull from the layouts' columns, one
+    read per shard, and reads the replicas' ranks in turn; the bytes are exact every step. Column
+    buffers of the same version go through the general planner."""
+    g = group(etcd, transport, world=4, tp=2, spec="dim0")  # ranks 0,2 and 1,3 hold identical boxes
+    s = Store(g.ns, endpoint=etcd.endpoint, transport=transport)
+    c = s._consumer
+    built: list[tuple[str, int]] = []
+    for builder in ("_build_columns", "_build_pull"):
+        def spy(v: Any, *a: Any, _real: Any = getattr(c, builder), _name: str = builder) -> Any:
+            work = _real(v, *a)
+            if work is not None:
+                built.append((_name, v.step))
+            return work
+        monkeypatch.setattr(c, builder, spy)
+    try:
+        bufs = whole_buffers()
+        for step in (1, 2, 3):
+            g.put(step)
+            assert s.get_into(bufs, step=step, timeout=30) == step
+            assert_exact(bufs, step)
+        assert built == [("_build_columns", 1)], built
+        work = c._last
+        assert work is not None and not work.conversions
+        assert work.sources == {0, 1, 2, 3}  # the DP replicas' ranks share the reads
+        # one read per distinct box (2 per split tensor, 1 per whole one)
+        assert len(work.ops) == 10 and work.nbytes == sum(t.numel() * t.element_size() for t in bufs.values())
+        cols = column_buffers(1)
+        assert s.get_into(cols, step=3, timeout=30) == 3
+        assert_exact(cols, 3)
+        assert built[-1][0] == "_build_pull", built
+    finally:
+        s.close()
+        g.close()
+
+
 def test_subset_of_names_and_strided_destination(etcd: Any, transport: str, consumer: Any) -> None:
     g = group(etcd, transport)
     try:
@@ -290,9 +328,14 @@ def test_new_staging_slot_reuses_the_ready_made_batch(etcd: Any, transport: str,
     g = group(etcd, transport, spec=STAGES)
     s = Store(g.ns, endpoint=etcd.endpoint, transport=transport, prepack=False)
     c = s._consumer
-    built: list[int] = []
-    real = c._build_pull
-    monkeypatch.setattr(c, "_build_pull", lambda v, *a: (built.append(v.step), real(v, *a))[1])
+    built: list[int] = []  # steps whose pull planned a batch (from the columns or the general planner)
+    for builder in ("_build_columns", "_build_pull"):
+        def spy(v: Any, *a: Any, _real: Any = getattr(c, builder)) -> Any:
+            work = _real(v, *a)
+            if work is not None:
+                built.append(v.step)
+            return work
+        monkeypatch.setattr(c, builder, spy)
     try:
         bufs, cols = whole_buffers(), column_buffers(1)
         bases: dict[int, set[int]] = {}

@@ -19,8 +19,7 @@ import numpy as np
 
 from .. import codec
 from ..errors import CatalogCorrupted, CodecError, LayoutError, VersionNotFound
-from ..layout import DTYPES, Box, GCPaused, ShardRecord, _frozen, contiguous_strides
-from ..layout import itemsize as _itemsize
+from ..layout import DTYPES, Box, GCPaused, ShardColumns, ShardRecord, _frozen, contiguous_strides
 
 __all__ = ["Session", "Layout", "Piece", "Replica", "Version", "CheckpointEntry", "Manifest", "DTYPE_TABLE",
            "manifest_record", "manifest_from_record", "layout_record", "layout_from_record", "pad20",
@@ -142,9 +141,8 @@ class Layout:
     transport: bytes
     packed: tuple[ShardRecord, ...] = ()
     manifest_id: str = ""
-    # per shard (region, first byte, one past the last): ``ShardRecord.byte_range`` of its whole
-    # box, computed from the columns (a first pull's warm hint reads 10^4 of them); None if unknown
-    spans: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # the shards column-wise (from the records; a first pull plans from these, not 10^4 records)
+    columns: ShardColumns | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -378,7 +376,8 @@ def layout_from_record(rec: Mapping[str, Any], manifest: Manifest, *, key_id: st
         raise CodecError(f"{what}: negative strides, regions or byte offsets")
     try:
         shards = manifest.records(rec["rank"], strides, regions, boffs)
-        spans = _shard_spans(manifest, strides, regions, boffs)
+        columns = ShardColumns(manifest.names, manifest.dtypes, manifest.ndims, manifest.global_shapes,
+                               manifest.offsets, manifest.sizes, strides, regions, boffs)
         packed: tuple[ShardRecord, ...] = ()
         if "packed" in rec:
             p = rec["packed"]
@@ -392,29 +391,8 @@ def layout_from_record(rec: Mapping[str, Any], manifest: Manifest, *, key_id: st
             packed = copies.records(rec["rank"], None, pregions, pboffs)
     except (LayoutError, TypeError, OverflowError) as exc:  # shards the layout module refuses
         raise CodecError(f"{what}: bad shards ({exc})") from None
-    return Layout(key_id, rec["epoch"], rec["rank"], shards, rec["transport"], packed, manifest.manifest_id, spans)
+    return Layout(key_id, rec["epoch"], rec["rank"], shards, rec["transport"], packed, manifest.manifest_id, columns)
 
-
-_ITEMSIZES = np.array([_itemsize(n) for n in DTYPE_TABLE], dtype=np.int64)
-_SAFE = float(1 << 60)  # int64 sums below this cannot overflow
-
-
-def _shard_spans(m: Manifest, strides: np.ndarray, regions: np.ndarray, boffs: np.ndarray) -> np.ndarray | None:
-    """Per shard ``(region, lo, hi)``: ``ShardRecord.byte_range(box)`` of each whole shard, in
-    numpy over the columns (``lo == hi`` for an empty box). None when a hostile record's numbers
-    could overflow int64: the per-record path (Python ints) then decides."""
-    n, sz = len(m.names), m.sizes
-    if n == 0:
-        return np.zeros((0, 3), dtype=np.int64)
-    bound = float(np.sum(np.maximum(sz - 1, 0).astype(np.float64) * strides)) * float(_ITEMSIZES.max())
-    if bound + float(boffs.max()) + float(_ITEMSIZES.max()) >= _SAFE:
-        return None
-    starts = m.starts
-    reach = np.concatenate(([0], np.cumsum((sz - 1) * strides)))  # per dim (size - 1) * stride, summed per shard
-    zeros = np.concatenate(([0], np.cumsum(sz == 0)))
-    empty = zeros[starts[1:]] != zeros[starts[:-1]]
-    hi = boffs + _ITEMSIZES[m.dtypes] * (1 + reach[starts[1:]] - reach[starts[:-1]])
-    return np.stack([regions, boffs, np.where(empty, boffs, hi)], axis=1)
 
 
 def version_from_kvs(namespace: str, step: int, kvs: Iterable[tuple[bytes, Any]],
