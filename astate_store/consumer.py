@@ -260,8 +260,7 @@ class Consumer:
                 if len(self._spans) >= 4 * _CACHE:
                     self._spans.clear()
                 # pre-packed copies too: a plan reads those instead of the strided shards
-                spans = self._spans[key] = byte_spans(lay.shards, lay.packed, self._wanted[1],
-                                                      None if lay.columns is None else lay.columns.spans)
+                spans = self._spans[key] = byte_spans(lay.shards, lay.packed, self._wanted[1], lay.columns)
             self.ctx.transport.prefault(peer, _shifted(spans, version.pieces[r].base_offset))
 
     def _prefault_ahead(self, version: Version, work: Work) -> None:

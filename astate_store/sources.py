@@ -9,13 +9,14 @@ consumer by a stable rotation so that independent consumers spread over the grou
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
 from .catalog import Layout, Version
 from .errors import LayoutError
-from .layout import Box, Entry, ShardRecord, TensorLayout, check_fit, group_layouts, itemsize, merge_tensor_layout
+from .layout import Box, Entry, ShardColumns, ShardRecord, TensorLayout, check_fit, group_layouts, itemsize, merge_tensor_layout
 from .spans import span_runs
 
 __all__ = ["PUBLISHERS", "SourceGroup", "source_groups", "assign", "failover_order", "bases", "dest_records",
@@ -147,36 +148,43 @@ Wanted = Mapping[str, Sequence[tuple[Box, str]]]  # tensor name -> (box, dtype) 
 
 
 def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wanted: Wanted,
-               spans: np.ndarray | None = None) -> list[tuple[int, int, int]]:
+               columns: ShardColumns | None = None) -> list[tuple[int, int, int]]:
     """``(region, lo, hi)`` runs (``spans.span_runs``) of the bytes a plan for the ``wanted``
     buffers may read in one source, relative to its base offset: each buffer's piece of each
     shard, and its pre-packed copies. A piece that a copy holds whole (of the buffer's or the
     shard's dtype) is left out of the shard: the planner reads the copy; a copy of a third dtype
     is left out. A superset of what a plan reads, without the other consumers' copies or the
-    shard bytes next to the piece. ``spans``: each shard's whole byte range (``Layout.columns.spans``),
-    taken for the shards a whole-tensor buffer wants instead of computing it per record."""
+    shard bytes next to the piece. ``columns``: the same shards column-wise (``Layout.columns``):
+    a shard a whole-tensor buffer wants takes its byte range from them, and no record is built
+    unless some buffer wants part of a shard."""
     copies: dict[str, list[ShardRecord]] = {}
     for r in packed:
         if r.name in wanted:
             copies.setdefault(r.name, []).append(r)
+    spans = None if columns is None else columns.spans
     region: list[int] = []
     lo: list[int] = []
     hi: list[int] = []
     whole: list[int] = []  # shards a whole-tensor buffer takes whole (from ``spans``)
-    for i, r in enumerate(shards):
-        boxes = wanted.get(r.name, ())
-        if len(boxes) == 1 and boxes[0][0].sizes == r.global_shape and r.name not in copies:
+    shapes = _GlobalShapes(columns) if spans is not None else None
+    for i, name in enumerate(columns.names if shapes is not None else map(_NAME, shards)):  # type: ignore[union-attr]
+        boxes = wanted.get(name, ())
+        if not boxes:
+            continue
+        if len(boxes) == 1 and name not in copies and \
+                boxes[0][0].sizes == (shards[i].global_shape if shapes is None else shapes[i]):
             if spans is None:
-                _add_piece(r, r.box, region, lo, hi)
+                _add_piece(shards[i], shards[i].box, region, lo, hi)
             else:
                 whole.append(i)
             continue
+        r = shards[i]
         for box, dtype in boxes:
             piece = r.box.intersect(box)
             if piece is not None and not any(c.box == piece and c.dtype in (dtype, r.dtype)
                                              for c in copies.get(r.name, ())):
                 _add_piece(r, piece, region, lo, hi)
-    published = {r.name: r.dtype for r in shards if r.name in copies}
+    published = {r.name: r.dtype for r in shards if r.name in copies} if copies else {}
     for name, recs in copies.items():
         for r in recs:
             for box, dtype in wanted[name]:
@@ -187,6 +195,19 @@ def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wan
     if whole:
         rows = np.concatenate([rows, spans[whole].T], axis=1)  # type: ignore[index]
     return span_runs(rows[0], rows[1], rows[2])
+
+
+class _GlobalShapes:
+    """Shard i's global shape as a tuple, from the columns (no record needed)."""
+
+    def __init__(self, columns: ShardColumns) -> None:
+        self.flat, self.starts = columns.global_shapes.tolist(), columns.starts.tolist()
+
+    def __getitem__(self, i: int) -> tuple[int, ...]:
+        return tuple(self.flat[self.starts[i]:self.starts[i + 1]])
+
+
+_NAME = attrgetter("name")
 
 
 def _add_piece(r: ShardRecord, piece: Box, region: list[int], lo: list[int], hi: list[int]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import pickle
 import random
 
 import jsonschema
@@ -164,7 +165,10 @@ def test_columnar_layouts_give_back_the_shards(shs: list, rank: int, transport: 
     m = manifest_from_record(codec.decode("manifest", codec.encode("manifest", man)), man["manifest_id"])
     back = layout_from_record(codec.decode("layout", codec.encode("layout", lay)), m, key_id=lay["layout_id"],
                               epoch=3, rank=rank)
+    assert len(back.shards) == len(recs) and "built" not in repr(back.shards)  # records built on first use
     assert list(back.shards) == recs and back.transport == transport
+    assert back.shards == tuple(recs) and hash(back.shards) == hash(tuple(recs))
+    assert pickle.loads(pickle.dumps(back)).shards == tuple(recs)  # pickles as the tuple of its records
     if back.columns.spans is not None:  # byte ranges near 2**62 (these strides) overflow int64: left to the records
         assert back.columns.spans.tolist() == [[r.region, *r.byte_range(r.box)] for r in recs]
 

@@ -117,15 +117,21 @@ def test_byte_spans_cover_the_pieces_the_buffers_may_read_per_region() -> None:
     assert byte_spans(shards, conv, {"e": [(Box((0, 4), (8, 4)), "bfloat16")]}) == [(2, 0, 64)]
     assert byte_spans(shards, conv, {"e": [(Box((0, 4), (8, 4)), "float16")]}) == \
         [(0, (1 << 20) + 16, (1 << 20) + 256)]
-    # each shard's whole byte range given column-wise (``Layout.columns.spans``): the same runs
-    import numpy as np
+    # the same shards column-wise (``Layout.columns``, as decoded from records): the same runs,
+    # and no record built for a buffer that takes whole shards
+    from astate_store.catalog.records import layout_from_record, layout_record, manifest_from_record, manifest_record
 
-    ranges = np.array([[r.region, *r.byte_range(r.box)] for r in shards], dtype=np.int64)
+    man = manifest_record(shards)
+    lay = layout_record(1, 0, man, shards, b"")
+    back = layout_from_record(lay, manifest_from_record(man, man["manifest_id"]), key_id=lay["layout_id"])
     for want in (whole("a", "b", "c", "d"), whole("a", "e"), whole("b"), {}, {"a": [(Box((1, 0), (2, 8)), "float32")]},
                  {**whole("a"), "e": [(Box((0, 4), (8, 4)), "float32")]}):
-        assert byte_spans(shards, [], want, ranges) == byte_spans(shards, [], want), want
-    assert byte_spans(shards, packed, {**whole("a"), "e": [(Box((0, 4), (8, 4)), "float32")]}, ranges) == \
+        assert byte_spans(back.shards, [], want, back.columns) == byte_spans(shards, [], want), want
+    assert byte_spans(back.shards, packed, {**whole("a"), "e": [(Box((0, 4), (8, 4)), "float32")]}, back.columns) == \
         [(0, 1024, 1024 + 128), (2, 0, 128)]
+    fresh = layout_from_record(lay, manifest_from_record(man, man["manifest_id"]), key_id=lay["layout_id"])
+    assert byte_spans(fresh.shards, [], whole("a", "e"), fresh.columns) == byte_spans(shards, [], whole("a", "e"))
+    assert "built" not in repr(fresh.shards)  # whole shards only: the records were never needed
 
 
 def test_read_spans_per_peer_and_region() -> None:
