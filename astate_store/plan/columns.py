@@ -11,7 +11,7 @@ None and the general planner decides (and names any error). Pure: no catalog, no
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Sequence
 
 import numpy as np
@@ -37,7 +37,7 @@ def whole_buffer_reads(sources: Sequence[ShardColumns], names: Sequence[str], dt
     if cols is None or not len(names):
         return None
     src, names_all, dt, nd, gs, off, sz, st, region, boff = cols
-    index = {n: i for i, n in enumerate(names)}
+    index = dict(zip(names, range(len(names))))
     buf = np.fromiter(map(index.get, names_all, repeat(-1)), np.int64, len(names_all))
     keep = buf >= 0
     if not keep.any() or len(np.unique(buf[keep])) != len(names):
@@ -76,7 +76,7 @@ def _concat(sources: Sequence[ShardColumns]) -> tuple[np.ndarray, ...] | None:
     flat = [np.concatenate([getattr(c, f) for c in sources]) for f in ("global_shapes", "offsets", "sizes", "strides")]
     gs, off, sz, st = (_padded(a, nd, width, fill) for a, fill in zip(flat, (1, 0, 1, 0)))
     src = np.repeat(np.arange(len(sources)), [len(c.names) for c in sources])
-    names = [n for c in sources for n in c.names]
+    names = list(chain.from_iterable(c.names for c in sources))
     dt = np.concatenate([c.dtypes.astype(np.int64) for c in sources])
     region = np.concatenate([c.regions for c in sources])
     boff = np.concatenate([c.byte_offsets for c in sources])
@@ -91,7 +91,7 @@ def _padded(flat: np.ndarray, nd: np.ndarray, width: int, fill: int) -> np.ndarr
 
 
 def _padded_rows(shapes: Sequence[tuple[int, ...]], nd: np.ndarray, width: int) -> np.ndarray:
-    flat = np.fromiter((v for s in shapes for v in s), np.int64, int(nd.sum()))
+    flat = np.fromiter(chain.from_iterable(shapes), np.int64, int(nd.sum()))
     return _padded(flat, nd, width, 1)
 
 
