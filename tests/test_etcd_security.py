@@ -25,6 +25,7 @@ import torch
 import astate_store
 from astate_store import Shard, Store
 from astate_store.catalog import Catalog
+from astate_store.catalog.client import _probe_tls
 from astate_store.catalog.config import EtcdConfig
 from astate_store.errors import CatalogAuthError, CatalogError, UnsafeRendezvousError
 from astate_store.etcd_server import EmbeddedEtcd, _home
@@ -153,6 +154,15 @@ def test_bad_settings_raise_a_typed_error_naming_the_problem_at_once(secure: Sec
 def test_https_to_a_plain_etcd_is_a_typed_error(etcd: EmbeddedEtcd, secure: Secure) -> None:
     config = EtcdConfig.parse("https://" + etcd.endpoint, ca=secure.certs.ca)
     _fails_at_once(config, _ns(), "does not speak TLS.*use http://")
+
+
+def test_probing_a_plain_etcd_with_tls_names_the_scheme_every_time(etcd: EmbeddedEtcd) -> None:
+    # A plain etcd answers a ClientHello by closing the connection: mostly an EOF inside the
+    # handshake, sometimes a reset. Both must be read as "plain port", not as "cannot tell".
+    config = EtcdConfig.parse("https://" + etcd.endpoint)
+    for _ in range(60):
+        answer = _probe_tls(config, etcd.endpoint)
+        assert answer is not None and re.search("does not speak TLS.*use http://", answer), answer
 
 
 def test_client_certificates_when_etcd_requires_them(secure: Secure) -> None:

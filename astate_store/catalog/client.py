@@ -184,6 +184,12 @@ def _speaks_plain_http(host: str, port: int) -> bool:
         return False
 
 
+def _plain_port(netloc: str, reason: str) -> str:
+    return (f"etcd at {netloc} does not speak TLS (its client port is plain http), but this client uses "
+            f"TLS (an https:// endpoint or {option('etcd_ca')}): use http://{netloc}, or start etcd with "
+            f"--cert-file/--key-file and https:// client URLs ({reason})")
+
+
 def _probe_tls(config: EtcdConfig, netloc: str) -> str | None:
     """Why this client's TLS settings cannot talk to the etcd at ``netloc``, when a direct probe
     (one TCP connection, one TLS handshake, bounded by 3 s each) shows it; None when it cannot tell
@@ -233,13 +239,13 @@ def _probe_tls(config: EtcdConfig, netloc: str) -> str | None:
                     f"a client certificate signed by a CA it trusts (not {config.cert})"
                 return (f"etcd at https://{netloc} requires {what} (it runs with --client-cert-auth): set "
                         f"{option('etcd_cert')} and {option('etcd_key')} ({reason})")
+            return _plain_port(netloc, reason) if _speaks_plain_http(host, port) else None
+        except (OSError, ValueError) as exc:
+            # A plain etcd may simply close the connection on a ClientHello (a reset, not an SSL
+            # alert): it is still a plain port when it answers plain HTTP.
             if _speaks_plain_http(host, port):
-                return (f"etcd at {netloc} does not speak TLS (its client port is plain http), but this "
-                        f"client uses TLS (an https:// endpoint or {option('etcd_ca')}): use http://{netloc}, "
-                        f"or start etcd with --cert-file/--key-file and https:// client URLs ({reason})")
-            return None
-        except (OSError, ValueError):
-            return None  # reset or silent mid-handshake: cannot tell
+                return _plain_port(netloc, repr(exc))
+            return None  # reset or silent mid-handshake, and not plain http: cannot tell
     return None
 
 
@@ -460,7 +466,9 @@ class EtcdClient:
         if netloc is None or netloc in self._verified:
             return None
         now = time.monotonic()
-        if now - self._probed.get(netloc, -1e9) >= _PROBE_INTERVAL:
+        # The last try before gRPC's words probes again whatever the interval: the first probe may
+        # have met a busy etcd.
+        if now - self._probed.get(netloc, -1e9) >= _PROBE_INTERVAL or handshake_failures >= _HANDSHAKE_TRIES:
             self._probed[netloc] = now
             why = _probe_tls(self.config, netloc)
             if why is not None:
