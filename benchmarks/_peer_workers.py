@@ -398,17 +398,10 @@ def mooncake_consumer(cfg: dict[str, Any], pubs: dict[int, Any], out: Any) -> No
 # ---------------------------------------------------------------------------------------- stream
 
 
-STREAM_IOV = 1024  # buffers per sendmsg / recvmsg_into call (Linux IOV_MAX)
-
-
-def _views(mv: memoryview, rows: np.ndarray, col: int) -> list[memoryview]:
-    """One memoryview per read row: at column ``col`` (0: source offset, 1: destination)."""
-    return [mv[int(o):int(o) + int(n)] for o, n in zip(rows[:, col], rows[:, 2])]
-
-
-def _batches(views: list[memoryview]) -> list[list[memoryview]]:
-    """Buffers in sendmsg / recvmsg_into sized groups (``move_all`` moves each group whole)."""
-    return [views[i:i + STREAM_IOV] for i in range(0, len(views), STREAM_IOV)]
+def _stream_rows(base: int, rows: np.ndarray, col: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reads as socket rows (address, length): at column ``col`` (0: source offset, 1:
+    destination) of a buffer at ``base``."""
+    return (np.uint64(base) + rows[:, col].astype(np.uint64)), rows[:, 2].astype(np.uint64)
 
 
 def stream_publisher(rank: int, cfg: dict[str, Any], out: Any, stop: Any) -> None:
@@ -416,7 +409,7 @@ def stream_publisher(rank: int, cfg: dict[str, Any], out: Any, stop: Any) -> Non
     two-sided design a store without one-sided reads would use (no per-read request)."""
     import socket
 
-    from astate_store.transport.stream import move_all
+    from astate_store.transport.stream import move_rows
 
     ready = threading.Event()
     info: dict[str, Any] = {}
@@ -424,15 +417,14 @@ def stream_publisher(rank: int, cfg: dict[str, Any], out: Any, stop: Any) -> Non
     def serve() -> None:
         work = build_work(cfg["gib"])
         region = make_region(work, rank)
-        batches = _batches(_views(memoryview(region.numpy()), work.reads[rank], 0))
+        addr, length = _stream_rows(region.data_ptr(), work.reads[rank], 0)
         ls = socket.create_server((cfg["host"], 0))
         info["addr"] = (cfg["host"], ls.getsockname()[1])
         ready.set()
         conn, _ = ls.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         while conn.recv(1) == b"g":  # one request per pull; b"" (closed): done
-            for b in batches:
-                move_all(conn.sendmsg, b)
+            move_rows(conn, addr, length, send=True)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
@@ -442,23 +434,21 @@ def stream_publisher(rank: int, cfg: dict[str, Any], out: Any, stop: Any) -> Non
 
 def stream_consumer(cfg: dict[str, Any], pubs: dict[int, Any], out: Any) -> None:
     """The rollout: per trainer rank one connection and one thread scattering its stream into the
-    rows' destinations (``recvmsg_into``, 1,024 buffers a call)."""
+    rows' destinations (the store's socket loop, ``move_rows``)."""
     import socket
 
-    from astate_store.transport.stream import move_all
+    from astate_store.transport.stream import move_rows
 
     def run() -> dict[str, Any]:
         work = build_work(cfg["gib"])
         flat = torch.zeros(work.dst_bytes, dtype=torch.uint8)
-        mv = memoryview(flat.numpy())
         conns = [socket.create_connection(tuple(pubs[r]), timeout=120) for r in range(TP)]
-        plans = [_batches(_views(mv, work.reads[r], 1)) for r in range(TP)]
+        plans = [_stream_rows(flat.data_ptr(), work.reads[r], 1) for r in range(TP)]
         errors: list[str] = []
 
         def lane(r: int) -> None:
             try:
-                for b in plans[r]:
-                    move_all(lambda bufs: conns[r].recvmsg_into(bufs)[0], b)
+                move_rows(conns[r], *plans[r], send=False)
             except Exception as exc:  # noqa: BLE001 - re-raised by once()
                 errors.append(f"rank {r}: {exc}")
 

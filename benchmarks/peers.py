@@ -16,10 +16,10 @@ exactly those ranges into one preallocated flat buffer:
   tcp runs use our tcp mode's UCX settings (``UCX_TLS=tcp,self``, 1 MiB segments);
 * ``mooncake``: Mooncake Transfer Engine (tcp, ``P2PHANDSHAKE``), ``batch_transfer_sync_read`` in
   batches of <= 1024, one thread per trainer rank;
-* ``stream`` (tcp modes): the two-sided design bare, in plain Python sockets: a trainer rank streams the
-  source bytes of its reads in plan order (``sendmsg``, 1,024 buffers a call) to the rollout, which
-  scatters them into their destinations (``recvmsg_into``, one thread per trainer rank); one request
-  byte per pull. Our tcp path is this design inside the store (``transport/stream.py``: plan rows as the
+* ``stream`` (tcp modes): the two-sided design bare: a trainer rank streams the source bytes of its
+  reads in plan order to the rollout, which scatters them into their destinations (one thread per
+  trainer rank), both through the store's socket loop (``stream.move_rows``: native ``sendmsg`` /
+  ``recvmsg``, 1,024 buffers a call); one request byte per pull. Our tcp path is this design inside the store (``transport/stream.py``: plan rows as the
   request, keys and bounds checked), so ``ratio_stream`` is the store's overhead on it;
 * ``memcpy``: torch ``copy_`` of the same number of bytes in one process (best of a few); also
   ``memcpy_streaming_gbps``, the same bytes through our copy loop with non-temporal stores;

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import struct
+import threading
 import time
 from typing import Iterator
 
@@ -376,3 +377,85 @@ def test_a_read_of_a_region_freed_since_the_descriptor_is_refused_with_a_typed_e
             assert np.array_equal(dst.numpy(), pattern(n, 0))
     finally:
         peer.stop()
+
+
+# ---- the socket loop (move_rows): native and Python, tails below the wake-up mark ----------------
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        a = socket.create_connection(ls.getsockname())
+        b, _ = ls.accept()
+    return a, b
+
+
+def _rows_over(buf: np.ndarray, sizes: list[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``sizes`` bytes at shuffled, non-adjacent places of ``buf`` (gaps of 1 byte)."""
+    starts = np.cumsum([0] + [s + 1 for s in sizes[:-1]]).astype(np.uint64)
+    perm = np.random.default_rng(seed).permutation(len(sizes))
+    addr = buf.ctypes.data + starts[perm]
+    return addr.astype(np.uint64), np.asarray(sizes, dtype=np.uint64)[perm]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("sizes", [
+    [1], [S._RCVLOWAT - 1], [S._RCVLOWAT + 1], [3 * S._RCVLOWAT + 17],
+    [4096] * 3000 + [5], [1, 7, 65536, S._RCVLOWAT // 2 + 3, 1, 999_999],
+], ids=["one byte", "below the mark", "above the mark", "tail after marks", "3000 rows", "mixed"])
+def test_move_rows_receives_and_sends_exact_bytes_in_row_order(
+        native: bool, sizes: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sender trickles the stream in uneven pieces with pauses, so the receiver sleeps with less
+    # queued than the wake-up mark (SO_RCVLOWAT) many times, the tail included: it must neither
+    # hang (the deadline turns a hang into a failure) nor misplace a byte.
+    monkeypatch.setenv("ASTATE_STREAM_NATIVE", "1" if native else "0")
+    total = sum(sizes)
+    src = np.random.default_rng(len(sizes)).integers(0, 256, total, dtype=np.uint8)
+    dst = np.zeros(total + len(sizes), dtype=np.uint8)
+    addr, length = _rows_over(dst, sizes, seed=total)
+    a, b = _tcp_pair()
+    with a, b:
+        def trickle() -> None:
+            rng = np.random.default_rng(1)
+            off = 0
+            while off < total:
+                n = int(rng.integers(1, 300_000))
+                a.sendall(src[off:off + n].tobytes())
+                off += n
+                if rng.random() < 0.3:
+                    time.sleep(0.01)
+
+        t = threading.Thread(target=trickle)
+        t.start()
+        S.move_rows(b, addr, length, send=False, deadline=time.monotonic() + 60)
+        t.join()
+        assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1  # a later header read is not held
+        got = np.concatenate([dst[int(p) - dst.ctypes.data:][:int(n)] for p, n in zip(addr, length)])
+        assert np.array_equal(got, src)
+        # and back: sending from the same rows yields the same stream
+        back = bytearray(total)
+
+        def receive() -> None:
+            view, off = memoryview(back), 0
+            while off < total:
+                off += a.recv_into(view[off:])
+
+        r = threading.Thread(target=receive)
+        r.start()
+        S.move_rows(b, addr, length, send=True, deadline=time.monotonic() + 60)
+        r.join(60)
+        assert bytes(back) == src.tobytes()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_move_rows_raises_typed_errors_when_the_stream_stalls_or_closes(
+        native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASTATE_STREAM_NATIVE", "1" if native else "0")
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    addr, length = np.array([dst.ctypes.data], np.uint64), np.array([dst.size], np.uint64)
+    a, b = _tcp_pair()
+    with a, b:
+        a.sendall(b"x" * 1000)  # then nothing more: a stall
+        with pytest.raises(TimeoutError):
+            S.move_rows(b, addr, length, send=False, deadline=time.monotonic() + 0.5)
+        a.close()  # closed before the rest came
+        with pytest.raises(ConnectionError):
+            S.move_rows(b, addr, length, send=False, deadline=time.monotonic() + 30)
