@@ -1898,7 +1898,11 @@ static PyObject *mod_copy_rows(PyObject *m, PyObject *args, PyObject *kwds)
  * expected: the kernel's wake-up compares the queue with SO_RCVLOWAT, not with what the reader
  * asked, so a larger value left over the stream's tail would sleep forever. Polls are also
  * bounded (SOCK_POLL_S) and followed by a non-blocking recvmsg, which returns what is queued
- * whatever SO_RCVLOWAT says, so a missed wake-up costs latency, never a hang. Reset to 1 after.
+ * whatever SO_RCVLOWAT says, so a missed wake-up costs latency, never a hang. Reset to 1 after
+ * (the kernel also grows the receive buffer to fit the mark, and keeps that: harmless, the
+ * autotuning grows it past that anyway on a busy stream).
+ *
+ * A signal (Ctrl-C) stops the loop at the next poll (at most SOCK_POLL_S) with its exception.
  *
  * Raises TimeoutError, ConnectionError (closed by the peer before every byte moved) or
  * OSError(errno) (EFAULT: a destination that is not host memory).
@@ -1910,9 +1914,20 @@ typedef struct {
     int fd, send, lowat, lowat_set;
     double deadline, stall, last_progress;
     uint64_t left; /* bytes still to move */
-    int err, closed, timedout;
+    int err, closed, timedout, interrupted;
     uint64_t moved;
 } sock_job_t;
+
+/* A signal handler raised (Ctrl-C on the main thread): checked with the GIL taken back for a
+ * moment, after a poll that timed out or was interrupted, so a stalled read stops at once. */
+static int sock_signalled(sock_job_t *j)
+{
+    PyGILState_STATE g = PyGILState_Ensure();
+    const int raised = PyErr_CheckSignals() != 0; /* the exception stays set for the caller */
+    PyGILState_Release(g);
+    if (raised) j->interrupted = 1;
+    return raised;
+}
 
 /* Wait until fd is ready or SOCK_POLL_S passed. 0: try again; -1: timed out or failed (set in j). */
 static int sock_wait(sock_job_t *j)
@@ -1926,11 +1941,12 @@ static int sock_wait(sock_job_t *j)
     }
     struct pollfd p = {j->fd, (short)(j->send ? POLLOUT : POLLIN), 0};
     const double wait = left < SOCK_POLL_S ? left : SOCK_POLL_S;
-    if (poll(&p, 1, (int)(wait * 1000.0) + 1) < 0 && errno != EINTR) {
+    const int r = poll(&p, 1, (int)(wait * 1000.0) + 1);
+    if (r < 0 && errno != EINTR) {
         j->err = errno;
         return -1;
     }
-    return 0;
+    return r <= 0 && sock_signalled(j) ? -1 : 0;
 }
 
 static void sock_set_lowat(sock_job_t *j)
@@ -1953,7 +1969,10 @@ static int sock_batch(sock_job_t *j, struct iovec *iov, int k)
         const ssize_t got = j->send ? sendmsg(j->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT)
                                     : recvmsg(j->fd, &mh, MSG_DONTWAIT);
         if (got < 0) {
-            if (errno == EINTR) continue;
+            if (errno == EINTR) {
+                if (sock_signalled(j)) return -1;
+                continue;
+            }
             if (errno != EAGAIN && errno != EWOULDBLOCK) {
                 j->err = errno;
                 return -1;
@@ -2022,6 +2041,7 @@ static PyObject *mod_sock_rows(PyObject *m, PyObject *args, PyObject *kwds)
     sock_move(&j, (const uint64_t *)pb.buf, (size_t)pb.shape[0]);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&pb);
+    if (j.interrupted) return NULL; /* the signal handler's exception (KeyboardInterrupt) */
     if (j.timedout)
         return PyErr_Format(PyExc_TimeoutError, "timed out (%llu bytes moved, %llu left)",
                             (unsigned long long)j.moved, (unsigned long long)j.left);

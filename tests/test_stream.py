@@ -459,3 +459,30 @@ def test_move_rows_raises_typed_errors_when_the_stream_stalls_or_closes(
         a.close()  # closed before the rest came
         with pytest.raises(ConnectionError):
             S.move_rows(b, addr, length, send=False, deadline=time.monotonic() + 30)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_signal_stops_a_stalled_native_read_with_its_handlers_exception(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C on a get(timeout=None) from a stalled peer must not wait for the 120 s stall budget:
+    # the loop runs the signal handlers between polls (SIGUSR1 stands in for SIGINT here).
+    monkeypatch.setenv("ASTATE_STREAM_NATIVE", "1")
+    def handler(signum: int, frame: object) -> None:
+        raise _Interrupted()
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    a, b = _tcp_pair()
+    try:
+        with a, b:
+            a.sendall(b"y" * 1000)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+            with pytest.raises(_Interrupted):  # not a TimeoutError, not a hang (deadline None: 120 s)
+                S.move_rows(b, np.array([dst.ctypes.data], np.uint64), np.array([dst.size], np.uint64),
+                            send=False, deadline=None)
+            assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+            assert bytes(dst[:1000]) == b"y" * 1000
+    finally:
+        signal.signal(signal.SIGUSR1, old)
