@@ -165,20 +165,32 @@ def move_rows(sock: socket.socket, addr: np.ndarray, length: np.ndarray, send: b
         call = sock.sendmsg if send else (lambda b: sock.recvmsg_into(b)[0])
 
         def timed(b: list[memoryview]) -> int:
-            left = _STALL_S if deadline is None else min(_STALL_S, deadline - time.monotonic())
-            if left <= 0:
-                raise TimeoutError("timed out")
-            sock.settimeout(left)
+            _arm(sock, deadline)
             return call(b)
 
         move_all(timed, _slices(a, n))
         return
-    left = -1.0 if deadline is None else deadline - time.monotonic()
-    if deadline is not None and left <= 0:
-        raise TimeoutError("timed out")
+    left = _until(deadline)
     rows = np.empty((len(a), 2), dtype=np.uint64)
     rows[:, 0], rows[:, 1] = a, n
-    native().sock_rows(sock.fileno(), rows, send, timeout=left, stall=_STALL_S, lowat=_RCVLOWAT)
+    native().sock_rows(sock.fileno(), rows, send, timeout=-1.0 if left is None else left, stall=_STALL_S,
+                       lowat=_RCVLOWAT)
+
+
+def _until(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (None: no deadline); TimeoutError once it passed."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
+
+
+def _arm(sock: socket.socket, deadline: float | None) -> None:
+    """The socket's timeout for its next call: the stall budget, never past ``deadline``."""
+    left = _until(deadline)
+    sock.settimeout(_STALL_S if left is None else min(_STALL_S, left))
 
 
 def _native_loop() -> bool:
@@ -319,7 +331,7 @@ class StreamServer:
             raise _Refused(f"row {i}: [{int(off[i])}, +{int(length[i])}) is empty or outside region "
                            f"{int(region[i])} ({int(size[i])} bytes)")
         total = int(length.sum(dtype=np.uint64))
-        return (base + off, length.astype(np.uint64)), total, [s.keepalive for s in served.values()]
+        return (base + off, length), total, [s.keepalive for s in served.values()]
 
     def close(self) -> None:
         self._closed.set()
@@ -439,7 +451,7 @@ class StreamReader:
         rows = job.rows[lo:hi]
         keys = job.keys[np.isin(job.keys["region"], np.unique(rows["region"]))]
         try:
-            self._arm(sock, deadline)
+            _arm(sock, deadline)
             sock.sendall(_REQ.pack(REQUEST, len(keys), len(rows)) + keys.tobytes() + rows.tobytes())
             magic, status, n = _RESP.unpack(_exact(sock, _RESP.size))
         except (ConnectionError, OSError) as exc:
@@ -457,13 +469,6 @@ class StreamReader:
         if status != OK or n != want:
             raise ConnectionError(f"response status {status} with {n} bytes, {want} asked")
         move_rows(sock, job.local[lo:hi], rows["length"], send=False, deadline=deadline)
-
-    @staticmethod
-    def _arm(sock: socket.socket, deadline: float | None) -> None:
-        left = _STALL_S if deadline is None else min(_STALL_S, deadline - time.monotonic())
-        if left <= 0:
-            raise TimeoutError("timed out")
-        sock.settimeout(left)
 
     def _take(self, job: Job, deadline: float | None) -> tuple[socket.socket | None, bool]:
         """A pooled connection (True) or a fresh one (False); None: not reachable now."""
