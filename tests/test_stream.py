@@ -16,6 +16,8 @@ from typing import Iterator
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from astate_store.errors import PeerUnreachable, TransportError
 from astate_store.transport import PeerDescriptor, UcxTransport
@@ -298,6 +300,82 @@ def test_a_pooled_connection_the_server_dropped_is_replaced() -> None:
     finally:
         reader.close()
         local.server.close()
+
+
+def test_one_publisher_is_read_over_several_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull from fewer publishers than the lanes it aims for opens several connections to each
+    and cuts the publisher's rows between them (rows crossing a cut included): the same bytes, in
+    the same places, and the lanes are pooled for the next pull."""
+    monkeypatch.setenv("ASTATE_STREAM_LANES", "4")
+    monkeypatch.setattr(S, "_LANE_MIN", 64 << 10)
+    n = 4 << 20
+    peer = Peer("tcp", [n])
+    try:
+        with UcxTransport("tcp") as t:
+            p = t.connect("p", peer.descriptor)
+            dst = torch.zeros(n, dtype=torch.uint8)
+            ops, perm = _scattered(p, 0, n, dst, 3000, seed=2)  # 3000 pieces: cuts fall inside rows
+            for _ in range(2):
+                dst.zero_()
+                t.get(ops, timeout=60)
+                _check_scattered(dst, perm, n, 0)
+                assert len(t._stream_reader._idle[peer.descriptor["stream"]]) == 4
+            assert t.streamed_bytes == 2 * 3000 * (n // 3000)
+    finally:
+        peer.stop()
+
+
+def test_a_server_with_room_for_fewer_lanes_serves_over_the_ones_it_accepted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lanes past the first that the server closes at accept (it is full) are done without: the
+    read goes over the connections it has, and the address is not taken for down."""
+    monkeypatch.setattr(S, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(S, "_LANE_MIN", 1 << 10)
+    local, reader = _Local(), S.StreamReader(lanes=4)
+    try:
+        for i in range(2):
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            assert reader.read([local.job(dst)], timeout=30) == []
+            assert np.array_equal(dst.numpy(), local.src.numpy())
+            assert reader.bytes == (i + 1) << 20 and not reader._down
+            assert len(reader._idle[local.server.address]) == 2
+    finally:
+        reader.close()
+        local.server.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 9))
+def test_split_job_cuts_the_rows_into_lanes_covering_every_byte_once_in_order(lengths: list[int], k: int) -> None:
+    rows = np.zeros(len(lengths), dtype=S.ROW_DT)
+    rows["region"] = np.arange(len(lengths)) % 3
+    rows["offset"] = np.arange(len(lengths)) * 10_000 + 7
+    rows["length"] = lengths
+    local = np.arange(len(lengths), dtype=np.uint64) * 100_000 + 3
+    job = S.Job("p", "127.0.0.1:1", np.zeros(0, dtype=S.KEY_DT), rows, local, np.arange(len(lengths)))
+    parts = S.split_job(job, k)
+    total = sum(lengths)
+    assert len(parts) == min(k, total)
+    sizes = [int(p.rows["length"].sum()) for p in parts]
+    assert max(sizes) - min(sizes) <= 1 and all(int(x) > 0 for p in parts for x in p.rows["length"])
+
+    def expand(js: list[S.Job]) -> list[tuple[int, int, int]]:  # (region, source byte, destination byte)
+        return [(int(r["region"]), int(r["offset"]) + i, int(d) + i)
+                for j in js for r, d in zip(j.rows, j.local) for i in range(int(r["length"]))]
+
+    assert expand(parts) == expand([job])
+    assert [int(i) for p in parts for i in p.rows_index] == sorted(int(i) for p in parts for i in p.rows_index)
+
+
+def test_the_lanes_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASTATE_STREAM_LANES", raising=False)
+    assert 1 <= S.lanes_wanted() <= 8
+    monkeypatch.setenv("ASTATE_STREAM_LANES", "3")
+    assert S.lanes_wanted() == 3 and S.StreamReader().lanes == 3
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("ASTATE_STREAM_LANES", bad)
+        with pytest.raises(ValueError, match="ASTATE_STREAM_LANES"):
+            S.lanes_wanted()
 
 
 def test_a_server_with_no_room_sends_the_rows_another_way(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ order: 2.7 GB/s, about what a gloo broadcast of one contiguous buffer gets (2.9)
 move through the extension's socket loop (``move_rows``), not a Python loop over memoryviews,
 which had cost as much CPU as the kernel's copies (TP=1, 2 GiB: 3.9 -> 5.9 GB/s, gloo 4.3).
 
-Wire (little-endian), one connection per (consumer, publisher) in use at a time::
+Wire (little-endian), per connection; a consumer uses one or several (lanes) per publisher::
 
     request  = "<8sII" (REQUEST, n_keys, n_rows)
                + n_keys x KEY (region u32, stream key 16 bytes)
@@ -46,7 +46,7 @@ import socket
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping
 
@@ -56,7 +56,7 @@ from ..errors import PeerUnreachable, TransportError
 from .binding import native
 
 __all__ = ["StreamServer", "StreamReader", "Served", "Job", "new_key", "enabled", "parse_address", "move_all", "jobs_for",
-           "KEY_BYTES", "REQUEST", "RESPONSE", "KEY_DT", "ROW_DT", "OK", "REFUSED"]
+           "KEY_BYTES", "split_job", "lanes_wanted", "REQUEST", "RESPONSE", "KEY_DT", "ROW_DT", "OK", "REFUSED"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,28 @@ _POOL_IDLE_S = _IDLE_S / 2  # a client drops pooled connections idle this long (
 _STALL_S = 120.0  # no byte moving for this long: the peer is gone (also bounds get(timeout=None))
 _DOWN_S = 30.0  # an address that refused a connection is retried after this long
 _CONNECT_S = 5.0
+# A pull aims for this many connections in all (``ASTATE_STREAM_LANES``; default: the cores, at most 8):
+# publishers fewer than that are read over several connections ("lanes") each, every lane moving at
+# least ``_LANE_MIN`` bytes. Why: each connection's receive copy runs on one core, and one flow is
+# what clouds cap per connection. On 2 cores, 1 publisher -> 1 consumer over loopback, 1 GiB: one
+# connection 3.4-3.8 GB/s, two 5.0-5.4 (benchmarks/stream_lanes.py); more lanes than cores gain nothing.
+_LANE_MIN = 16 << 20
+_MAX_LANES = 8
+
+
+def lanes_wanted() -> int:
+    """Connections a pull aims for in all: ``ASTATE_STREAM_LANES``, else the cores (at most 8).
+
+    Raises:
+        ValueError: the variable is set to something other than a positive integer.
+    """
+    raw = os.environ.get("ASTATE_STREAM_LANES", "").strip()
+    if not raw:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(_MAX_LANES, cores))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"ASTATE_STREAM_LANES must be a positive integer, got {raw!r}")
+    return int(raw)
 
 
 def enabled() -> bool:
@@ -366,14 +388,19 @@ class Job:
 
 
 class StreamReader:
-    """Runs jobs over pooled connections, one thread per publisher."""
+    """Runs jobs over pooled connections, one thread per publisher; a publisher is read over
+    several connections ("lanes") when the job has fewer publishers than ``lanes``."""
 
-    def __init__(self) -> None:
+    def __init__(self, lanes: int | None = None) -> None:
+        """``lanes``: connections a read aims for in all (None: :func:`lanes_wanted`)."""
+        self.lanes = lanes_wanted() if lanes is None else max(1, int(lanes))
         self._lock = threading.Lock()
         self._idle: dict[str, list[tuple[socket.socket, float]]] = {}  # address -> (socket, last used)
         self._down: dict[str, float] = {}  # address -> monotonic time it could not be connected to
         self._pid = os.getpid()
-        self._pool: ThreadPoolExecutor | None = None
+        # "jobs": one thread per publisher; "lanes": the connections of one job (they never wait
+        # on anything, so a job waiting on its lanes cannot starve them)
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self.bytes = 0  # bytes received by completed streamed reads
         self._closed = False
 
@@ -383,31 +410,57 @@ class StreamReader:
         PeerUnreachable / TransportError."""
         self._after_fork()
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        lanes = max(1, self.lanes // max(1, len(jobs)))
         if len(jobs) == 1:
-            return [] if self._job(jobs[0], deadline) else list(jobs)
+            return [] if self._job(jobs[0], deadline, lanes) else list(jobs)
+        futs = [self._executor("jobs").submit(self._job, j, deadline, lanes) for j in jobs]
+        return [j for j, ok in zip(jobs, _results(futs)) if not ok]
+
+    def _executor(self, name: str) -> ThreadPoolExecutor:
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(16, thread_name_prefix="astate-stream-read")
-            pool = self._pool
-        futs = [pool.submit(self._job, j, deadline) for j in jobs]
-        try:
-            errors = [f.exception() for f in futs]  # waits for every job: none writes after read() returns
-        except BaseException:  # e.g. KeyboardInterrupt: still none may write once this returns
-            wait(futs)
-            raise
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
-        return [j for j, f in zip(jobs, futs) if not f.result()]
+            if name not in self._pools:
+                self._pools[name] = ThreadPoolExecutor(16, thread_name_prefix=f"astate-stream-{name}")
+            return self._pools[name]
 
-    def _job(self, job: Job, deadline: float | None) -> bool:
-        """True: every byte of ``job`` landed; False: it goes another way, nothing half done
-        that UCX would not redo."""
+    def _job(self, job: Job, deadline: float | None, lanes: int = 1) -> bool:
+        """True: every byte of ``job`` landed; False: it goes another way (UCX redoes all of it).
+        Over up to ``lanes`` connections, each at least ``_LANE_MIN`` bytes of the job."""
+        want = max(1, min(lanes, int(job.rows["length"].sum(dtype=np.uint64)) // _LANE_MIN))
+        conns = self._conns(job, deadline, want)
+        if not conns:
+            return False
+        parts = split_job(job, len(conns))
+        for sock, _ in conns[len(parts):]:
+            self._give_back(job.address, sock)
+        if len(parts) == 1:
+            ok = self._part(parts[0], *conns[0], deadline)
+        else:
+            pool = self._executor("lanes")
+            futs = [pool.submit(self._part, p, sock, pooled, deadline) for p, (sock, pooled) in zip(parts, conns)]
+            ok = all(_results(futs))
+        if ok:
+            with self._lock:
+                self.bytes += int(job.rows["length"].sum(dtype=np.uint64))
+        return ok
+
+    def _conns(self, job: Job, deadline: float | None, want: int) -> list[tuple[socket.socket, bool]]:
+        """Up to ``want`` connections to the job's server (pooled ones first); [] when it cannot be
+        reached. A lane past the first that cannot be opened (the server is full) is done without."""
         sock, pooled = self._take(job, deadline)
         if sock is None:
-            return False
+            return []
+        conns = [(sock, pooled)]
+        while len(conns) < want:
+            sock, pooled = self._take(job, deadline, optional=True)
+            if sock is None:
+                break
+            conns.append((sock, pooled))
+        return conns
+
+    def _part(self, job: Job, sock: socket.socket, pooled: bool, deadline: float | None) -> bool:
+        """``job`` (a job or one lane of it) on ``sock``, which this then keeps or closes."""
         try:
             try:
                 self._requests(sock, job, pooled, deadline)
@@ -431,8 +484,6 @@ class StreamReader:
         except (ValueError, OverflowError) as exc:  # a malformed response
             sock.close()
             raise self._unreachable(job, exc) from exc
-        with self._lock:
-            self.bytes += int(job.rows["length"].sum(dtype=np.uint64))
         self._give_back(job.address, sock)
         return True
 
@@ -470,8 +521,9 @@ class StreamReader:
             raise ConnectionError(f"response status {status} with {n} bytes, {want} asked")
         move_rows(sock, job.local[lo:hi], rows["length"], send=False, deadline=deadline)
 
-    def _take(self, job: Job, deadline: float | None) -> tuple[socket.socket | None, bool]:
-        """A pooled connection (True) or a fresh one (False); None: not reachable now."""
+    def _take(self, job: Job, deadline: float | None, optional: bool = False) -> tuple[socket.socket | None, bool]:
+        """A pooled connection (True) or a fresh one (False); None: not reachable now (``optional``:
+        a fresh one that fails is not remembered as down)."""
         stale: list[socket.socket] = []
         found = None
         with self._lock:
@@ -486,9 +538,9 @@ class StreamReader:
             sock.close()
         if found is not None:
             return found, True
-        return self._connect(job, deadline), False
+        return self._connect(job, deadline, optional), False
 
-    def _connect(self, job: Job, deadline: float | None) -> socket.socket | None:
+    def _connect(self, job: Job, deadline: float | None, optional: bool = False) -> socket.socket | None:
         """A new connection to the job's server whose server accepted the job's keys in a request
         of no rows (so it is the server of this descriptor, with room for us; a loopback address
         seen from another host may reach some other process), or None, remembered for
@@ -513,6 +565,9 @@ class StreamReader:
         except (OSError, ConnectionError, struct.error) as exc:
             if sock is not None:
                 sock.close()
+            if optional:  # one more lane to a server that answered the first: it is full, not down
+                log.debug("no extra lane to %s: %s", address, exc)
+                return None
             with self._lock:
                 first = address not in self._down
                 self._down[address] = time.monotonic()
@@ -526,7 +581,7 @@ class StreamReader:
     def _give_back(self, address: str, sock: socket.socket) -> None:
         with self._lock:
             pool = None if self._closed else self._idle.setdefault(address, [])
-            if pool is not None and len(pool) < 4:
+            if pool is not None and len(pool) < max(4, self.lanes):
                 pool.append((sock, time.monotonic()))
                 return
         sock.close()
@@ -542,7 +597,7 @@ class StreamReader:
     def _after_fork(self) -> None:
         if os.getpid() != self._pid:  # a forked child must not share its parent's connections
             self._pid = os.getpid()
-            self._idle, self._down, self._pool = {}, {}, None
+            self._idle, self._down, self._pools = {}, {}, {}
             self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -550,10 +605,10 @@ class StreamReader:
             self._closed = True
             socks = [sock for pool in self._idle.values() for sock, _ in pool]
             self._idle.clear()
-            pool, self._pool = self._pool, None
+            pools, self._pools = list(self._pools.values()), {}
         for s in socks:
             s.close()
-        if pool is not None:
+        for pool in pools:
             pool.shutdown(wait=False)
 
 
@@ -563,6 +618,45 @@ class _PeerRefused(Exception):
 
 class _Stale(Exception):
     pass
+
+
+def _results(futs: list[Future[bool]]) -> list[bool]:
+    """Every future's result, once all are done (none writes after the caller returns); the first
+    error raised."""
+    try:
+        errors = [f.exception() for f in futs]
+    except BaseException:  # e.g. KeyboardInterrupt: still none may write once the caller returns
+        wait(futs)
+        raise
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return [f.result() for f in futs]
+
+
+def split_job(job: Job, k: int) -> list[Job]:
+    """``job`` cut into ``k`` lanes of about equal bytes, each a run of its rows in plan order (a
+    row crossing a cut is cut too, its pieces reading and landing at the matching offsets)."""
+    length = job.rows["length"]
+    ends = np.cumsum(length, dtype=np.uint64)
+    total = int(ends[-1]) if len(ends) else 0
+    k = min(k, total)  # no empty lane
+    if k <= 1:
+        return [job]
+    starts = ends - length
+    cuts = [total * i // k for i in range(k + 1)]
+    parts = []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        a = int(np.searchsorted(ends, lo, side="right"))  # the first row ending past lo
+        b = int(np.searchsorted(starts, hi, side="left"))  # past the last row starting before hi
+        rows, local = job.rows[a:b].copy(), job.local[a:b].copy()
+        head, tail = lo - int(starts[a]), int(ends[b - 1]) - hi
+        rows["offset"][0] += head
+        rows["length"][0] -= head
+        local[0] += head
+        rows["length"][-1] -= tail
+        parts.append(Job(job.peer, job.address, job.keys, rows, local, job.rows_index[a:b]))
+    return parts
 
 
 def _error(cls: type[TransportError], message: str, reason: str) -> TransportError:

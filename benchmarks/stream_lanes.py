@@ -1,0 +1,156 @@
+"""Streamed tcp reads from ONE publisher, over one connection vs several ("lanes"); ONE JSON line.
+
+The case sync_bench and peers.py do not cover: a rollout reading from fewer trainer ranks than it
+has cores (a TP=1 trainer, an expert-parallel rank holding what one rollout needs). A pull aims for
+``ASTATE_STREAM_LANES`` connections in all (default: the cores, at most 8), so one publisher is read
+over several; each connection's receive copy runs on its own core.
+
+One publisher process (rank 0 of 1, tcp mode) puts ``--gib`` of fp32 in 16 tensors once. For each
+lanes setting (``--lanes``, comma list) a fresh consumer process (started with
+``ASTATE_STREAM_LANES`` set) pulls that version ``--pulls`` times into preallocated buffers; the
+settings alternate over ``--rounds`` rounds, as this machine's speed drifts. Reference in the same
+run: a gloo broadcast of the same bytes between 2 processes (sync_bench's).
+
+Keys: gbps{lanes: median over rounds of each consumer's median pull}, rounds[{lanes: gbps}],
+first_pull_seconds{lanes: median}, gloo_gbps, ratio_lanes (the default setting / 1 lane),
+ratio_gloo (default setting / gloo), lanes_default, verified (every consumer's bytes checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(0, os.path.join(_HERE, ".."))
+
+import torch  # noqa: E402
+
+from astate_store.etcd_server import EmbeddedEtcd  # noqa: E402
+
+CTX = mp.get_context("spawn")
+TENSORS = 16
+TIMEOUT = 300.0
+
+
+def _numel(gib: float) -> int:
+    return int(gib * (1 << 30)) // 4 // TENSORS
+
+
+def publisher(endpoint: str, ns: str, gib: float, ready: Any, done: Any) -> None:
+    from astate_store.store import Store
+
+    store = Store(ns, endpoint=endpoint, rank=0, world_size=1, transport="tcp", session_id=ns + "-pub")
+    try:
+        n = _numel(gib)
+        store.put(1, {f"w{i}": torch.arange(n, dtype=torch.float32) + i for i in range(TENSORS)})
+        ready.put(1)
+        done.get(timeout=TIMEOUT * 4)  # serve until the driver is done
+    finally:
+        store.close()
+
+
+def consumer(endpoint: str, ns: str, gib: float, pulls: int, out: Any) -> None:
+    from astate_store.store import Store
+
+    store = Store(ns, endpoint=endpoint, transport="tcp", session_id=f"{ns}-sub-{os.getpid()}")
+    try:
+        n = _numel(gib)
+        bufs = {f"w{i}": torch.zeros(n, dtype=torch.float32) for i in range(TENSORS)}
+        times = []
+        for _ in range(pulls + 1):  # the first pull (connect + plan) is reported apart
+            t0 = time.perf_counter()
+            store.get_into(bufs, step=1)
+            times.append(time.perf_counter() - t0)
+        ref = torch.arange(n, dtype=torch.float32)
+        ok = all(bool(torch.equal(bufs[f"w{i}"], ref + i)) for i in range(TENSORS))
+        out.put({"first": times[0], "median": statistics.median(times[1:]), "verified": ok,
+                 "lanes": store._ctx.transport._stream_reader.lanes})
+    finally:
+        store.close()
+
+
+def run_consumer(endpoint: str, ns: str, gib: float, pulls: int, lanes: int) -> dict[str, Any]:
+    out = CTX.Queue()
+    old = os.environ.get("ASTATE_STREAM_LANES")
+    os.environ["ASTATE_STREAM_LANES"] = str(lanes)  # a spawned child inherits the environment
+    try:
+        p = CTX.Process(target=consumer, args=(endpoint, ns, gib, pulls, out), daemon=True)
+        p.start()
+    finally:
+        if old is None:
+            os.environ.pop("ASTATE_STREAM_LANES", None)
+        else:
+            os.environ["ASTATE_STREAM_LANES"] = old
+    try:
+        res = out.get(timeout=TIMEOUT)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    assert res["lanes"] == lanes, res
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0, help="bytes published, GiB of fp32 (default 1)")
+    ap.add_argument("--pulls", type=int, default=5, help="timed pulls per consumer after its first")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over the settings, alternating")
+    ap.add_argument("--lanes", default=None, help="comma list of lane settings (default: 1 and the default)")
+    ap.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
+    args = ap.parse_args()
+    from astate_store.transport.stream import lanes_wanted
+
+    saved = os.environ.pop("ASTATE_STREAM_LANES", None)
+    default = lanes_wanted()
+    if saved is not None:
+        os.environ["ASTATE_STREAM_LANES"] = saved
+    settings = [int(x) for x in args.lanes.split(",")] if args.lanes else sorted({1, default})
+    nbytes = _numel(args.gib) * 4 * TENSORS
+    result: dict[str, Any] = {"bench": "stream_lanes", "bytes": nbytes, "cores": os.cpu_count(),
+                              "lanes_default": default, "rounds": [], "verified": True}
+    with EmbeddedEtcd() as etcd:
+        ns = f"lanes-{os.getpid()}"
+        ready, done = CTX.Queue(), CTX.Queue()
+        pub = CTX.Process(target=publisher, args=(etcd.endpoint, ns, args.gib, ready, done), daemon=True)
+        pub.start()
+        try:
+            ready.get(timeout=TIMEOUT)
+            firsts: dict[int, list[float]] = {k: [] for k in settings}
+            for _ in range(args.rounds):
+                row = {}
+                for k in settings:
+                    res = run_consumer(etcd.endpoint, ns, args.gib, args.pulls, k)
+                    row[str(k)] = round(nbytes / res["median"] / 1e9, 3)
+                    firsts[k].append(res["first"])
+                    result["verified"] = result["verified"] and res["verified"]
+                result["rounds"].append(row)
+        finally:
+            done.put(1)
+            pub.join(60)
+            if pub.is_alive():
+                pub.kill()
+    result["gbps"] = {str(k): statistics.median(r[str(k)] for r in result["rounds"]) for k in settings}
+    result["first_pull_seconds"] = {str(k): round(statistics.median(v), 3) for k, v in firsts.items()}
+    if 1 in settings and default in settings:
+        result["ratio_lanes"] = round(result["gbps"][str(default)] / result["gbps"]["1"], 3)
+    if not args.no_gloo:
+        import sync_bench
+
+        gloo = sync_bench.measure_gloo(nbytes, 5)
+        result["gloo_gbps"] = gloo.get("gbps")
+        if gloo.get("gbps") and default in settings:
+            result["ratio_gloo"] = round(result["gbps"][str(default)] / gloo["gbps"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
