@@ -331,6 +331,7 @@ def test_a_server_with_room_for_fewer_lanes_serves_over_the_ones_it_accepted(
     read goes over the connections it has, and the address is not taken for down."""
     monkeypatch.setattr(S, "MAX_CONNECTIONS", 2)
     monkeypatch.setattr(S, "_LANE_MIN", 1 << 10)
+    monkeypatch.setattr(S, "_EVICT_IDLE_S", 600.0)  # none of its own pooled lanes is evicted for the next
     local, reader = _Local(), S.StreamReader(lanes=4)
     try:
         for i in range(2):
@@ -341,6 +342,29 @@ def test_a_server_with_room_for_fewer_lanes_serves_over_the_ones_it_accepted(
             assert len(reader._idle[local.server.address]) == 2
     finally:
         reader.close()
+        local.server.close()
+
+
+def test_a_full_server_evicts_idle_pooled_lanes_for_a_new_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pooled lanes of one consumer fill the server; the next consumer is still streamed (the
+    server closes the longest-idle connections for it) and is not sent to UCX; the first consumer,
+    its pooled connections gone, reconnects on its next pull."""
+    monkeypatch.setattr(S, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(S, "_LANE_MIN", 1 << 10)
+    monkeypatch.setattr(S, "_EVICT_IDLE_S", 0.05)
+    local = _Local()
+    readers = [S.StreamReader(lanes=2), S.StreamReader(lanes=2)]
+    try:
+        for i, reader in enumerate([readers[0], readers[1], readers[0]]):
+            time.sleep(0.2)  # the other consumer's connections have been idle past the mark
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            assert reader.read([local.job(dst)], timeout=30) == [], i
+            assert np.array_equal(dst.numpy(), local.src.numpy()) and not reader._down
+        assert readers[0].bytes == 2 << 20 and readers[1].bytes == 1 << 20
+        assert len(local.server._conns) <= 2
+    finally:
+        for r in readers:
+            r.close()
         local.server.close()
 
 
@@ -372,10 +396,12 @@ def test_the_lanes_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert 1 <= S.lanes_wanted() <= 8
     monkeypatch.setenv("ASTATE_STREAM_LANES", "3")
     assert S.lanes_wanted() == 3 and S.StreamReader().lanes == 3
-    for bad in ("0", "-2", "many"):
+    for bad in ("0", "-2", "many", "65"):
         monkeypatch.setenv("ASTATE_STREAM_LANES", bad)
         with pytest.raises(ValueError, match="ASTATE_STREAM_LANES"):
             S.lanes_wanted()
+    with pytest.raises(ValueError, match="ASTATE_STREAM_LANES"):  # at construction, before UCX starts
+        UcxTransport("tcp")
 
 
 def test_a_server_with_no_room_sends_the_rows_another_way(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -85,7 +85,13 @@ _CONNECT_S = 5.0
 # what clouds cap per connection. On 2 cores, 1 publisher -> 1 consumer over loopback, 1 GiB: one
 # connection 3.4-3.8 GB/s, two 5.0-5.4 (benchmarks/stream_lanes.py); more lanes than cores gain nothing.
 _LANE_MIN = 16 << 20
-_MAX_LANES = 8
+_MAX_LANES = 8  # the default's cap
+_MAX_LANES_SET = 64  # the most ASTATE_STREAM_LANES may ask for (each lane is a socket at both ends)
+# A full server (MAX_CONNECTIONS) closes its longest-idle connection, idle at least this long, to
+# admit a new one: pooled lanes of one consumer never lock the next consumer out (the evicted
+# one's owner reconnects on its next pull, as after the idle timeout). Between the requests of one
+# job a connection is idle for microseconds, so a job in progress is not cut.
+_EVICT_IDLE_S = 1.0
 
 
 def lanes_wanted() -> int:
@@ -98,8 +104,8 @@ def lanes_wanted() -> int:
     if not raw:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         return max(1, min(_MAX_LANES, cores))
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"ASTATE_STREAM_LANES must be a positive integer, got {raw!r}")
+    if not raw.isdigit() or not 1 <= int(raw) <= _MAX_LANES_SET:
+        raise ValueError(f"ASTATE_STREAM_LANES must be an integer from 1 to {_MAX_LANES_SET}, got {raw!r}")
     return int(raw)
 
 
@@ -261,7 +267,7 @@ class StreamServer:
         self._lookup = lookup
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, float | None] = {}  # -> monotonic time it went idle; None: busy
         self.refused = 0  # requests refused (bad magic, key, bounds): a figure for tests and logs
         self.served_bytes = 0
         self._thread = threading.Thread(target=self._accept_loop, name="astate-stream-accept", daemon=True)
@@ -276,27 +282,29 @@ class StreamServer:
             except OSError:
                 return
             with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS or self._closed.is_set():
+                if self._closed.is_set() or (len(self._conns) >= MAX_CONNECTIONS and not self._evict_idle()):
                     conn.close()
                     continue
-                self._conns.add(conn)
+                self._conns[conn] = time.monotonic()
             threading.Thread(target=self._serve, args=(conn,), name="astate-stream", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not self._closed.is_set():
+                self._mark(conn, idle=True)
                 conn.settimeout(_IDLE_S)
                 head = conn.recv(_REQ.size)
                 if not head:
-                    return  # the consumer closed: done
+                    return  # the consumer closed (or the connection was evicted): done
+                self._mark(conn, idle=False)
                 conn.settimeout(_STALL_S)
                 self._answer(conn, head + _exact(conn, _REQ.size - len(head)))
         except (OSError, ConnectionError) as exc:
             log.debug("stream connection ended: %s", exc)
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
 
     def _answer(self, conn: socket.socket, head: bytes) -> None:
@@ -320,6 +328,25 @@ class StreamServer:
         move_rows(conn, *bufs, send=True)
         self._count(served=total)
         del keep  # the regions' storages were held until every byte was out
+
+    def _mark(self, conn: socket.socket, idle: bool) -> None:
+        with self._lock:
+            if conn in self._conns:
+                self._conns[conn] = time.monotonic() if idle else None
+
+    def _evict_idle(self) -> bool:
+        """(Lock held.) Close the longest-idle connection idle for ``_EVICT_IDLE_S``; False: none is."""
+        now = time.monotonic()
+        idle = [(since, c) for c, since in self._conns.items() if since is not None and now - since >= _EVICT_IDLE_S]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda x: x[0])[1]
+        del self._conns[victim]
+        try:
+            victim.shutdown(socket.SHUT_RDWR)  # its thread's recv returns: it closes the socket
+        except OSError:
+            pass
+        return True
 
     def _count(self, refused: int = 0, served: int = 0) -> None:
         with self._lock:  # several connection threads
@@ -362,7 +389,7 @@ class StreamServer:
         except OSError:
             pass
         with self._lock:
-            conns, self._conns = list(self._conns), set()
+            conns, self._conns = list(self._conns), {}
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
@@ -413,39 +440,61 @@ class StreamReader:
         lanes = max(1, self.lanes // max(1, len(jobs)))
         if len(jobs) == 1:
             return [] if self._job(jobs[0], deadline, lanes) else list(jobs)
-        futs = [self._executor("jobs").submit(self._job, j, deadline, lanes) for j in jobs]
-        return [j for j, ok in zip(jobs, _results(futs)) if not ok]
+        done = self._map("jobs", self._job, [(j, deadline, lanes) for j in jobs])
+        return [j for j, ok in zip(jobs, done) if not ok]
+
+    def _map(self, pool: str, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list[Any]:
+        """``fn(*args)`` for each of ``calls`` on the named pool; their results once every one
+        ended (none writes after this returns or raises); the first error raised."""
+        futs: list[Future[Any]] = []
+        try:
+            ex = self._executor(pool)
+            for args in calls:
+                futs.append(ex.submit(fn, *args))
+        except RuntimeError:  # close() shut the pool down between two submits
+            wait(futs)
+            raise TransportError("transport is closed") from None
+        except BaseException:
+            wait(futs)
+            raise
+        return _results(futs)
 
     def _executor(self, name: str) -> ThreadPoolExecutor:
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
-            if name not in self._pools:
-                self._pools[name] = ThreadPoolExecutor(16, thread_name_prefix=f"astate-stream-{name}")
+            if name not in self._pools:  # lanes: room for all at once (a queued lane's socket would idle)
+                workers = _MAX_LANES_SET if name == "lanes" else 16
+                self._pools[name] = ThreadPoolExecutor(workers, thread_name_prefix=f"astate-stream-{name}")
             return self._pools[name]
 
     def _job(self, job: Job, deadline: float | None, lanes: int = 1) -> bool:
         """True: every byte of ``job`` landed; False: it goes another way (UCX redoes all of it).
         Over up to ``lanes`` connections, each at least ``_LANE_MIN`` bytes of the job."""
         want = max(1, min(lanes, int(job.rows["length"].sum(dtype=np.uint64)) // _LANE_MIN))
-        conns = self._conns(job, deadline, want)
+        conns = self._open_lanes(job, deadline, want)
         if not conns:
             return False
         parts = split_job(job, len(conns))
         for sock, _ in conns[len(parts):]:
             self._give_back(job.address, sock)
         if len(parts) == 1:
-            ok = self._part(parts[0], *conns[0], deadline)
+            done = [self._part(parts[0], *conns[0], deadline)]
         else:
-            pool = self._executor("lanes")
-            futs = [pool.submit(self._part, p, sock, pooled, deadline) for p, (sock, pooled) in zip(parts, conns)]
-            ok = all(_results(futs))
-        if ok:
-            with self._lock:
-                self.bytes += int(job.rows["length"].sum(dtype=np.uint64))
-        return ok
+            calls = [(p, sock, pooled, deadline) for p, (sock, pooled) in zip(parts, conns)]
+            done = self._map("lanes", self._part, calls)
+        if False in done:
+            return False
+        for part, ok in zip(parts, done):
+            if ok is None:  # its connection was gone and no fresh one came: once more, on any
+                sock, pooled = self._take(part, deadline)
+                if sock is None or self._part(part, sock, pooled, deadline) is not True:
+                    return False
+        with self._lock:
+            self.bytes += int(job.rows["length"].sum(dtype=np.uint64))
+        return True
 
-    def _conns(self, job: Job, deadline: float | None, want: int) -> list[tuple[socket.socket, bool]]:
+    def _open_lanes(self, job: Job, deadline: float | None, want: int) -> list[tuple[socket.socket, bool]]:
         """Up to ``want`` connections to the job's server (pooled ones first); [] when it cannot be
         reached. A lane past the first that cannot be opened (the server is full) is done without."""
         sock, pooled = self._take(job, deadline)
@@ -459,16 +508,18 @@ class StreamReader:
             conns.append((sock, pooled))
         return conns
 
-    def _part(self, job: Job, sock: socket.socket, pooled: bool, deadline: float | None) -> bool:
-        """``job`` (a job or one lane of it) on ``sock``, which this then keeps or closes."""
+    def _part(self, job: Job, sock: socket.socket, pooled: bool, deadline: float | None) -> bool | None:
+        """``job`` (a job or one lane of it) on ``sock``, which this then keeps or closes. True:
+        landed; False: UCX must read it; None: ``sock`` was closed by the server (idle, evicted)
+        before any byte and no fresh connection could be had now (the caller decides)."""
         try:
             try:
                 self._requests(sock, job, pooled, deadline)
             except _Stale:  # the server had closed this pooled connection: once more on a fresh one
                 sock.close()
-                fresh = self._connect(job, deadline)
+                fresh = self._connect(job, deadline, optional=True)
                 if fresh is None:
-                    return False
+                    return None
                 sock = fresh
                 self._requests(sock, job, False, deadline)
         except _PeerRefused as exc:
@@ -565,8 +616,8 @@ class StreamReader:
         except (OSError, ConnectionError, struct.error) as exc:
             if sock is not None:
                 sock.close()
-            if optional:  # one more lane to a server that answered the first: it is full, not down
-                log.debug("no extra lane to %s: %s", address, exc)
+            if optional:  # a lane more (or a retry) to a server that answered: it is full, not down
+                log.debug("no extra connection to %s: %s", address, exc)
                 return None
             with self._lock:
                 first = address not in self._down
@@ -651,10 +702,10 @@ def split_job(job: Job, k: int) -> list[Job]:
         b = int(np.searchsorted(starts, hi, side="left"))  # past the last row starting before hi
         rows, local = job.rows[a:b].copy(), job.local[a:b].copy()
         head, tail = lo - int(starts[a]), int(ends[b - 1]) - hi
-        rows["offset"][0] += head
-        rows["length"][0] -= head
-        local[0] += head
-        rows["length"][-1] -= tail
+        rows["offset"][0] += np.uint64(head)  # uint64 throughout (numpy 1.x would go through float)
+        rows["length"][0] -= np.uint64(head)
+        local[0] += np.uint64(head)
+        rows["length"][-1] -= np.uint64(tail)
         parts.append(Job(job.peer, job.address, job.keys, rows, local, job.rows_index[a:b]))
     return parts
 

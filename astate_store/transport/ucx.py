@@ -160,6 +160,8 @@ class UcxTransport(Transport):
         self.config = effective_config(mode, config)
         self.tls = self.config.get("TLS") or os.environ.get("UCX_TLS", "")
         self.shm = tls_has_shm(self.tls)
+        # Settings are checked (ASTATE_STREAM_LANES) before anything is created that would need closing.
+        self._stream_reader = StreamReader()
         # One lock for all mutable state (regions, peers, pidfds' owners); `get` holds
         # it only to take the snapshots, never while bytes move.
         self._lock = threading.RLock()
@@ -184,7 +186,6 @@ class UcxTransport(Transport):
         self.stream_host = stream_host or os.environ.get("ASTATE_STREAM_HOST") or None
         self._stream_server: StreamServer | None = None
         self._stream_failed = False
-        self._stream_reader = StreamReader()
         self._closed = False
 
     @staticmethod
