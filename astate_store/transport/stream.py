@@ -83,7 +83,8 @@ _CONNECT_S = 5.0
 # publishers fewer than that are read over several connections ("lanes") each, every lane moving at
 # least ``_LANE_MIN`` bytes. Why: each connection's receive copy runs on one core, and one flow is
 # what clouds cap per connection. On 2 cores, 1 publisher -> 1 consumer over loopback, 1 GiB: one
-# connection 3.4-3.8 GB/s, two 5.0-5.4 (benchmarks/stream_lanes.py); more lanes than cores gain nothing.
+# connection 3.1-3.8 GB/s, two 4.0-5.4 in four runs (benchmarks/stream_lanes.py); more lanes than cores
+# gain nothing.
 _LANE_MIN = 16 << 20
 _MAX_LANES = 8  # the default's cap
 _MAX_LANES_SET = 64  # the most ASTATE_STREAM_LANES may ask for (each lane is a socket at both ends)
