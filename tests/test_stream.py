@@ -157,12 +157,15 @@ def test_the_server_checks_every_request_and_keeps_serving() -> None:
             peer.call("unregister", 1)
             status, body = _request(c, [(1, key1)], [(1, 0, 8)])  # freed: refused
             assert status == S.REFUSED and "freed" in body.decode()
-        with socket.create_connection(S.parse_address(d.stream), timeout=30) as c:
-            c.sendall(b"GET / HTTP/1.0\r\n\r\n")  # not the protocol: the server hangs up
-            try:
-                assert c.recv(100) == b""
-            except ConnectionResetError:  # hung up with our bytes unread
-                pass
+        for junk in (b"GET / HTTP/1.0\r\n\r\n",  # not the protocol
+                     struct.pack("<8sII", S.LANE, 1, 1) + np.array([(0, key0)], S.KEY_DT).tobytes()
+                     + np.array([(0, 0, 8)], S.ROW_DT).tobytes()):  # a lane's opening with rows
+            with socket.create_connection(S.parse_address(d.stream), timeout=30) as c:
+                c.sendall(junk)  # the server hangs up
+                try:
+                    assert c.recv(100) == b""
+                except ConnectionResetError:  # hung up with our bytes unread
+                    pass
         with socket.create_connection(S.parse_address(d.stream), timeout=30) as c:
             status, _ = _request(c, [(0, key0)], [(0, 0, n)])  # a fresh connection is served
             assert status == S.OK
@@ -325,42 +328,45 @@ def test_one_publisher_is_read_over_several_lanes(monkeypatch: pytest.MonkeyPatc
         peer.stop()
 
 
-def test_a_server_with_room_for_fewer_lanes_serves_over_the_ones_it_accepted(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lanes past the first that the server closes at accept (it is full) are done without: the
-    read goes over the connections it has, and the address is not taken for down."""
-    monkeypatch.setattr(S, "MAX_CONNECTIONS", 2)
+def test_extra_lanes_take_at_most_half_the_servers_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server refuses extra lanes while it holds more than half its connections: the consumer
+    reads over the lanes it got, and the other half stays free for other consumers' first
+    connections (neither is sent to UCX nor takes the address for down)."""
+    monkeypatch.setattr(S, "MAX_CONNECTIONS", 4)
     monkeypatch.setattr(S, "_LANE_MIN", 1 << 10)
-    monkeypatch.setattr(S, "_EVICT_IDLE_S", 600.0)  # none of its own pooled lanes is evicted for the next
-    local, reader = _Local(), S.StreamReader(lanes=4)
+    monkeypatch.setattr(S, "_EVICT_IDLE_S", 600.0)  # nothing is evicted: the halves alone decide
+    local = _Local()
+    readers = [S.StreamReader(lanes=4), S.StreamReader(lanes=4)]
     try:
-        for i in range(2):
-            dst = torch.zeros(1 << 20, dtype=torch.uint8)
-            assert reader.read([local.job(dst)], timeout=30) == []
-            assert np.array_equal(dst.numpy(), local.src.numpy())
-            assert reader.bytes == (i + 1) << 20 and not reader._down
-            assert len(reader._idle[local.server.address]) == 2
+        for _ in range(2):
+            for reader in readers:
+                dst = torch.zeros(1 << 20, dtype=torch.uint8)
+                assert reader.read([local.job(dst)], timeout=30) == []
+                assert np.array_equal(dst.numpy(), local.src.numpy()) and not reader._down
+        assert [len(r._idle[local.server.address]) for r in readers] == [2, 1]
+        assert all(r.bytes == 2 << 20 for r in readers)
+        assert local.server.lanes_refused >= 3 and local.server.refused == 0
     finally:
-        reader.close()
+        for r in readers:
+            r.close()
         local.server.close()
 
 
-def test_a_full_server_evicts_idle_pooled_lanes_for_a_new_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pooled lanes of one consumer fill the server; the next consumer is still streamed (the
-    server closes the longest-idle connections for it) and is not sent to UCX; the first consumer,
-    its pooled connections gone, reconnects on its next pull."""
+def test_a_full_server_evicts_idle_pooled_connections_for_a_new_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pooled connections of earlier consumers fill the server; the next consumer is still
+    streamed (the server closes the longest-idle connection for it) and is not sent to UCX; the
+    first consumer, its pooled connection gone, reconnects on its next pull."""
     monkeypatch.setattr(S, "MAX_CONNECTIONS", 2)
-    monkeypatch.setattr(S, "_LANE_MIN", 1 << 10)
     monkeypatch.setattr(S, "_EVICT_IDLE_S", 0.05)
     local = _Local()
-    readers = [S.StreamReader(lanes=2), S.StreamReader(lanes=2)]
+    readers = [S.StreamReader(lanes=1) for _ in range(3)]
     try:
-        for i, reader in enumerate([readers[0], readers[1], readers[0]]):
-            time.sleep(0.2)  # the other consumer's connections have been idle past the mark
+        for i, reader in enumerate([*readers, readers[0]]):
+            time.sleep(0.2)  # the others' connections have been idle past the mark
             dst = torch.zeros(1 << 20, dtype=torch.uint8)
             assert reader.read([local.job(dst)], timeout=30) == [], i
             assert np.array_equal(dst.numpy(), local.src.numpy()) and not reader._down
-        assert readers[0].bytes == 2 << 20 and readers[1].bytes == 1 << 20
+        assert [r.bytes for r in readers] == [2 << 20, 1 << 20, 1 << 20]
         assert len(local.server._conns) <= 2
     finally:
         for r in readers:

@@ -13,6 +13,9 @@ Wire (little-endian), per connection; a consumer uses one or several (lanes) per
     request  = "<8sII" (REQUEST, n_keys, n_rows)
                + n_keys x KEY (region u32, stream key 16 bytes)
                + n_rows x ROW (region u32, offset u64, length u64)
+               (LANE instead of REQUEST, no rows: the first request of an extra lane, refused
+               while the server holds more than half of MAX_CONNECTIONS: the other half is
+               kept for consumers' first connections)
     response = "<8sIQ" (RESPONSE, status, n)
                + status OK: n bytes, the rows' bytes in request order
                + status REFUSED: an n-byte UTF-8 message (nothing else is sent)
@@ -56,11 +59,11 @@ from ..errors import PeerUnreachable, TransportError
 from .binding import native
 
 __all__ = ["StreamServer", "StreamReader", "Served", "Job", "new_key", "enabled", "parse_address", "move_all", "jobs_for",
-           "KEY_BYTES", "split_job", "lanes_wanted", "REQUEST", "RESPONSE", "KEY_DT", "ROW_DT", "OK", "REFUSED"]
+           "KEY_BYTES", "split_job", "lanes_wanted", "REQUEST", "RESPONSE", "LANE", "KEY_DT", "ROW_DT", "OK", "REFUSED"]
 
 log = logging.getLogger(__name__)
 
-REQUEST, RESPONSE = b"ASTSRQ01", b"ASTSRS01"
+REQUEST, RESPONSE, LANE = b"ASTSRQ01", b"ASTSRS01", b"ASTSLN01"
 OK, REFUSED = 0, 1
 KEY_BYTES = 16
 _REQ = struct.Struct("<8sII")
@@ -270,6 +273,7 @@ class StreamServer:
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, float | None] = {}  # -> monotonic time it went idle; None: busy
         self.refused = 0  # requests refused (bad magic, key, bounds): a figure for tests and logs
+        self.lanes_refused = 0  # extra lanes refused for room
         self.served_bytes = 0
         self._thread = threading.Thread(target=self._accept_loop, name="astate-stream-accept", daemon=True)
         self._thread.start()
@@ -312,12 +316,16 @@ class StreamServer:
         if len(head) != _REQ.size:
             raise ConnectionError("truncated request header")
         magic, n_keys, n_rows = _REQ.unpack(head)
-        if magic != REQUEST or n_keys > MAX_KEYS or n_rows > MAX_ROWS:
+        if magic not in (REQUEST, LANE) or n_keys > MAX_KEYS or n_rows > MAX_ROWS or (magic == LANE and n_rows):
             # out of step with the peer (not our protocol, or absurd counts): drop the connection
             self._count(refused=1)
             raise ConnectionError(f"bad request header (magic {magic!r}, {n_keys} keys, {n_rows} rows)")
         keys = np.frombuffer(_exact(conn, n_keys * KEY_DT.itemsize), dtype=KEY_DT)
         rows = np.frombuffer(_exact(conn, n_rows * ROW_DT.itemsize), dtype=ROW_DT)
+        if magic == LANE and self._crowded():
+            msg = b"no room for another lane"
+            conn.sendall(_RESP.pack(RESPONSE, REFUSED, len(msg)) + msg)
+            raise ConnectionError("an extra lane refused for room")  # and closed: it frees its slot
         try:
             bufs, total, keep = self._check(keys, rows)
         except _Refused as exc:
@@ -329,6 +337,13 @@ class StreamServer:
         move_rows(conn, *bufs, send=True)
         self._count(served=total)
         del keep  # the regions' storages were held until every byte was out
+
+    def _crowded(self) -> bool:
+        """More than half the connection slots in use: no extra lanes (first connections only)."""
+        with self._lock:
+            crowded = len(self._conns) > MAX_CONNECTIONS // 2
+            self.lanes_refused += crowded
+            return crowded
 
     def _mark(self, conn: socket.socket, idle: bool) -> None:
         with self._lock:
@@ -596,7 +611,8 @@ class StreamReader:
         """A new connection to the job's server whose server accepted the job's keys in a request
         of no rows (so it is the server of this descriptor, with room for us; a loopback address
         seen from another host may reach some other process), or None, remembered for
-        ``_DOWN_S``: those rows go another way."""
+        ``_DOWN_S``: those rows go another way. ``optional``: an extra lane (asked as LANE, which
+        a crowded server refuses), not remembered as down."""
         address = job.address
         with self._lock:
             since = self._down.get(address)
@@ -609,7 +625,7 @@ class StreamReader:
             sock = socket.create_connection((host, port), timeout=t)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             keys = job.keys[:MAX_KEYS]
-            sock.sendall(_REQ.pack(REQUEST, len(keys), 0) + keys.tobytes())
+            sock.sendall(_REQ.pack(LANE if optional else REQUEST, len(keys), 0) + keys.tobytes())
             got = _RESP.unpack(_exact(sock, _RESP.size))
             if got != (RESPONSE, OK, 0):
                 raise ConnectionError("not this descriptor's stream server" if got[:2] == (RESPONSE, REFUSED)
