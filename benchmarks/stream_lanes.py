@@ -144,7 +144,7 @@ def main() -> None:
             pub.join(60)
             if pub.is_alive():
                 pub.kill()
-    result["gbps"] = {str(k): statistics.median(r[str(k)] for r in result["rounds"]) for k in settings}
+    result["gbps"] = {str(k): round(statistics.median(r[str(k)] for r in result["rounds"]), 3) for k in settings}
     result["first_pull_seconds"] = {str(k): round(statistics.median(v), 3) for k, v in firsts.items()}
     if 1 in settings and default in settings:
         result["ratio_lanes"] = round(result["gbps"][str(default)] / result["gbps"]["1"], 3)
