@@ -59,7 +59,8 @@ from ..errors import PeerUnreachable, TransportError
 from .binding import native
 
 __all__ = ["StreamServer", "StreamReader", "Served", "Job", "new_key", "enabled", "parse_address", "move_all", "jobs_for",
-           "KEY_BYTES", "split_job", "lanes_wanted", "REQUEST", "RESPONSE", "LANE", "KEY_DT", "ROW_DT", "OK", "REFUSED"]
+           "KEY_BYTES", "split_job", "lanes_wanted", "REQUEST", "RESPONSE", "LANE", "KEY_DT", "ROW_DT", "OK",
+           "REFUSED"]
 
 log = logging.getLogger(__name__)
 
