@@ -9,7 +9,9 @@ One publisher process (rank 0 of 1, tcp mode) puts ``--gib`` of fp32 in 16 tenso
 lanes setting (``--lanes``, comma list) a fresh consumer process (started with
 ``ASTATE_STREAM_LANES`` set) pulls that version ``--pulls`` times into preallocated buffers; the
 settings alternate over ``--rounds`` rounds, as this machine's speed drifts. Reference in the same
-run: a gloo broadcast of the same bytes between 2 processes (sync_bench's).
+run: a gloo broadcast of the same bytes between 2 processes (peers.py's). ``--hosts 2``: publisher and
+etcd in one network namespace, the consumers (and gloo's receiver) in another, joined by a veth link
+(needs root and iproute2; peers.py's set-up).
 
 Keys: gbps{lanes: median over rounds of each consumer's median pull}, rounds[{lanes: gbps}],
 first_pull_seconds{lanes: median}, gloo_gbps, ratio_lanes (the default setting / 1 lane),
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import multiprocessing.spawn
 import os
 import statistics
 import sys
@@ -34,7 +37,7 @@ sys.path.insert(0, os.path.join(_HERE, ".."))
 
 import torch  # noqa: E402
 
-from astate_store.etcd_server import EmbeddedEtcd  # noqa: E402
+import peers  # noqa: E402
 
 CTX = mp.get_context("spawn")
 TENSORS = 16
@@ -83,13 +86,25 @@ def consumer(endpoint: str, ns: str, gib: float, pulls: int, out: Any) -> None:
         store.close()
 
 
-def run_consumer(endpoint: str, ns: str, gib: float, pulls: int, lanes: int) -> dict[str, Any]:
+def _start(target: Any, args: tuple[Any, ...], netns: str | None) -> Any:
+    """A spawned process running ``target(*args)``, inside ``netns`` when given (peers.py's way)."""
+    p = CTX.Process(target=target, args=args, daemon=True)
+    exe = mp.spawn.get_executable()
+    if netns is not None:
+        mp.spawn.set_executable(peers._netns_exec(netns))
+    try:
+        p.start()
+    finally:
+        mp.spawn.set_executable(exe)
+    return p
+
+
+def run_consumer(endpoint: str, ns: str, gib: float, pulls: int, lanes: int, netns: str | None) -> dict[str, Any]:
     out = CTX.Queue()
     old = os.environ.get("ASTATE_STREAM_LANES")
     os.environ["ASTATE_STREAM_LANES"] = str(lanes)  # a spawned child inherits the environment
     try:
-        p = CTX.Process(target=consumer, args=(endpoint, ns, gib, pulls, out), daemon=True)
-        p.start()
+        p = _start(consumer, (endpoint, ns, gib, pulls, out), netns)
     finally:
         if old is None:
             os.environ.pop("ASTATE_STREAM_LANES", None)
@@ -112,6 +127,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the settings, alternating")
     ap.add_argument("--lanes", default=None, help="comma list of lane settings (default: 1 and the default)")
     ap.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
+    ap.add_argument("--hosts", type=int, default=1, choices=[1, 2],
+                    help="2: publisher and consumers in two network namespaces over veth (root)")
     args = ap.parse_args()
     from astate_store.transport.stream import lanes_wanted
 
@@ -122,19 +139,18 @@ def main() -> None:
     settings = [int(x) for x in args.lanes.split(",")] if args.lanes else sorted({1, default})
     nbytes = _numel(args.gib) * 4 * TENSORS
     result: dict[str, Any] = {"bench": "stream_lanes", "bytes": nbytes, "cores": len(os.sched_getaffinity(0)),
-                              "lanes_default": default, "rounds": [], "verified": True}
-    with EmbeddedEtcd() as etcd:
+                              "hosts": args.hosts, "lanes_default": default, "rounds": [], "verified": True}
+    with peers.Hosts(args.hosts == 2) as hosts, peers.Etcd(hosts) as endpoint:
         ns = f"lanes-{os.getpid()}"
         ready, done = CTX.Queue(), CTX.Queue()
-        pub = CTX.Process(target=publisher, args=(etcd.endpoint, ns, args.gib, ready, done), daemon=True)
-        pub.start()
+        pub = _start(publisher, (endpoint, ns, args.gib, ready, done), hosts.a)
         try:
             ready.get(timeout=TIMEOUT)
             firsts: dict[int, list[float]] = {k: [] for k in settings}
             for _ in range(args.rounds):
                 row = {}
                 for k in settings:
-                    res = run_consumer(etcd.endpoint, ns, args.gib, args.pulls, k)
+                    res = run_consumer(endpoint, ns, args.gib, args.pulls, k, hosts.b)
                     row[str(k)] = round(nbytes / res["median"] / 1e9, 3)
                     firsts[k].append(res["first"])
                     result["verified"] = result["verified"] and res["verified"]
@@ -144,14 +160,12 @@ def main() -> None:
             pub.join(60)
             if pub.is_alive():
                 pub.kill()
+        gloo = None if args.no_gloo else peers.run_gloo(nbytes, 5, hosts)
     result["gbps"] = {str(k): round(statistics.median(r[str(k)] for r in result["rounds"]), 3) for k in settings}
     result["first_pull_seconds"] = {str(k): round(statistics.median(v), 3) for k, v in firsts.items()}
     if 1 in settings and default in settings:
         result["ratio_lanes"] = round(result["gbps"][str(default)] / result["gbps"]["1"], 3)
-    if not args.no_gloo:
-        import sync_bench
-
-        gloo = sync_bench.measure_gloo(nbytes, 5)
+    if gloo is not None:
         result["gloo_gbps"] = gloo.get("gbps")
         if gloo.get("gbps") and default in settings:
             result["ratio_gloo"] = round(result["gbps"][str(default)] / gloo["gbps"], 3)
