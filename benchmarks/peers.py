@@ -19,8 +19,9 @@ exactly those ranges into one preallocated flat buffer:
 * ``stream`` (tcp modes): the two-sided design bare: a trainer rank streams the source bytes of its
   reads in plan order to the rollout, which scatters them into their destinations (one thread per
   trainer rank), both through the store's socket loop (``stream.move_rows``: native ``sendmsg`` /
-  ``recvmsg``, 1,024 buffers a call); one request byte per pull. Our tcp path is this design inside the store (``transport/stream.py``: plan rows as the
-  request, keys and bounds checked), so ``ratio_stream`` is the store's overhead on it;
+  ``recvmsg``, 1,024 buffers a call); one request byte per pull. Our tcp path is this design inside
+  the store (``transport/stream.py``: plan rows as the request, keys and bounds checked), so
+  ``ratio_stream`` is the store's overhead on it;
 * ``memcpy``: torch ``copy_`` of the same number of bytes in one process (best of a few); also
   ``memcpy_streaming_gbps``, the same bytes through our copy loop with non-temporal stores;
 * ``gloo``: a torch.distributed gloo broadcast of the same number of bytes between 2 processes.

@@ -63,6 +63,11 @@ def tls_has_shm(tls: str) -> bool:
     return bool({"sm", "shm", "cma", "all"} & set(toks))
 
 
+def env_on(name: str) -> bool:
+    """A switch that is on unless the variable ``name`` says off (0, false, no, off)."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def direct_from_env() -> bool:
     """The same-host fast path's default: on unless ``ASTATE_SHM_DIRECT`` says off."""
-    return os.environ.get("ASTATE_SHM_DIRECT", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_on("ASTATE_SHM_DIRECT")

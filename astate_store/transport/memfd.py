@@ -41,6 +41,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .config import env_on
+
 __all__ = ["PeerMapping", "enabled", "fd_of", "map_peer_region", "preallocate", "shared_mapping"]
 
 log = logging.getLogger("astate_store")
@@ -67,7 +69,7 @@ def _forget(start: int, fd: int) -> None:
 def enabled() -> bool:
     """memfd staging is on unless ``ASTATE_MEMFD=0`` (then staging is anonymous memory, read
     by same-host consumers with process_vm_readv as before)."""
-    return os.environ.get("ASTATE_MEMFD", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_on("ASTATE_MEMFD")
 
 
 def shared_mapping(length: int, name: str = "astate-staging") -> mmap.mmap | None:

@@ -57,6 +57,7 @@ import numpy as np
 
 from ..errors import PeerUnreachable, TransportError
 from .binding import native
+from .config import env_on
 
 __all__ = ["StreamServer", "StreamReader", "Served", "Job", "new_key", "enabled", "parse_address", "move_all", "jobs_for",
            "KEY_BYTES", "split_job", "lanes_wanted", "REQUEST", "RESPONSE", "LANE", "KEY_DT", "ROW_DT", "OK",
@@ -73,7 +74,7 @@ KEY_DT = np.dtype([("region", "<u4"), ("key", f"S{KEY_BYTES}")])
 ROW_DT = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 MAX_ROWS = 1 << 18  # rows per request (5 MiB of request); a longer plan sends several
 MAX_KEYS = MAX_ROWS  # a request's rows name at most that many regions
-MAX_CONNECTIONS = 256  # open connections one server serves at once; more are closed at accept
+MAX_CONNECTIONS = 256  # open connections one server serves at once (see _EVICT_IDLE_S for a new one past it)
 _IOV = 1024  # buffers per sendmsg / recvmsg_into (Linux IOV_MAX)
 # A receiver is woken once this much has arrived (SO_RCVLOWAT, capped at what is still expected):
 # 256 KiB-1 MiB measured alike over loopback, 10-25% faster than a wake-up per segment.
@@ -103,7 +104,7 @@ def lanes_wanted() -> int:
     """Connections a pull aims for in all: ``ASTATE_STREAM_LANES``, else the cores (at most 8).
 
     Raises:
-        ValueError: the variable is set to something other than a positive integer.
+        ValueError: the variable is set to something other than an integer from 1 to 64.
     """
     raw = os.environ.get("ASTATE_STREAM_LANES", "").strip()
     if not raw:
@@ -116,7 +117,7 @@ def lanes_wanted() -> int:
 
 def enabled() -> bool:
     """Streamed reads on (default) unless ``ASTATE_STREAM=0``."""
-    return os.environ.get("ASTATE_STREAM", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_on("ASTATE_STREAM")
 
 
 def new_key() -> bytes:
@@ -158,10 +159,9 @@ def _segments(addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndar
     return addr[idx], np.add.reduceat(length, idx)
 
 
-def _slices(addr: np.ndarray, length: np.ndarray) -> list[memoryview]:
-    """Views of the merged rows: slices of one view over their whole span, or one view each where
-    the span is beyond what a view may cover."""
-    a, n = _segments(addr, length)
+def _slices(a: np.ndarray, n: np.ndarray) -> list[memoryview]:
+    """Views of rows (addresses ``a``, lengths ``n``): slices of one view over their whole span, or
+    one view each where the span is beyond what a view may cover."""
     lo, hi = int(a.min()), int((a + n).max())
     if hi - lo >= 1 << 62:
         return [_view(o, k) for o, k in zip(a.tolist(), n.tolist())]
@@ -194,7 +194,7 @@ def move_rows(sock: socket.socket, addr: np.ndarray, length: np.ndarray, send: b
     a, n = _segments(addr[keep], length[keep])
     if not len(a):
         return
-    if not _native_loop():
+    if not env_on("ASTATE_STREAM_NATIVE"):
         call = sock.sendmsg if send else (lambda b: sock.recvmsg_into(b)[0])
 
         def timed(b: list[memoryview]) -> int:
@@ -224,10 +224,6 @@ def _arm(sock: socket.socket, deadline: float | None) -> None:
     """The socket's timeout for its next call: the stall budget, never past ``deadline``."""
     left = _until(deadline)
     sock.settimeout(_STALL_S if left is None else min(_STALL_S, left))
-
-
-def _native_loop() -> bool:
-    return os.environ.get("ASTATE_STREAM_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _exact(sock: socket.socket, n: int) -> bytes:
@@ -488,8 +484,8 @@ class StreamReader:
     def _job(self, job: Job, deadline: float | None, lanes: int = 1) -> bool:
         """True: every byte of ``job`` landed; False: it goes another way (UCX redoes all of it).
         Over up to ``lanes`` connections, each at least ``_LANE_MIN`` bytes of the job."""
-        want = max(1, min(lanes, int(job.rows["length"].sum(dtype=np.uint64)) // _LANE_MIN))
-        conns = self._open_lanes(job, deadline, want)
+        nbytes = int(job.rows["length"].sum(dtype=np.uint64))
+        conns = self._open_lanes(job, deadline, max(1, min(lanes, nbytes // _LANE_MIN)))
         if not conns:
             return False
         parts = split_job(job, len(conns))
@@ -508,7 +504,7 @@ class StreamReader:
                 if sock is None or self._part(part, sock, pooled, deadline) is not True:
                     return False
         with self._lock:
-            self.bytes += int(job.rows["length"].sum(dtype=np.uint64))
+            self.bytes += nbytes
         return True
 
     def _open_lanes(self, job: Job, deadline: float | None, want: int) -> list[tuple[socket.socket, bool]]:
