@@ -61,7 +61,8 @@ def publisher(endpoint: str, ns: str, gib: float, ready: Any, done: Any) -> None
         store.close()
 
 
-def consumer(endpoint: str, ns: str, gib: float, pulls: int, out: Any) -> None:
+def consumer(endpoint: str, ns: str, gib: float, pulls: int, lanes: int, out: Any) -> None:
+    os.environ["ASTATE_STREAM_LANES"] = str(lanes)  # this process's setting, read when its transport starts
     from astate_store.store import Store
 
     store = Store(ns, endpoint=endpoint, transport="tcp", session_id=f"{ns}-sub-{os.getpid()}")
@@ -101,15 +102,7 @@ def _start(target: Any, args: tuple[Any, ...], netns: str | None) -> Any:
 
 def run_consumer(endpoint: str, ns: str, gib: float, pulls: int, lanes: int, netns: str | None) -> dict[str, Any]:
     out = CTX.Queue()
-    old = os.environ.get("ASTATE_STREAM_LANES")
-    os.environ["ASTATE_STREAM_LANES"] = str(lanes)  # a spawned child inherits the environment
-    try:
-        p = _start(consumer, (endpoint, ns, gib, pulls, out), netns)
-    finally:
-        if old is None:
-            os.environ.pop("ASTATE_STREAM_LANES", None)
-        else:
-            os.environ["ASTATE_STREAM_LANES"] = old
+    p = _start(consumer, (endpoint, ns, gib, pulls, lanes, out), netns)
     try:
         res = out.get(timeout=TIMEOUT)
     finally:
@@ -130,12 +123,9 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=1, choices=[1, 2],
                     help="2: publisher and consumers in two network namespaces over veth (root)")
     args = ap.parse_args()
-    from astate_store.transport.stream import lanes_wanted
+    from astate_store.transport.stream import default_lanes
 
-    saved = os.environ.pop("ASTATE_STREAM_LANES", None)
-    default = lanes_wanted()
-    if saved is not None:
-        os.environ["ASTATE_STREAM_LANES"] = saved
+    default = default_lanes()
     settings = [int(x) for x in args.lanes.split(",")] if args.lanes else sorted({1, default})
     nbytes = _numel(args.gib) * 4 * TENSORS
     result: dict[str, Any] = {"bench": "stream_lanes", "bytes": nbytes, "cores": len(os.sched_getaffinity(0)),

@@ -60,7 +60,7 @@ from .binding import native
 from .config import env_on
 
 __all__ = ["StreamServer", "StreamReader", "Served", "Job", "new_key", "enabled", "parse_address", "move_all", "jobs_for",
-           "KEY_BYTES", "split_job", "lanes_wanted", "REQUEST", "RESPONSE", "LANE", "KEY_DT", "ROW_DT", "OK",
+           "KEY_BYTES", "split_job", "lanes_wanted", "default_lanes", "REQUEST", "RESPONSE", "LANE", "KEY_DT", "ROW_DT", "OK",
            "REFUSED"]
 
 log = logging.getLogger(__name__)
@@ -100,16 +100,21 @@ _MAX_LANES_SET = 64  # the most ASTATE_STREAM_LANES may ask for (each lane is a 
 _EVICT_IDLE_S = 1.0
 
 
+def default_lanes() -> int:
+    """Connections a pull aims for when ``ASTATE_STREAM_LANES`` is not set: the cores, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(_MAX_LANES, cores))
+
+
 def lanes_wanted() -> int:
-    """Connections a pull aims for in all: ``ASTATE_STREAM_LANES``, else the cores (at most 8).
+    """Connections a pull aims for in all: ``ASTATE_STREAM_LANES``, else :func:`default_lanes`.
 
     Raises:
         ValueError: the variable is set to something other than an integer from 1 to 64.
     """
     raw = os.environ.get("ASTATE_STREAM_LANES", "").strip()
     if not raw:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, min(_MAX_LANES, cores))
+        return default_lanes()
     if not raw.isdigit() or not 1 <= int(raw) <= _MAX_LANES_SET:
         raise ValueError(f"ASTATE_STREAM_LANES must be an integer from 1 to {_MAX_LANES_SET}, got {raw!r}")
     return int(raw)
