@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m astate_store.demo
+	$(BIN)/python -m astate_store.cli.demo
 
 # Two workers: most tests wait on processes, etcd and sockets, so two cores run two at once.
 test: $(STAMP)

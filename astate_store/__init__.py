@@ -4,12 +4,16 @@
 the newest committed one into preallocated buffers of any layout.
 """
 
-from .errors import *  # noqa: F401,F403
-from .errors import __all__ as _errors_all
-from .layout import Shard
-from .metrics import PullStats, Stats
-from .store import Store, connect
-from .sessions_hub import SessionHub, connect_many
+from astate_store import _aliases
+
+_aliases.install(__name__)
+
+from astate_store.errors import *  # noqa: F401,F403
+from astate_store.errors import __all__ as _errors_all
+from astate_store.model.layout import Shard
+from astate_store.metrics import PullStats, Stats
+from astate_store.store import Store, connect
+from astate_store.hub import SessionHub, connect_many
 
 __version__ = "0.1.0"
 __all__ = ["connect", "connect_many", "SessionHub", "Store", "Shard", "Stats", "PullStats", *_errors_all]

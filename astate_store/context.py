@@ -18,10 +18,17 @@ from typing import Callable
 
 import torch
 
-from .catalog import Catalog
-from .metrics import StoreMetrics
-from .topology import AffinityChoice, AffinityConfig, affinity_for, alloc_on_node, apply_env, pinned
-from .transport import Transport, UcxTransport
+from astate_store.catalog import Catalog
+from astate_store.metrics import StoreMetrics
+from astate_store.transport.topology import (
+    AffinityChoice,
+    AffinityConfig,
+    affinity_for,
+    alloc_on_node,
+    apply_env,
+    pinned,
+)
+from astate_store.transport import Transport, UcxTransport
 
 __all__ = ["StoreOptions", "StoreContext", "sync_device"]
 

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .progress import Progress, ProgressCounter
+from astate_store.model.progress import Progress, ProgressCounter
 
 __all__ = ["PHASES", "PULL_OUTCOMES", "PUT_MODES", "BUCKETS", "PullStats", "Stats", "PullTimes", "StoreMetrics",
            "REGISTRY", "register", "serve", "served_port"]

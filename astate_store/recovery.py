@@ -12,14 +12,14 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Mapping
 
-from . import checkpoint as ckpt
-from .catalog import CheckpointEntry
-from .catalog.agreement import RecoveryPlan
-from .context import StoreContext
-from .errors import CheckpointError, CheckpointNotFound, RecoveryError, VersionNotFound
-from .layout import TensorLike, group_layouts
-from .publisher import Publisher
-from .progress import Progress
+from astate_store import checkpoint as ckpt
+from astate_store.catalog import CheckpointEntry
+from astate_store.catalog.agreement import RecoveryPlan
+from astate_store.context import StoreContext
+from astate_store.errors import CheckpointError, CheckpointNotFound, RecoveryError, VersionNotFound
+from astate_store.model.layout import TensorLike, group_layouts
+from astate_store.put.publisher import Publisher
+from astate_store.model.progress import Progress
 
 __all__ = ["Recovery"]
 

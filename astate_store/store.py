@@ -15,25 +15,26 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from .catalog import Catalog
-from .catalog.config import EtcdConfig
-from .context import StoreContext, StoreOptions, TransportFactory
-from . import kv, metrics
-from .consumer import Consumer
-from .conversion import Converter
-from .etcd_server import shared_endpoint
-from .errors import LayoutError
-from .layout import TensorLike, check_step
-from .metrics import Stats
-from .progress import Progress
-from .publisher import Publisher
-from .recovery import Recovery
-from .registry import Registry
-from .serving import Serving
-from .state_dict import NonTensors, StateDictConverter, normalize
-from .topology import AffinityChoice, AffinityConfig
-from .usermeta import decode_meta, encode_meta
-from .transport import Transport
+from astate_store.catalog import Catalog
+from astate_store.catalog.config import EtcdConfig
+from astate_store.context import StoreContext, StoreOptions, TransportFactory
+from astate_store.get import kv
+from astate_store import metrics
+from astate_store.get.consumer import Consumer
+from astate_store.get.conversion import Converter
+from astate_store.etcd.supervisor import shared_endpoint
+from astate_store.errors import LayoutError
+from astate_store.model.layout import TensorLike, check_step
+from astate_store.metrics import Stats
+from astate_store.model.progress import Progress
+from astate_store.put.publisher import Publisher
+from astate_store.recovery import Recovery
+from astate_store.put.registry import Registry
+from astate_store.put.serving import Serving
+from astate_store.model.state_dict import NonTensors, StateDictConverter, normalize
+from astate_store.transport.topology import AffinityChoice, AffinityConfig
+from astate_store.model.usermeta import decode_meta, encode_meta
+from astate_store.transport import Transport
 
 if TYPE_CHECKING:
     import torch
@@ -125,7 +126,7 @@ class Store:
         read_timeout: seconds one batched pull may take before ``PeerUnreachable``.
         retire_timeout: seconds a publisher waits for readers before reusing memory.
         window: outstanding UCX requests per pull.
-        affinity: NUMA/NIC affinity (:class:`~astate_store.topology.AffinityConfig`); None reads
+        affinity: NUMA/NIC affinity (:class:`~astate_store.transport.topology.AffinityConfig`); None reads
             ``ASTATE_AFFINITY`` / ``ASTATE_NUMA_NODE``; False turns it off.
         prepack: consumers ask publishers for contiguous copies of pieces they would otherwise read
             as many small runs (the planner's cost model decides), and publishers build them in
@@ -312,7 +313,7 @@ class Store:
     def delete(self, step: int) -> None:
         """Drop committed version ``step`` from the catalog now (as retention would later):
         consumers no longer find it; publishers reuse its staging as usual. The newest step
-        cannot be deleted alone: use :func:`astate_store.admin.delete_namespace`.
+        cannot be deleted alone: use :func:`astate_store.catalog.namespaces.delete_namespace`.
 
         Raises:
             VersionNotFound: ``step`` is not committed. CatalogError: it is the newest.
@@ -349,7 +350,7 @@ class Store:
                 each pull is still bounded by ``read_timeout``).
             non_tensors: as in :meth:`put`.
             progress: ``progress(done_bytes, total_bytes)`` as the pull's batches complete (for
-                the first pull of a big model; :mod:`astate_store.progress`). With it, the batched
+                the first pull of a big model; :mod:`astate_store.model.progress`). With it, the batched
                 reads go in parts of 64 MiB.
 
         Returns:
@@ -385,7 +386,7 @@ class Store:
 
     def keys(self, step: int | None = None) -> "dict[str, kv.KeyInfo]":
         """What committed version ``step`` holds (the newest when None; ``{}`` before the first
-        commit): name -> :class:`~astate_store.kv.KeyInfo` (``global_shape``, ``dtype``,
+        commit): name -> :class:`~astate_store.get.kv.KeyInfo` (``global_shape``, ``dtype``,
         ``nbytes``), read from the version's manifests — so it works after its writer is gone.
 
         Raises:
@@ -427,7 +428,7 @@ class Store:
             asynchronous: snapshot the shards and write in a background thread; returns a
                 ``concurrent.futures.Future`` of the same result instead of waiting.
             progress: ``progress(done_bytes, total_bytes)`` as this rank's part is written
-                (:mod:`astate_store.progress`).
+                (:mod:`astate_store.model.progress`).
 
         Returns:
             True if the checkpoint is complete after this call (it is then in the catalog).
@@ -441,7 +442,7 @@ class Store:
                 progress: Progress | None = None, non_tensors: NonTensors = "error") -> int:
         """Fill preallocated buffers of any layout from a checkpoint: ``uri`` (newest complete step
         there, or ``step``), else the newest complete checkpoint the catalog knows. ``progress``:
-        ``progress(done_bytes, total_bytes)`` as bytes are copied (:mod:`astate_store.progress`).
+        ``progress(done_bytes, total_bytes)`` as bytes are copied (:mod:`astate_store.model.progress`).
 
         Raises:
             CheckpointNotFound: no complete checkpoint; CheckpointCorrupted: checksum or file errors;

@@ -1,4 +1,4 @@
-"""Worker processes and shared pieces of ``benchmarks/fault_suite.py`` (and ``tests/test_faults.py``).
+"""Worker processes and shared pieces of ``benchmarks/fault_suite.py`` (and ``tests/faults/test_faults.py``).
 
 Two halves:
 
@@ -460,7 +460,7 @@ def op_catalog_view(state: dict[str, Any], key: str, steps: Sequence[int] = ()) 
 
 def op_etcd_start(state: dict[str, Any], host: str) -> dict[str, Any]:
     """Run an embedded etcd in this actor (inside a network namespace: on that host's address)."""
-    from astate_store.etcd_server import EmbeddedEtcd
+    from astate_store.etcd.embedded import EmbeddedEtcd
 
     state["etcd"] = EmbeddedEtcd(host=host).start()
     return {"endpoint": state["etcd"].endpoint}
@@ -617,7 +617,7 @@ GARBAGE = b"\xc1\xff\x00 not a record \x93"
 
 def _bad_record(name: str, pub: Any, con: Any, step: int) -> list[tuple[Any, bytes]]:
     """(key, value) pairs to write for hostile record ``name`` after ``step`` committed."""
-    from astate_store import codec
+    from astate_store.model import codec
     from astate_store.catalog.blobs import blob_requests
     from astate_store.catalog.records import pad20
 
@@ -989,7 +989,7 @@ def _pub_track(other: list[Any], endpoint: str, ns: str, rank: int, world: int, 
 
 
 def _fuzz_targets() -> tuple[str, ...]:
-    from astate_store import codec
+    from astate_store.model import codec
 
     return tuple(f"codec:{k}" for k in codec.KINDS) + ("counter", "blob_from_kvs", "manifest_from_record",
                                                       "layout_from_record", "version_from_kvs")
@@ -1053,7 +1053,7 @@ def _record_bytes(kind: str, st: Any) -> Any:
     replaced, a wrong schema tag, truncated, bit-flipped, with trailing bytes, or random."""
     import msgpack
 
-    from astate_store import codec
+    from astate_store.model import codec
 
     sch = codec.schema_of(kind)
     rec = _schema_strategy(sch, sch.get("$defs", {}), st)
@@ -1131,9 +1131,9 @@ def _fuzz_call(target: str, data: Any, st: Any) -> Callable[[], Any]:
     """The decoder call for one drawn example (``data`` is hypothesis' interactive draw)."""
     import msgpack
 
-    from astate_store import codec
+    from astate_store.model import codec
     from astate_store.catalog import blobs, records
-    from astate_store.layout import Box, ShardRecord
+    from astate_store.model.layout import Box, ShardRecord
 
     if target.startswith("codec:"):
         kind = target.split(":", 1)[1]
@@ -1592,7 +1592,7 @@ class EtcdProcess:
     """One etcd on 127.0.0.1 that keeps its data dir and ports across restarts."""
 
     def __init__(self, base: str):
-        from astate_store.etcd_server import find_etcd_binary
+        from astate_store.etcd.embedded import find_etcd_binary
 
         self.binary = find_etcd_binary()
         self.dir = tempfile.mkdtemp(prefix="etcd-", dir=base)

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": "torch sees no CUDA device (torch.cuda.is_available() is False)",
                           "torch": torch.__version__, "torch_cuda": torch.version.cuda}), flush=True)
         return 2
-    from astate_store.etcd_server import EmbeddedEtcd
+    from astate_store.etcd.embedded import EmbeddedEtcd
 
     numel = int(args.gib * 2**30 / 4 / args.tensors)
     nbytes = numel * 4 * args.tensors

@@ -60,7 +60,7 @@ def _aligned(n: int) -> int:
 
 def build_work(gib: float) -> Work:
     """The sync_bench layout and the reads our planner makes for it (pure; no etcd, no transport)."""
-    from astate_store.layout import Box, ShardRecord, contiguous_strides, group_layouts
+    from astate_store.model.layout import Box, ShardRecord, contiguous_strides, group_layouts
     from astate_store.plan import plan_consumer
 
     spec = W.transformer_spec(gib)
@@ -484,7 +484,7 @@ def entry(fn: str, out: Any, *args: Any) -> None:
 
 def etcd_main(host: str, out: Any, stop: Any) -> None:
     """An embedded etcd bound to ``host`` (inside a namespace: the two-host case)."""
-    from astate_store.etcd_server import EmbeddedEtcd
+    from astate_store.etcd.embedded import EmbeddedEtcd
 
     try:
         with EmbeddedEtcd(host=host) as e:

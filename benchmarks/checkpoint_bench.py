@@ -34,7 +34,7 @@ import pyarrow.fs as pafs
 import torch
 
 from astate_store import checkpoint as ck
-from astate_store.layout import Shard
+from astate_store.model.layout import Shard
 
 
 def _interleave(cases: dict, reps: int, out: dict) -> None:

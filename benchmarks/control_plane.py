@@ -96,7 +96,7 @@ def _tensors(spec: Spec, rank: int, ranks: int, *, consumer: bool) -> dict[str, 
     import torch
 
     from astate_store import Shard
-    from astate_store.layout import torch_dtype
+    from astate_store.model.layout import torch_dtype
 
     out: dict[str, Any] = {}
     for name, shape, dt, expert in spec:
@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=61, help="DeepSeek-V3 layers (61; fewer for a quick run)")
     args = ap.parse_args()
 
-    from astate_store.etcd_server import EmbeddedEtcd
+    from astate_store.etcd.embedded import EmbeddedEtcd
 
     ns = f"cp-{os.getpid()}"
     with EmbeddedEtcd() as etcd:

@@ -247,7 +247,7 @@ class Suite:
         self.rng = random.Random(self.seed)
         self._etcd: Any = None
         if endpoint is None:
-            from astate_store.etcd_server import EmbeddedEtcd
+            from astate_store.etcd.embedded import EmbeddedEtcd
 
             self._etcd = EmbeddedEtcd(data_dir=os.path.join(self.tmp, "etcd")).start()
             endpoint = self._etcd.endpoint
@@ -478,7 +478,7 @@ def case_etcd_restart(suite: Suite, entry: Entry) -> None:
 def case_etcd_member_loss(suite: Suite, entry: Entry) -> None:
     """A 3-member etcd cluster loses one member (SIGKILL) mid-run: the one the publisher talks
     to, the consumer's, or another; the survivors carry on with no committed version lost."""
-    from astate_store.etcd_server import EtcdCluster
+    from tests.support.etcd_cluster import EtcdCluster
 
     for i in range(suite.trials):
         def run(t: Trial) -> None:

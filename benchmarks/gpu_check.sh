@@ -77,7 +77,7 @@ TESTS_TAIL='""'
 if [ "$SKIP_TESTS" = 0 ]; then
   T0=$(date +%s)
   LOG="$(mktemp)"
-  timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$LOG" 2>&1
+  timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider tests/transport/test_cuda.py >"$LOG" 2>&1
   TESTS_RC=$?
   TESTS_S=$(( $(date +%s) - T0 ))
   TESTS_TAIL="$(tail -3 "$LOG" | json_str)"

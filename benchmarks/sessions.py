@@ -187,13 +187,13 @@ def main() -> None:
         return reader(args)
     etcd_server = None
     if args.etcd is None:
-        from astate_store.etcd_server import EmbeddedEtcd
+        from astate_store.etcd.embedded import EmbeddedEtcd
         etcd_server = EmbeddedEtcd().start()
         args.etcd = etcd_server.endpoint
     args.prefix = args.prefix or f"bench{uuid.uuid4().hex[:6]}-"
     procs: list[subprocess.Popen[str]] = []
     try:
-        server = subprocess.Popen([sys.executable, "-m", "astate_store.replica_server", "--etcd", args.etcd,
+        server = subprocess.Popen([sys.executable, "-m", "astate_store.servers.replica", "--etcd", args.etcd,
                                    "--namespace-prefix", args.prefix + "r", "--memory-bytes", args.memory_bytes,
                                    "--lease-ttl", str(args.lease_ttl)], env=_server_env(args))
         procs.append(server)

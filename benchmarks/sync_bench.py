@@ -65,7 +65,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import _sync_workers as W  # noqa: E402
-from astate_store.etcd_server import EmbeddedEtcd  # noqa: E402
+from astate_store.etcd.embedded import EmbeddedEtcd  # noqa: E402
 
 CTX = mp.get_context("spawn")
 TIMEOUT = 300.0

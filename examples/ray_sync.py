@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--num-cpus", type=int, default=4)
     ap.add_argument("--tied", action="store_true", help="tie lm_head to the embedding")
     a = ap.parse_args(argv)
-    from astate_store.etcd_server import EmbeddedEtcd
+    from astate_store.etcd.embedded import EmbeddedEtcd
 
     etcd = None if a.etcd else EmbeddedEtcd().start()
     endpoint = a.etcd or etcd.endpoint  # type: ignore[union-attr]

@@ -7,7 +7,7 @@
 - Rollout "plain": the unsharded HF model; ``store.get_into(model.state_dict())`` fills its parameters in
   place, then it ``generate``s.
 - Rollout "fused": the parameters held the way vLLM holds them (``qkv_proj`` = [q | k | v],
-  ``gate_up_proj`` = [gate | up]); the HF names are views into those (``astate_store.presets``), so the
+  ``gate_up_proj`` = [gate | up]); the HF names are views into those (``astate_store.integrations.presets``), so the
   bytes land in the fused tensors with no conversion copy. Its forward runs the HF layers on views of the
   fused tensors (no copy either way).
 - Verification, each step: every rollout sends its logits on a fixed prompt back through the store (the
@@ -295,13 +295,13 @@ class FusedLlama:
     ``MergedColumnParallelLinear``, here at TP=1), the rest under their HF names.
 
     ``params`` is that engine-side state dict, allocated from the preset's engine shapes; the store
-    fills it through the HF-named views :func:`astate_store.presets.views` makes. The forward runs
+    fills it through the HF-named views :func:`astate_store.integrations.presets.views` makes. The forward runs
     HF's layers with their q/k/v/gate/up weights replaced by views into the fused tensors (no copy),
     so what is computed is exactly what landed in the fused memory.
     """
 
     def __init__(self, o: LoopOptions, seed: int):
-        from astate_store import presets
+        from astate_store.integrations import presets
 
         self.model = make_model(o, seed)
         self.config = self.model.config
@@ -334,7 +334,7 @@ class FusedLlama:
 
     def hf_views(self) -> dict[str, Any]:
         """HF name -> where that tensor lives in this engine's parameters."""
-        from astate_store import presets
+        from astate_store.integrations import presets
 
         views = presets.views("llama", self.params, self.config)
         # Tied: the engine holds the embedding once and the preset maps it once (the trainer
@@ -531,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main_all(o: LoopOptions) -> int:
-    from astate_store.etcd_server import EmbeddedEtcd
+    from astate_store.etcd.embedded import EmbeddedEtcd
 
     etcd = None if o.etcd else EmbeddedEtcd().start()
     try:

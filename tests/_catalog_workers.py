@@ -6,7 +6,7 @@ import os
 import time
 
 from astate_store.catalog import Catalog
-from astate_store.layout import Box, ShardRecord
+from astate_store.model.layout import Box, ShardRecord
 
 
 def row_shard(rank: int, world: int, rows: int = 8, cols: int = 4) -> ShardRecord:

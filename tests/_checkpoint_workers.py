@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ._store_workers import split, whole  # noqa: F401  (shared split helpers)
+from tests._store_workers import split, whole  # noqa: F401  (shared split helpers)
 
 BoxT = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -99,7 +99,7 @@ def pause_at(root: str, step: int, world: int, point: str, big_mib: int, checksu
     many chunks, so "data_started" is genuinely mid-file. ``conn``: this child's own pipe (a shared
     Queue's write lock could be left held by a killed child)."""
     from astate_store import checkpoint as ck
-    from astate_store.layout import Box, ShardRecord, contiguous_strides
+    from astate_store.model.layout import Box, ShardRecord, contiguous_strides
 
     def hook(p: str) -> None:
         if p == point:

@@ -23,7 +23,7 @@ def _weights(step: int) -> dict[str, torch.Tensor]:
 def main() -> None:
     role = sys.argv[1]
     if role == "etcd":
-        from astate_store.etcd_server import EmbeddedEtcd
+        from astate_store.etcd.embedded import EmbeddedEtcd
 
         with EmbeddedEtcd(host=sys.argv[2]) as e:
             _emit(endpoint=e.endpoint)

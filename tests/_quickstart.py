@@ -7,7 +7,7 @@ tensor for step 1 and pull the whole tensor. Then the rank that started the embe
 other waits until that process is gone, pulls its block of step 1 again, publishes step 2 on its own
 (a new session of one rank), pulls it, and checks every byte.
 
-Environment (set by tests/test_embedded_etcd.py): ``ASTATE_HOME`` (rendezvous dir), ``QS_OUT``
+Environment (set by tests/etcd/test_embedded_etcd.py): ``ASTATE_HOME`` (rendezvous dir), ``QS_OUT``
 (where each rank writes ``result-<rank>.json`` and its barrier files), ``QS_STARTER`` (the rank that
 connects first, so it is the one that starts the embedded etcd).
 """

@@ -41,7 +41,7 @@ def trainer(endpoint: str, ns: str, rank: int, port: int, uri: str, ref: str, ou
         from torch.distributed.fsdp import fully_shard
 
         from astate_store.store import Store
-        from astate_store.usermeta import rng_state
+        from astate_store.model.usermeta import rng_state
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         model = make_model()
@@ -57,7 +57,7 @@ def trainer(endpoint: str, ns: str, rank: int, port: int, uri: str, ref: str, ou
             store.checkpoint(2, uri)
             tensors, _ = full_training_state(model, optim)
             # The reference: every tensor whole, gathered by torch itself, and the next draw.
-            from astate_store.state_dict import flatten_state_dict
+            from astate_store.model.state_dict import flatten_state_dict
             full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
                     for k, v in flatten_state_dict(tensors).items()}
             if rank == 0:

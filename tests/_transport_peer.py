@@ -1,4 +1,4 @@
-"""Child-process entry point for tests/test_transport.py: a publisher that serves reads.
+"""Child-process entry point for tests/transport/test_transport.py: a publisher that serves reads.
 
 Runs in a ``spawn``ed process: registers tensors with known contents, sends its
 descriptor through the pipe and then answers commands until told to exit. The
@@ -23,7 +23,7 @@ def pattern(nbytes: int, seed: int = 0) -> np.ndarray:
 def _tensor(n: int, seed: int, memfd: bool) -> torch.Tensor:
     if not memfd:
         return torch.from_numpy(pattern(n, seed=seed).copy())
-    from astate_store.topology import alloc_on_node
+    from astate_store.transport.topology import alloc_on_node
 
     x = alloc_on_node(n, None, shared=True)  # what a publisher's snapshot pool allocates
     x.copy_(torch.from_numpy(pattern(n, seed=seed)))

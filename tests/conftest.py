@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import pytest
 
 from astate_store.catalog import Catalog
-from astate_store.etcd_server import EmbeddedEtcd
+from astate_store.etcd.embedded import EmbeddedEtcd
 
 
 @pytest.fixture(scope="session")

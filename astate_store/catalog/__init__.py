@@ -45,25 +45,17 @@ import logging
 import re
 from typing import Any
 
-from ..errors import CatalogError
-from .agreement import RecoveryAgreement
-from .checkpoints import CheckpointIndex
-from .client import EtcdClient
-from .config import EtcdConfig
-from .consumers import Consumers
-from .readers import Readers
-from .records import (
-    CheckpointEntry,
-    Layout,
-    Piece,
-    Replica,
-    Session,
-    Version,
-    Manifest,
-)
-from .replicas import Replicas
-from .sessions import Sessions
-from .versions import Versions
+from astate_store.errors import CatalogError
+from astate_store.catalog.agreement import RecoveryAgreement
+from astate_store.catalog.checkpoints import CheckpointIndex
+from astate_store.catalog.client import EtcdClient
+from astate_store.catalog.config import EtcdConfig
+from astate_store.catalog.consumers import Consumers
+from astate_store.catalog.readers import Readers
+from astate_store.catalog.records import CheckpointEntry, Layout, Piece, Replica, Session, Version, Manifest
+from astate_store.catalog.replicas import Replicas
+from astate_store.catalog.sessions import Sessions
+from astate_store.catalog.versions import Versions
 
 log = logging.getLogger("astate_store.catalog")
 

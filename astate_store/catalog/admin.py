@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, TypeVar
 
-from .. import codec
-from ..errors import CatalogError, CatalogUnavailable, CodecError, VersionNotFound
-from ..layout import itemsize
-from . import Catalog
-from .client import EtcdClient, range_end
-from .records import Manifest, Skips, Version, pad20, parse_pad20
+from astate_store.model import codec
+from astate_store.errors import CatalogError, CatalogUnavailable, CodecError, VersionNotFound
+from astate_store.model.layout import itemsize
+from astate_store.catalog import Catalog
+from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.catalog.records import Manifest, Skips, Version, pad20, parse_pad20
 
 __all__ = ["NamespaceSummary", "list_namespaces", "summarize", "inspect", "commit_time", "readers_of",
            "describe_event", "ROOT"]

@@ -24,11 +24,11 @@ from typing import Any, Mapping, Sequence
 
 from pyetcd import transactions as tx
 
-from .. import codec
-from ..errors import CodecError
-from .client import EtcdClient
-from .records import Skips, counter_value, pad20, parse_pad20
-from .sessions import Sessions
+from astate_store.model import codec
+from astate_store.errors import CodecError
+from astate_store.catalog.client import EtcdClient
+from astate_store.catalog.records import Skips, counter_value, pad20, parse_pad20
+from astate_store.catalog.sessions import Sessions
 
 __all__ = ["RecoveryAgreement", "RecoveryPlan", "RecoveryOutcome", "ACTIONS", "TERMINAL"]
 

@@ -11,7 +11,7 @@ import logging
 import threading
 from typing import Callable
 
-from .client import background_thread
+from astate_store.catalog.client import background_thread
 
 __all__ = ["Runner", "Job", "own_job"]
 

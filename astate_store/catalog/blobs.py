@@ -17,8 +17,8 @@ from typing import Any, Iterable, Sequence
 import xxhash
 from pyetcd import transactions as tx
 
-from .. import codec
-from ..errors import CodecError
+from astate_store.model import codec
+from astate_store.errors import CodecError
 
 __all__ = ["CHUNK_BYTES", "blob_requests", "blob_from_kvs", "blob_range"]
 
@@ -56,7 +56,7 @@ def blob_requests(key: str, data: bytes, lease: int | None = None) -> tuple[list
 
 def blob_range(key: str) -> tuple[str, bytes]:
     """The range (start, end) that holds a blob's head and its chunks, for one range read."""
-    from .client import range_end
+    from astate_store.catalog.client import range_end
 
     return key, range_end(key)
 

@@ -5,9 +5,9 @@ Only the index lives here; writing and restoring checkpoints is :mod:`astate_sto
 
 from __future__ import annotations
 
-from .. import codec
-from .client import EtcdClient
-from .records import CheckpointEntry, Skips, numbered_records, pad20
+from astate_store.model import codec
+from astate_store.catalog.client import EtcdClient
+from astate_store.catalog.records import CheckpointEntry, Skips, numbered_records, pad20
 
 __all__ = ["CheckpointIndex"]
 

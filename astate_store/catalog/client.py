@@ -20,9 +20,9 @@ import pyetcd.exceptions as etcd_exc
 import pyetcd.watch as etcd_watch
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
-from .. import codec
-from ..errors import CatalogAuthError, CatalogError, CatalogRejected, CatalogUnavailable
-from .config import EtcdConfig, option
+from astate_store.model import codec
+from astate_store.errors import CatalogAuthError, CatalogError, CatalogRejected, CatalogUnavailable
+from astate_store.catalog.config import EtcdConfig, option
 
 __all__ = ["EtcdClient", "RETRYABLE", "range_end"]
 
@@ -443,7 +443,7 @@ class EtcdClient:
                         f"without credentials: set {creds}")
             return (f"etcd at {self.endpoint} denied {what} to user {user!r} ({kind}: permission denied): its "
                     f"roles do not grant {'read' if kind == 'watch' else 'this'} access to {self.prefix}; an "
-                    f"admin can run astate_store.security.grant_namespace(admin, {self.namespace!r}, {user!r}, "
+                    f"admin can run astate_store.etcd.security.grant_namespace(admin, {self.namespace!r}, {user!r}, "
                     f"password) (read_only=True for a consumer), or use {option('etcd_user')} of a user "
                     "who has such a role")
         if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.INVALID_ARGUMENT and (

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from ..errors import CatalogError
+from astate_store.errors import CatalogError
 
 __all__ = ["EtcdConfig", "ENV_ENDPOINT", "ENV_CA", "ENV_CERT", "ENV_KEY", "ENV_USER", "ENV_PASSWORD"]
 

@@ -11,11 +11,11 @@ import logging
 import threading
 from typing import Any, Sequence
 
-from .. import codec
-from ..errors import CodecError
-from ..layout import Box
-from .client import EtcdClient, range_end
-from .records import Skips
+from astate_store.model import codec
+from astate_store.errors import CodecError
+from astate_store.model.layout import Box
+from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.catalog.records import Skips
 
 __all__ = ["Consumers"]
 

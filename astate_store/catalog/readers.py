@@ -16,12 +16,12 @@ from typing import Any, Iterable
 
 from pyetcd import transactions as tx
 
-from .. import codec
-from ..errors import CodecError, VersionNotFound
-from .client import EtcdClient, range_end
-from .consumers import Consumers
-from .records import Skips, Version, pad20, version_from_kvs
-from .sessions import Sessions
+from astate_store.model import codec
+from astate_store.errors import CodecError, VersionNotFound
+from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.catalog.consumers import Consumers
+from astate_store.catalog.records import Skips, Version, pad20, version_from_kvs
+from astate_store.catalog.sessions import Sessions
 
 __all__ = ["Readers", "replica_source"]
 

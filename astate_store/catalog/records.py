@@ -17,9 +17,17 @@ from typing import Iterator, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .. import codec
-from ..errors import CatalogCorrupted, CodecError, LayoutError, VersionNotFound
-from ..layout import DTYPES, Box, GCPaused, ShardColumns, ShardRecord, _frozen, contiguous_strides
+from astate_store.model import codec
+from astate_store.errors import CatalogCorrupted, CodecError, LayoutError, VersionNotFound
+from astate_store.model.layout import (
+    DTYPES,
+    Box,
+    GCPaused,
+    ShardColumns,
+    ShardRecord,
+    _frozen,
+    contiguous_strides,
+)
 
 __all__ = ["Session", "Layout", "Piece", "Replica", "Version", "CheckpointEntry", "Manifest", "DTYPE_TABLE",
            "manifest_record", "manifest_from_record", "layout_record", "layout_from_record", "pad20",

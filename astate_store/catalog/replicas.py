@@ -15,13 +15,13 @@ from typing import Sequence
 
 from pyetcd import transactions as tx
 
-from .. import codec
-from ..errors import CodecError, ReplicationTimeout, VersionNotFound
-from ..layout import ShardRecord
-from .blobs import blob_requests
-from .client import EtcdClient, range_end
-from .readers import Readers, replica_source
-from .records import layout_record, manifest_record, pad20
+from astate_store.model import codec
+from astate_store.errors import CodecError, ReplicationTimeout, VersionNotFound
+from astate_store.model.layout import ShardRecord
+from astate_store.catalog.blobs import blob_requests
+from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.catalog.readers import Readers, replica_source
+from astate_store.catalog.records import layout_record, manifest_record, pad20
 
 __all__ = ["Replicas", "SERVER_GROUP", "server_group"]
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from pyetcd import transactions as tx
 
-from .. import codec
-from ..errors import CatalogCorrupted, CatalogError, CodecError, StaleSessionError, WaitTimeout
-from .client import EtcdClient
-from .records import Session, Skips, numbered_records, pad20
+from astate_store.model import codec
+from astate_store.errors import CatalogCorrupted, CatalogError, CodecError, StaleSessionError, WaitTimeout
+from astate_store.catalog.client import EtcdClient
+from astate_store.catalog.records import Session, Skips, numbered_records, pad20
 
 __all__ = ["Sessions", "read_counter"]
 

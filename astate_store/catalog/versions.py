@@ -22,13 +22,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 from pyetcd import transactions as tx
 
-from .. import codec
-from ..errors import CatalogCorrupted, CatalogError, CodecError, StaleStepError, VersionNotFound, WaitTimeout
-from ..layout import ShardRecord, check_step
-from .background import own_job
-from .blobs import blob_from_kvs, blob_requests
-from .client import EtcdClient, range_end
-from .records import (
+from astate_store.model import codec
+from astate_store.errors import (
+    CatalogCorrupted,
+    CatalogError,
+    CodecError,
+    StaleStepError,
+    VersionNotFound,
+    WaitTimeout,
+)
+from astate_store.model.layout import ShardRecord, check_step
+from astate_store.catalog.background import own_job
+from astate_store.catalog.blobs import blob_from_kvs, blob_requests
+from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.catalog.records import (
     Layout,
     Manifest,
     Skips,
@@ -42,7 +49,7 @@ from .records import (
     parse_pad20,
     version_from_kvs,
 )
-from .sessions import Sessions, read_counter
+from astate_store.catalog.sessions import Sessions, read_counter
 
 __all__ = ["Versions"]
 

@@ -31,15 +31,21 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .async_writer import AsyncCheckpointer
-from .checksum import CHECKSUMS, DEFAULT_CHECKSUM
-from .commit import try_commit
-from .format import ALIGN, BLOCK_SIZE, COMMIT_NAME, FORMAT, MANIFEST_SCHEMA  # noqa: F401  (COMMIT_NAME: as before)
-from .index import CheckpointInfo, checkpoint_info, list_checkpoints, read_manifest, read_meta
-from .restore import restore
-from .storage import URI  # noqa: F401  (the uri type, importable as before)
-from .verify import VerifyResult, verify
-from .writer import PartInfo, local_shards, owned_shards, write_part
+from astate_store.checkpoint.async_writer import AsyncCheckpointer
+from astate_store.checkpoint.checksum import CHECKSUMS, DEFAULT_CHECKSUM
+from astate_store.checkpoint.commit import try_commit
+from astate_store.checkpoint.format import ALIGN, BLOCK_SIZE, COMMIT_NAME, FORMAT, MANIFEST_SCHEMA  # noqa: F401  (COMMIT_NAME: as before)
+from astate_store.checkpoint.index import (
+    CheckpointInfo,
+    checkpoint_info,
+    list_checkpoints,
+    read_manifest,
+    read_meta,
+)
+from astate_store.checkpoint.restore import restore
+from astate_store.checkpoint.storage import URI  # noqa: F401  (the uri type, importable as before)
+from astate_store.checkpoint.verify import VerifyResult, verify
+from astate_store.checkpoint.writer import PartInfo, local_shards, owned_shards, write_part
 
 __all__ = [
     "FORMAT",

@@ -13,15 +13,23 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from ..errors import CheckpointError
-from ..layout import ShardRecord, TensorLayout
-from ..progress import Progress, ProgressCounter
-from .checksum import check_block_size, checksum_algo
-from .commit import try_commit
-from .format import BLOCK_SIZE
-from .storage import URI, resolve
-from .writer import WRITE_CHUNK, PartInfo, PartTarget, check_part_args, file_layout, owned_shards, \
-    validate_shards, write_part_files
+from astate_store.errors import CheckpointError
+from astate_store.model.layout import ShardRecord, TensorLayout
+from astate_store.model.progress import Progress, ProgressCounter
+from astate_store.checkpoint.checksum import check_block_size, checksum_algo
+from astate_store.checkpoint.commit import try_commit
+from astate_store.checkpoint.format import BLOCK_SIZE
+from astate_store.checkpoint.storage import URI, resolve
+from astate_store.checkpoint.writer import (
+    WRITE_CHUNK,
+    PartInfo,
+    PartTarget,
+    check_part_args,
+    file_layout,
+    owned_shards,
+    validate_shards,
+    write_part_files,
+)
 
 __all__ = ["AsyncCheckpointer"]
 

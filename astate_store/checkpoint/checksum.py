@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..errors import CheckpointError
-from .format import ALIGN
+from astate_store.errors import CheckpointError
+from astate_store.checkpoint.format import ALIGN
 
 __all__ = ["Checksum", "Crc32", "Xxh3", "CHECKSUMS", "DEFAULT_CHECKSUM", "checksum_algo", "check_block_size",
            "BlockSums"]

@@ -16,13 +16,21 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..errors import CheckpointCorrupted, CheckpointError, LayoutError
-from ..layout import TensorLayout, check_step, group_layouts
-from .format import COMMIT_NAME, DATA_RE, FORMAT, manifest_name, manifest_records, parquet_bytes, parquet_meta, \
-    part_name
-from .index import is_committed
-from .storage import URI, Location, fsync_path, hook, put_atomic, read_all, resolve
-from .writer import check_world_size
+from astate_store.errors import CheckpointCorrupted, CheckpointError, LayoutError
+from astate_store.model.layout import TensorLayout, check_step, group_layouts
+from astate_store.checkpoint.format import (
+    COMMIT_NAME,
+    DATA_RE,
+    FORMAT,
+    manifest_name,
+    manifest_records,
+    parquet_bytes,
+    parquet_meta,
+    part_name,
+)
+from astate_store.checkpoint.index import is_committed
+from astate_store.checkpoint.storage import URI, Location, fsync_path, hook, put_atomic, read_all, resolve
+from astate_store.checkpoint.writer import check_world_size
 
 __all__ = ["try_commit"]
 

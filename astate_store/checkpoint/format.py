@@ -14,8 +14,8 @@ from typing import Any, Mapping, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import LayoutError
-from ..layout import DTYPES, Box, ShardRecord, contiguous_strides, itemsize
+from astate_store.errors import LayoutError
+from astate_store.model.layout import DTYPES, Box, ShardRecord, contiguous_strides, itemsize
 
 __all__ = [
     "FORMAT",

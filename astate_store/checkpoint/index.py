@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ..errors import CheckpointCorrupted, CheckpointError, CheckpointNotFound
-from ..layout import check_step
-from .format import COMMIT_NAME, FORMAT, MANIFEST_SCHEMA, STEP_RE, parquet_meta
-from .storage import URI, Location, read_all, resolve
+from astate_store.errors import CheckpointCorrupted, CheckpointError, CheckpointNotFound
+from astate_store.model.layout import check_step
+from astate_store.checkpoint.format import COMMIT_NAME, FORMAT, MANIFEST_SCHEMA, STEP_RE, parquet_meta
+from astate_store.checkpoint.storage import URI, Location, read_all, resolve
 
 __all__ = ["CheckpointInfo", "is_committed", "list_checkpoints", "load_marker", "checkpoint_info", "load_manifest",
            "read_manifest"]

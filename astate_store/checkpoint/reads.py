@@ -13,11 +13,11 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 import torch
 
-from ..errors import CheckpointCorrupted
-from ..layout import itemsize, torch_dtype
-from ..plan import DTYPE_CODES
-from .checksum import Checksum
-from .storage import Location
+from astate_store.errors import CheckpointCorrupted
+from astate_store.model.layout import itemsize, torch_dtype
+from astate_store.plan import DTYPE_CODES
+from astate_store.checkpoint.checksum import Checksum
+from astate_store.checkpoint.storage import Location
 
 __all__ = ["DataFile", "CopyItem", "ReadContext", "progressions", "split_items", "run_items"]
 

@@ -14,15 +14,29 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import torch
 
-from ..errors import CheckpointCorrupted, LayoutError, PlanError
-from ..layout import Entry, TensorLayout, TensorLike, check_fit, group_layouts, validate_tensors
-from ..plan import plan_consumer
-from ..progress import Progress, ProgressCounter
-from .checksum import CHECKSUMS, Checksum, Crc32
-from .format import manifest_records
-from .index import load_manifest, load_marker
-from .reads import CopyItem, DataFile, ReadContext, progressions, run_items, split_items
-from .storage import URI, Location, resolve
+from astate_store.errors import CheckpointCorrupted, LayoutError, PlanError
+from astate_store.model.layout import (
+    Entry,
+    TensorLayout,
+    TensorLike,
+    check_fit,
+    group_layouts,
+    validate_tensors,
+)
+from astate_store.plan import plan_consumer
+from astate_store.model.progress import Progress, ProgressCounter
+from astate_store.checkpoint.checksum import CHECKSUMS, Checksum, Crc32
+from astate_store.checkpoint.format import manifest_records
+from astate_store.checkpoint.index import load_manifest, load_marker
+from astate_store.checkpoint.reads import (
+    CopyItem,
+    DataFile,
+    ReadContext,
+    progressions,
+    run_items,
+    split_items,
+)
+from astate_store.checkpoint.storage import URI, Location, resolve
 
 __all__ = ["ITEM_BYTES", "restore"]
 
@@ -50,7 +64,7 @@ def restore(uri: URI, buffers: Mapping[str, TensorLike], *, step: Optional[int] 
             blocks read before it may already be in the buffers.
         threads: worker threads (default: up to 4, at most the CPU count).
         progress: called with (bytes copied, bytes to copy), from the worker threads
-            (:mod:`astate_store.progress`).
+            (:mod:`astate_store.model.progress`).
 
     Returns:
         The restored step.

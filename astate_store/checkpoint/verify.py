@@ -14,12 +14,12 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from ..errors import CheckpointCorrupted
-from ..progress import Progress, ProgressCounter
-from .checksum import CHECKSUMS
-from .index import load_manifest, load_marker
-from .restore import _checksum_arrays
-from .storage import URI, resolve
+from astate_store.errors import CheckpointCorrupted
+from astate_store.model.progress import Progress, ProgressCounter
+from astate_store.checkpoint.checksum import CHECKSUMS
+from astate_store.checkpoint.index import load_manifest, load_marker
+from astate_store.checkpoint.restore import _checksum_arrays
+from astate_store.checkpoint.storage import URI, resolve
 
 __all__ = ["VerifyResult", "verify"]
 

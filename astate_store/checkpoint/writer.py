@@ -15,14 +15,32 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from ..errors import CheckpointError, LayoutError
-from ..progress import Progress, ProgressCounter
-from ..layout import DTYPES, ShardRecord, TensorLayout, TensorLike, check_step, contiguous_strides, dtype_name, \
-    validate_name, validate_tensors, with_aliases
-from .checksum import BlockSums, Checksum, check_block_size, checksum_algo
-from .format import BLOCK_SIZE, FORMAT, align_up, data_file_name, manifest_table, parquet_bytes, part_name
-from .index import is_committed
-from .storage import URI, Location, fsync_path, hook, put_atomic, resolve, temp_path
+from astate_store.errors import CheckpointError, LayoutError
+from astate_store.model.progress import Progress, ProgressCounter
+from astate_store.model.layout import (
+    DTYPES,
+    ShardRecord,
+    TensorLayout,
+    TensorLike,
+    check_step,
+    contiguous_strides,
+    dtype_name,
+    validate_name,
+    validate_tensors,
+    with_aliases,
+)
+from astate_store.checkpoint.checksum import BlockSums, Checksum, check_block_size, checksum_algo
+from astate_store.checkpoint.format import (
+    BLOCK_SIZE,
+    FORMAT,
+    align_up,
+    data_file_name,
+    manifest_table,
+    parquet_bytes,
+    part_name,
+)
+from astate_store.checkpoint.index import is_committed
+from astate_store.checkpoint.storage import URI, Location, fsync_path, hook, put_atomic, resolve, temp_path
 
 __all__ = ["WRITE_CHUNK", "PartInfo", "PartTarget", "local_shards", "owned_shards", "validate_shards",
            "check_world_size", "check_part_args", "file_layout", "write_part_files", "write_part"]
@@ -312,9 +330,9 @@ def write_part(uri: URI, step: int, rank: int, world_size: int, shards: Pairs, *
         fsync: flush the data file and part manifest to stable storage (local filesystems) before
             they are renamed into place; False still survives a process crash, not a machine crash.
         progress: called with (bytes written, bytes of this part) as the data file is written
-            (:mod:`astate_store.progress`).
+            (:mod:`astate_store.model.progress`).
         meta: this rank's small non-tensor state of the step (msgpack bytes, see
-            ``astate_store.usermeta``); the commit marker keeps every rank's (:func:`read_meta`).
+            ``astate_store.model.usermeta``); the commit marker keeps every rank's (:func:`read_meta`).
 
     Returns:
         PartInfo of the written part. Other ranks' parts and :func:`try_commit` complete the step.

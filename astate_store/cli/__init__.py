@@ -7,6 +7,6 @@ One module per command group: ``etcd_cmd`` (run an etcd), ``catalog_cmds`` (``ls
 
 from __future__ import annotations
 
-from .app import app, main
+from astate_store.cli.app import app, main
 
 __all__ = ["app", "main"]

@@ -1,5 +1,5 @@
 """``python -m astate_store.cli``: the ``astate`` console script."""
 
-from . import main
+from astate_store.cli import main
 
 main()

@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from . import catalog_cmds, checkpoint_cmd, doctor, etcd_cmd, hf_cmds, serve_cmd
-from .common import CaOpt, CertOpt, EtcdFlags, EtcdOpt, KeyOpt, PasswordOpt, UserOpt
+from astate_store.cli import catalog_cmds, checkpoint_cmd, doctor, etcd_cmd, hf_cmds, serve_cmd
+from astate_store.cli.common import CaOpt, CertOpt, EtcdFlags, EtcdOpt, KeyOpt, PasswordOpt, UserOpt
 
 __all__ = ["app", "main"]
 

@@ -12,14 +12,27 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from .common import (CaOpt, CertOpt, EtcdFlags, EtcdOpt, KeyOpt, PasswordOpt, UserOpt, etcd_config, guarded,
-                     human_bytes, out, print_json, when)
+from astate_store.cli.common import (
+    CaOpt,
+    CertOpt,
+    EtcdFlags,
+    EtcdOpt,
+    KeyOpt,
+    PasswordOpt,
+    UserOpt,
+    etcd_config,
+    guarded,
+    human_bytes,
+    out,
+    print_json,
+    when,
+)
 
 __all__ = ["register"]
 
 
 def _catalog(config: Any, namespace: str) -> Any:
-    from ..catalog import Catalog
+    from astate_store.catalog import Catalog
 
     return Catalog(config, namespace)
 
@@ -28,8 +41,8 @@ def ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="J
        etcd: EtcdOpt = None, cacert: CaOpt = None, cert: CertOpt = None, key: KeyOpt = None, user: UserOpt = None,
        password: PasswordOpt = None) -> None:
     """Each namespace: latest step, when it was committed, live publishers and consumers."""
-    from .. import admin as namespaces_admin
-    from ..catalog import admin
+    from astate_store.catalog import namespaces as namespaces_admin
+    from astate_store.catalog import admin
 
     with guarded():
         config = etcd_config(ctx, EtcdFlags(etcd, cacert, cert, key, user, password))
@@ -68,7 +81,7 @@ def inspect(ctx: typer.Context, namespace: str = typer.Argument(..., help="the n
             user: UserOpt = None, password: PasswordOpt = None) -> None:
     """One namespace: versions retained, session and ranks, readers, consumers, replicas,
     checkpoints, and each tensor's shape, dtype, shards (distinct boxes) and bytes."""
-    from ..catalog import admin
+    from astate_store.catalog import admin
 
     with guarded():
         config = etcd_config(ctx, EtcdFlags(etcd, cacert, cert, key, user, password))
@@ -130,9 +143,9 @@ def watch(ctx: typer.Context, namespace: str = typer.Argument(..., help="the nam
           user: UserOpt = None, password: PasswordOpt = None) -> None:
     """Live view of a namespace: commits, pulls (started / done), retires, torn marks, re-serves,
     checkpoints and new sessions, as they happen (an etcd watch)."""
-    from ..catalog import admin
-    from ..catalog.client import range_end
-    from ..catalog.records import Skips
+    from astate_store.catalog import admin
+    from astate_store.catalog.client import range_end
+    from astate_store.catalog.records import Skips
 
     with guarded():
         kinds = set(_ALL_EVENTS) if events == "all" else {e.strip().replace("-", " ") for e in events.split(",")}
@@ -191,7 +204,7 @@ def _loop(q: "queue.Queue[Any]", namespace: str, kinds: set[str], count: Optiona
 
 
 def _stream_error(exc: Exception) -> Exception:
-    from ..errors import CatalogUnavailable
+    from astate_store.errors import CatalogUnavailable
 
     return CatalogUnavailable(f"the etcd watch stream ended: {exc}")
 

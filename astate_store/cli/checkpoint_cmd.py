@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .common import err, guarded, human_bytes, out, print_json, progress_bar, when
+from astate_store.cli.common import err, guarded, human_bytes, out, print_json, progress_bar, when
 
 __all__ = ["register"]
 
@@ -20,7 +20,7 @@ group = typer.Typer(no_args_is_help=True, help="List or verify checkpoints (a lo
 def ls(uri: str = typer.Argument(..., help="checkpoint root: a path, file://, s3://, gs://, hdfs://"),
        as_json: bool = typer.Option(False, "--json", help="JSON on stdout")) -> None:
     """The complete checkpoints under URI (those with a COMMIT marker), oldest first."""
-    from .. import checkpoint as ckpt
+    from astate_store import checkpoint as ckpt
 
     with guarded():
         infos = [ckpt.checkpoint_info(uri, s) for s in ckpt.list_checkpoints(uri)]
@@ -46,7 +46,7 @@ def verify(uri: str = typer.Argument(..., help="checkpoint root"),
            quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar")) -> None:
     """Read every block of a checkpoint and check it against the manifest's checksums; exit
     status 1 when anything is damaged (every damaged block is named)."""
-    from .. import checkpoint as ckpt
+    from astate_store import checkpoint as ckpt
 
     with guarded():
         with progress_bar(f"verifying {uri}" + ("" if step is None else f" step {step}"),

@@ -31,9 +31,9 @@ from typing import Annotated, Any, Iterator, Optional
 import typer
 from rich.console import Console
 
-from ..catalog.config import ENV_ENDPOINT, ENV_PASSWORD, EtcdConfig
-from ..errors import AStateError, CatalogError
-from ..progress import Progress
+from astate_store.catalog.config import ENV_ENDPOINT, ENV_PASSWORD, EtcdConfig
+from astate_store.errors import AStateError, CatalogError
+from astate_store.model.progress import Progress
 
 __all__ = ["EtcdFlags", "EtcdOpt", "CaOpt", "CertOpt", "KeyOpt", "UserOpt", "PasswordOpt", "out", "err",
            "guarded", "etcd_config", "progress_bar", "when", "human_bytes", "print_json"]

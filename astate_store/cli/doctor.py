@@ -15,10 +15,22 @@ from typing import Callable, Optional
 
 import typer
 
-from ..topology import Topology
+from astate_store.transport.topology import Topology
 
-from .common import (CaOpt, CertOpt, EtcdFlags, EtcdOpt, KeyOpt, PasswordOpt, UserOpt, etcd_config, flags_given,
-                     guarded, out, print_json)
+from astate_store.cli.common import (
+    CaOpt,
+    CertOpt,
+    EtcdFlags,
+    EtcdOpt,
+    KeyOpt,
+    PasswordOpt,
+    UserOpt,
+    etcd_config,
+    flags_given,
+    guarded,
+    out,
+    print_json,
+)
 
 __all__ = ["Check", "register", "run_checks"]
 
@@ -73,7 +85,7 @@ def _transports(lines: list[str]) -> dict[str, list[str]]:
 
 
 def check_ucx() -> list[Check]:
-    from ..transport.binding import native
+    from astate_store.transport.binding import native
 
     try:
         version = ".".join(map(str, native().version()))
@@ -181,7 +193,7 @@ print(m if isinstance(m, str) else ctypes.string_at(m.address, n).hex())
 def check_memfd() -> Check:
     """A separate process maps this process's sealed memfd the way a consumer maps a publisher's
     snapshot (pidfd_getfd, seals, /proc/<pid>/maps) and reads 64 random bytes from it."""
-    from ..transport import memfd
+    from astate_store.transport import memfd
 
     secret = os.urandom(64)
     mm = memfd.shared_mapping(1 << 16)
@@ -260,7 +272,7 @@ def check_memlock(rdma: bool) -> Check:
 
 
 def check_topology(topo: object) -> Check:
-    from ..topology import choose
+    from astate_store.transport.topology import choose
 
     assert isinstance(topo, Topology)
     nodes = ", ".join(f"node {n.id} ({len(n.cpus)} cpus)" for n in topo.nodes) or "none"
@@ -272,7 +284,7 @@ def check_topology(topo: object) -> Check:
 
 
 def check_etcd_binary() -> Check:
-    from ..etcd_server import find_etcd_binary
+    from astate_store.etcd.embedded import find_etcd_binary
 
     try:
         return Check("etcd binary", "OK", f"{find_etcd_binary()} (for the embedded etcd and `astate etcd`)")
@@ -286,12 +298,12 @@ def check_etcd_binary() -> Check:
 _TLS_FIX = ("match etcd's TLS settings: --cacert for its CA, --cert/--key when it wants client certificates, "
             "https:// for a TLS endpoint")
 _AUTH_FIX = ("pass --user NAME:PASSWORD (or ASTATE_ETCD_USER / ASTATE_ETCD_PASSWORD) of a user granted the "
-             "namespace (astate_store.security.grant_namespace)")
+             "namespace (astate_store.etcd.security.grant_namespace)")
 
 
 def check_etcd(config_fn: Callable[[], object], given: bool) -> list[Check]:
-    from ..catalog.client import EtcdClient
-    from ..errors import AStateError, CatalogAuthError, CatalogUnavailable
+    from astate_store.catalog.client import EtcdClient
+    from astate_store.errors import AStateError, CatalogAuthError, CatalogUnavailable
 
     if not given:
         return [Check("etcd", "SKIP", "no --etcd given and ASTATE_ETCD is unset", "")]
@@ -336,7 +348,7 @@ def _tls_line(config: object) -> Check:
 
 
 def _auth_line(c: object, config: object) -> Check:
-    from ..errors import CatalogAuthError
+    from astate_store.errors import CatalogAuthError
 
     user = getattr(config, "user", None)
     probe = c.key("probe")  # type: ignore[attr-defined]
@@ -348,13 +360,13 @@ def _auth_line(c: object, config: object) -> Check:
     if user:
         return Check("etcd auth", "OK", f"user {user!r} authenticated and may read under /astate/")
     return Check("etcd auth", "WARN", "etcd lets anyone read and write without a user (authentication off)",
-                 "turn etcd auth on with a role per namespace (astate_store.security.enable_auth / "
+                 "turn etcd auth on with a role per namespace (astate_store.etcd.security.enable_auth / "
                  "grant_namespace) on shared clusters")
 
 
 def run_checks(config_fn: Callable[[], object], etcd_given: bool) -> list[Check]:
     """Every check, in the order printed."""
-    from ..topology import read_topology
+    from astate_store.transport.topology import read_topology
 
     topo = read_topology()
     checks = check_ucx()

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from .common import err, guarded, out
+from astate_store.cli.common import err, guarded, out
 
 __all__ = ["register"]
 
@@ -24,14 +24,14 @@ def run_etcd(data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="k
              ) -> None:
     """Run etcd in the foreground until Ctrl-C / SIGTERM; prints the endpoint to use (and, with
     --tls, the certificate paths) as shell exports."""
-    from ..etcd_server import EmbeddedEtcd
+    from astate_store.etcd.embedded import EmbeddedEtcd
 
     with guarded():
         base = data_dir if data_dir is not None else Path(tempfile.mkdtemp(prefix="astate-etcd-"))
         base.mkdir(parents=True, exist_ok=True)
         certs = None
         if tls:
-            from ..security import make_test_certs
+            from astate_store.etcd.security import make_test_certs
 
             certs = make_test_certs(base / "certs", hosts=tuple(dict.fromkeys((host, "127.0.0.1", "localhost"))))
         server = EmbeddedEtcd(data_dir=str(base), host=host, tls=certs, port=port)

@@ -10,8 +10,21 @@ from typing import Optional
 
 import typer
 
-from .common import (CaOpt, CertOpt, EtcdFlags, EtcdOpt, KeyOpt, PasswordOpt, UserOpt, etcd_config, guarded,
-                     human_bytes, out, print_json, progress_bar)
+from astate_store.cli.common import (
+    CaOpt,
+    CertOpt,
+    EtcdFlags,
+    EtcdOpt,
+    KeyOpt,
+    PasswordOpt,
+    UserOpt,
+    etcd_config,
+    guarded,
+    human_bytes,
+    out,
+    print_json,
+    progress_bar,
+)
 
 __all__ = ["register"]
 
@@ -29,8 +42,8 @@ def export(ctx: typer.Context, namespace: str = typer.Argument(..., help="the na
            user: UserOpt = None, password: PasswordOpt = None) -> None:
     """Pull a committed version (as a consumer) and write it as HF safetensors shards
     (model-0000i-of-0000n.safetensors) plus model.safetensors.index.json."""
-    from .. import connect
-    from ..hf_format import export_version, parse_size
+    from astate_store import connect
+    from astate_store.integrations.hf_format import export_version, parse_size
 
     with guarded():
         config = etcd_config(ctx, EtcdFlags(etcd, cacert, cert, key, user, password))
@@ -63,8 +76,8 @@ def import_(ctx: typer.Context, path: Path = typer.Argument(..., help="a directo
     process, so it keeps serving until Ctrl-C / SIGTERM (or --serve-seconds); consumers pull
     while it runs. It opens a new publisher session of NS (rank 0 of 1), which fences any other
     publisher of NS: import into a namespace no trainer is publishing to."""
-    from .. import connect
-    from ..hf_format import import_dir
+    from astate_store import connect
+    from astate_store.integrations.hf_format import import_dir
 
     with guarded():
         config = etcd_config(ctx, EtcdFlags(etcd, cacert, cert, key, user, password))

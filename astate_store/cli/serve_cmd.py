@@ -6,7 +6,18 @@ import signal
 
 import typer
 
-from .common import CaOpt, CertOpt, EtcdFlags, EtcdOpt, KeyOpt, PasswordOpt, UserOpt, err, etcd_config, guarded
+from astate_store.cli.common import (
+    CaOpt,
+    CertOpt,
+    EtcdFlags,
+    EtcdOpt,
+    KeyOpt,
+    PasswordOpt,
+    UserOpt,
+    err,
+    etcd_config,
+    guarded,
+)
 
 __all__ = ["register"]
 
@@ -25,7 +36,7 @@ def serve(ctx: typer.Context,
           password: PasswordOpt = None) -> None:
     """Hold and serve the newest committed version of every namespace under a prefix, so state
     outlives its writer; runs until Ctrl-C / SIGTERM."""
-    from ..replica_server import ReplicaServer, parse_bytes
+    from astate_store.servers.replica import ReplicaServer, parse_bytes
 
     with guarded():
         try:

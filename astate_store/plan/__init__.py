@@ -1,7 +1,7 @@
 """Resharding planner: which bytes each consumer reads from which publisher, and in what order.
 
 Pure code (numpy): no etcd, no transport, no I/O. Inputs are the frozen layout contracts of
-``astate_store.layout``; outputs are numpy structured arrays of reads (``READ_DTYPE``) that a
+``astate_store.model.layout``; outputs are numpy structured arrays of reads (``READ_DTYPE``) that a
 native data path can walk without Python per read.
 
 Pipeline (all vectorized over pieces, no Python loop per run), one module per stage:
@@ -38,11 +38,20 @@ without materializing.
 
 from __future__ import annotations
 
-from .cache import Planner, fingerprint
-from .contracts import COPY_DTYPE, DTYPE_CODES, READ_DTYPE, CostModel, Fabric, PackedShard, PackItem, Placement
-from .execute import execute_reads
-from .planner import plan_consumer, plan_global
-from .result import ConsumerPlan, GlobalPlan
+from astate_store.plan.cache import Planner, fingerprint
+from astate_store.plan.contracts import (
+    COPY_DTYPE,
+    DTYPE_CODES,
+    READ_DTYPE,
+    CostModel,
+    Fabric,
+    PackedShard,
+    PackItem,
+    Placement,
+)
+from astate_store.plan.execute import execute_reads
+from astate_store.plan.planner import plan_consumer, plan_global
+from astate_store.plan.result import ConsumerPlan, GlobalPlan
 
 __all__ = [
     "READ_DTYPE",

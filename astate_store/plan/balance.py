@@ -11,10 +11,10 @@ from typing import Hashable, Mapping, Optional
 
 import numpy as np
 
-from .intersect import _Instances, _Pieces
-from .links import _Links
-from .shards import _Sources
-from .util import _segment_arange, _unique_rows
+from astate_store.plan.intersect import _Instances, _Pieces
+from astate_store.plan.links import _Links
+from astate_store.plan.shards import _Sources
+from astate_store.plan.util import _segment_arange, _unique_rows
 
 #: Per-dim multipliers of the piece salt (odd 32-bit constants; dims beyond 8 add unmixed).
 _MIX = np.array([0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xD3A2646C, 0xFD7046C5,

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
-from ..layout import ShardRecord, TensorLayout
-from .contracts import CostModel, Fabric, PackedInput
-from .planner import plan_consumer, plan_global
-from .result import ConsumerPlan, GlobalPlan
-from .util import _sort_key, _sorted_ids
+from astate_store.model.layout import ShardRecord, TensorLayout
+from astate_store.plan.contracts import CostModel, Fabric, PackedInput
+from astate_store.plan.planner import plan_consumer, plan_global
+from astate_store.plan.result import ConsumerPlan, GlobalPlan
+from astate_store.plan.util import _sort_key, _sorted_ids
 
 
 class _Memo:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..layout import ITEMSIZES, ShardColumns
+from astate_store.model.layout import ITEMSIZES, ShardColumns
 
 __all__ = ["whole_buffer_reads", "READ_COLUMNS"]
 

@@ -8,9 +8,9 @@ from typing import Any, Hashable, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from ..layout import DTYPES, Box, ShardRecord, contiguous_strides, is_floating, itemsize
-from .templates import _rel_offsets, _template
-from .util import _sort_key
+from astate_store.model.layout import DTYPES, Box, ShardRecord, contiguous_strides, is_floating, itemsize
+from astate_store.plan.templates import _rel_offsets, _template
+from astate_store.plan.util import _sort_key
 
 #: dtype codes used in the ``src_dtype`` / ``dst_dtype`` fields: index into this tuple.
 DTYPE_CODES: tuple[str, ...] = tuple(DTYPES)
@@ -87,7 +87,7 @@ class Fabric:
     and consumers (``consumers``); either may be partial. Stored as sorted tuples so the object
     is hashable (it is part of the ``Planner`` fingerprint).
 
-    Not to be confused with ``astate_store.topology.Topology`` (this host's NUMA/NIC layout read
+    Not to be confused with ``astate_store.transport.topology.Topology`` (this host's NUMA/NIC layout read
     from sysfs): a ``Fabric`` is the fleet-wide fluid model of who sits on which link."""
 
     sources: tuple

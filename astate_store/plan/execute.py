@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .contracts import DTYPE_CODES
+from astate_store.plan.contracts import DTYPE_CODES
 
 
 def execute_reads(reads: np.ndarray, sources: Mapping[tuple[int, int], Any], dests: Mapping[int, Any]) -> None:
@@ -19,7 +19,7 @@ def execute_reads(reads: np.ndarray, sources: Mapping[tuple[int, int], Any], des
     read."""
     import torch
 
-    from ..layout import torch_dtype
+    from astate_store.model.layout import torch_dtype
 
     for r in reads.tolist():
         so, do, ln, rk, sreg, dreg, _t, _i, sdt, ddt, conv = r

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import PlanError
-from .contracts import _ISZ
-from .requests import _Requests
-from .shards import _Sources
-from .util import _cat, _segment_arange
+from astate_store.errors import PlanError
+from astate_store.plan.contracts import _ISZ
+from astate_store.plan.requests import _Requests
+from astate_store.plan.shards import _Sources
+from astate_store.plan.util import _cat, _segment_arange
 
 #: Pieces per chunk of the join (bounds the temporaries of a 1T-parameter plan).
 _CHUNK = 1 << 22

@@ -11,8 +11,8 @@ from typing import Optional
 
 import numpy as np
 
-from .contracts import Fabric, Placement
-from .shards import _Sources
+from astate_store.plan.contracts import Fabric, Placement
+from astate_store.plan.shards import _Sources
 
 
 @dataclass

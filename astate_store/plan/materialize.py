@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .contracts import READ_DTYPE
+from astate_store.plan.contracts import READ_DTYPE
 
 if TYPE_CHECKING:
-    from .result import GlobalPlan
+    from astate_store.plan.result import GlobalPlan
 
 
 def _link_order(link: np.ndarray, src_off: np.ndarray, src_region: np.ndarray, src_rank: np.ndarray,

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Hashable, Mapping, Optional
 
 import numpy as np
 
-from ..errors import PlanError
-from ..layout import Box, ShardRecord
-from .contracts import CostModel, PackedInput, PackedShard, PackItem
-from .intersect import _Instances, _Pieces
-from .shards import _Sources
-from .util import _segment_arange, _sorted_ids, _unique_rows
+from astate_store.errors import PlanError
+from astate_store.model.layout import Box, ShardRecord
+from astate_store.plan.contracts import CostModel, PackedInput, PackedShard, PackItem
+from astate_store.plan.intersect import _Instances, _Pieces
+from astate_store.plan.shards import _Sources
+from astate_store.plan.util import _segment_arange, _sorted_ids, _unique_rows
 
 if TYPE_CHECKING:
-    from .result import GlobalPlan
+    from astate_store.plan.result import GlobalPlan
 
 
 def _normalize_packed(packed: PackedInput) -> list[tuple[ShardRecord, tuple]]:

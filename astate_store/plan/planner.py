@@ -11,18 +11,18 @@ from typing import Any, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import PlanError
-from ..layout import GCPaused, ShardRecord, TensorLayout
-from .balance import _assign_replicas
-from .contracts import CostModel, Fabric, PackedInput, PackedShard
-from .intersect import _expand_instances, _Instances, _intersect, _Pieces
-from .links import _build_links, _Links
-from .packing import _match_packed, _normalize_packed, _pack_decision
-from .requests import _dedupe_requests, _Requests
-from .result import ConsumerPlan, GlobalPlan
-from .runs import _instance_templates, _merge_whole_runs, _Runs
-from .shards import _compile_sources, _Sources
-from .util import _sorted_ids
+from astate_store.errors import PlanError
+from astate_store.model.layout import GCPaused, ShardRecord, TensorLayout
+from astate_store.plan.balance import _assign_replicas
+from astate_store.plan.contracts import CostModel, Fabric, PackedInput, PackedShard
+from astate_store.plan.intersect import _expand_instances, _Instances, _intersect, _Pieces
+from astate_store.plan.links import _build_links, _Links
+from astate_store.plan.packing import _match_packed, _normalize_packed, _pack_decision
+from astate_store.plan.requests import _dedupe_requests, _Requests
+from astate_store.plan.result import ConsumerPlan, GlobalPlan
+from astate_store.plan.runs import _instance_templates, _merge_whole_runs, _Runs
+from astate_store.plan.shards import _compile_sources, _Sources
+from astate_store.plan.util import _sorted_ids
 
 
 def _plan(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]], *,

@@ -11,11 +11,11 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import PlanError
-from ..layout import ShardRecord
-from .contracts import _CODE, _FLOAT
-from .shards import _Sources
-from .util import _unique_rows
+from astate_store.errors import PlanError
+from astate_store.model.layout import ShardRecord
+from astate_store.plan.contracts import _CODE, _FLOAT
+from astate_store.plan.shards import _Sources
+from astate_store.plan.util import _unique_rows
 
 
 def _dedupe_requests(requests: Mapping[Hashable, Sequence[ShardRecord]],

@@ -8,11 +8,11 @@ from typing import Any, Hashable, Optional
 
 import numpy as np
 
-from ..layout import GCPaused
+from astate_store.model.layout import GCPaused
 
-from .contracts import PackItem
-from .materialize import _materialize
-from .packing import _build_pack_items
+from astate_store.plan.contracts import PackItem
+from astate_store.plan.materialize import _materialize
+from astate_store.plan.packing import _build_pack_items
 
 
 class ConsumerPlan:

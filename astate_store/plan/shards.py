@@ -15,10 +15,10 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import PlanError
-from ..layout import ShardRecord, TensorLayout
-from .contracts import _CODE
-from .util import _sorted_ids
+from astate_store.errors import PlanError
+from astate_store.model.layout import ShardRecord, TensorLayout
+from astate_store.plan.contracts import _CODE
+from astate_store.plan.util import _sorted_ids
 
 _GET_META = attrgetter("name", "dtype", "global_shape")
 _GET_OFFS = attrgetter("box.offsets")

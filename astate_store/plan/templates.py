@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .util import _unique_rows
+from astate_store.plan.util import _unique_rows
 
 #: ``(n_runs, run_elems, outer)``: see ``_template``.
 Template = tuple[int, int, tuple[tuple[int, int, int], ...]]

@@ -11,7 +11,7 @@ UCX settings), ``binding`` (loading the extension, typing its errors), ``regions
 and the checks before a consumer maps a peer's), ``ucx_get`` (the batched UCX read).
 """
 
-from .base import (
+from astate_store.transport.base import (
     OP_COLUMNS,
     OP_LENGTH,
     OP_LOCAL,
@@ -23,7 +23,7 @@ from .base import (
     Transport,
     make_ops,
 )
-from .ucx import MODES, PeerInfo, UcxTransport
+from astate_store.transport.ucx import MODES, PeerInfo, UcxTransport
 
 __all__ = [
     "OP_COLUMNS",

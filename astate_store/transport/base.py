@@ -25,9 +25,9 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import TransportError
-from .stream import KEY_BYTES as STREAM_KEY_BYTES
-from .stream import parse_address
+from astate_store.errors import TransportError
+from astate_store.transport.stream import KEY_BYTES as STREAM_KEY_BYTES
+from astate_store.transport.stream import parse_address
 
 __all__ = [
     "MAX_REGIONS",

@@ -11,7 +11,7 @@ import os
 import threading
 from typing import Any
 
-from ..errors import PeerUnreachable, TransportError
+from astate_store.errors import PeerUnreachable, TransportError
 
 __all__ = ["copy_rows", "copy_streaming", "copy_threads", "native", "typed_error", "is_peer_status"]
 
@@ -73,7 +73,7 @@ def _memory_events_default() -> None:
     """
     if any(k.startswith("UCX_MEM_") for k in os.environ):
         return
-    from .config import cuda_present
+    from astate_store.transport.config import cuda_present
 
     if not cuda_present():
         os.environ["UCX_MEM_EVENTS"] = "no"
@@ -88,7 +88,7 @@ def _load() -> Any:
     except ImportError:  # a system UCX found through the rpath / ld.so
         pass
     try:
-        from .. import _ucx
+        from astate_store import _ucx
     except ImportError as exc:
         raise TransportError(
             f"the UCX extension astate_store._ucx is not built or cannot load: {exc} "

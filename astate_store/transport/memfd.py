@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .config import env_on
+from astate_store.transport.config import env_on
 
 __all__ = ["PeerMapping", "enabled", "fd_of", "map_peer_region", "preallocate", "shared_mapping"]
 

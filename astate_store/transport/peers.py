@@ -14,9 +14,9 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from .base import PeerDescriptor, RegionInfo
-from .binding import native, typed_error
-from .stream import KEY_DT
+from astate_store.transport.base import PeerDescriptor, RegionInfo
+from astate_store.transport.binding import native, typed_error
+from astate_store.transport.stream import KEY_DT
 
 __all__ = ["Peer", "PeerInfo", "PeerSnapshot", "PeerTable", "open_endpoint"]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TransportError
-from . import memfd, stream
-from .base import RegionInfo
-from .binding import native, typed_error
+from astate_store.errors import TransportError
+from astate_store.transport import memfd, stream
+from astate_store.transport.base import RegionInfo
+from astate_store.transport.binding import native, typed_error
 
 __all__ = ["LocalRegion", "LocalSnapshot", "LocalRegions"]
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import TransportError
-from .base import OP_COLUMNS
-from .peers import PeerSnapshot
+from astate_store.errors import TransportError
+from astate_store.transport.base import OP_COLUMNS
+from astate_store.transport.peers import PeerSnapshot
 
 __all__ = ["Rows", "check_ops", "resolve_rows"]
 

@@ -47,14 +47,14 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from ..errors import PeerUnreachable, TransportError
-from ..spans import span_runs
-from . import memfd
-from .base import PeerDescriptor, RegionInfo
-from .binding import copy_rows, native, typed_error
-from .peers import Peer, PeerSnapshot, PeerTable
-from .regions import LocalSnapshot
-from .rows import Rows
+from astate_store.errors import PeerUnreachable, TransportError
+from astate_store.model.spans import span_runs
+from astate_store.transport import memfd
+from astate_store.transport.base import PeerDescriptor, RegionInfo
+from astate_store.transport.binding import copy_rows, native, typed_error
+from astate_store.transport.peers import Peer, PeerSnapshot, PeerTable
+from astate_store.transport.regions import LocalSnapshot
+from astate_store.transport.rows import Rows
 
 __all__ = ["Proof", "ProcessIdentity", "SameHostReader", "node_id"]
 

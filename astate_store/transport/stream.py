@@ -55,9 +55,9 @@ from typing import Any, Callable, Hashable, Mapping
 
 import numpy as np
 
-from ..errors import PeerUnreachable, TransportError
-from .binding import native
-from .config import env_on
+from astate_store.errors import PeerUnreachable, TransportError
+from astate_store.transport.binding import native
+from astate_store.transport.config import env_on
 
 __all__ = ["StreamServer", "StreamReader", "Served", "Job", "new_key", "enabled", "parse_address", "move_all", "jobs_for",
            "KEY_BYTES", "split_job", "lanes_wanted", "default_lanes", "REQUEST", "RESPONSE", "LANE", "KEY_DT", "ROW_DT", "OK",

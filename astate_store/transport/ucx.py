@@ -84,17 +84,17 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import TransportError
-from .base import PeerDescriptor, RegionInfo, Transport
-from .binding import native, typed_error
-from .config import MODES, Mode, direct_from_env, effective_config, tls_has_shm
-from .peers import Peer, PeerInfo, PeerSnapshot, PeerTable, open_endpoint
-from .regions import LocalRegions, LocalSnapshot
-from .rows import Rows, check_ops, resolve_rows
-from .same_host import ProcessIdentity, Proof, SameHostReader
-from .stream import Served, StreamReader, StreamServer, jobs_for
-from .stream import enabled as stream_enabled
-from .ucx_get import UcxReader
+from astate_store.errors import TransportError
+from astate_store.transport.base import PeerDescriptor, RegionInfo, Transport
+from astate_store.transport.binding import native, typed_error
+from astate_store.transport.config import MODES, Mode, direct_from_env, effective_config, tls_has_shm
+from astate_store.transport.peers import Peer, PeerInfo, PeerSnapshot, PeerTable, open_endpoint
+from astate_store.transport.regions import LocalRegions, LocalSnapshot
+from astate_store.transport.rows import Rows, check_ops, resolve_rows
+from astate_store.transport.same_host import ProcessIdentity, Proof, SameHostReader
+from astate_store.transport.stream import Served, StreamReader, StreamServer, jobs_for
+from astate_store.transport.stream import enabled as stream_enabled
+from astate_store.transport.ucx_get import UcxReader
 
 __all__ = ["UcxTransport", "PeerInfo", "native", "MODES", "Mode"]
 

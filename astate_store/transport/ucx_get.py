@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TransportError
-from ..process import pid_alive
-from .binding import native, typed_error
-from .peers import PeerSnapshot, PeerTable
-from .regions import LocalSnapshot
-from .rows import Rows
-from .same_host import ProcessIdentity
+from astate_store.errors import TransportError
+from astate_store.process import pid_alive
+from astate_store.transport.binding import native, typed_error
+from astate_store.transport.peers import PeerSnapshot, PeerTable
+from astate_store.transport.regions import LocalSnapshot
+from astate_store.transport.rows import Rows
+from astate_store.transport.same_host import ProcessIdentity
 
 __all__ = ["UcxReader"]
 

@@ -1,0 +1,274 @@
+"""Source selection: which sets of peers can serve a committed version, and which one serves
+each buffer. Pure (no etcd, no transport): it works on the catalog's ``Version`` records.
+
+A *source group* holds whole tensors: the publishers of the version (when all are alive), or
+one group of re-serving consumers. Each buffer is read from exactly one group, chosen per
+consumer by a stable rotation so that independent consumers spread over the groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from operator import attrgetter
+from typing import Callable, Hashable, Mapping, Sequence
+
+import numpy as np
+
+from astate_store.catalog import Layout, Version
+from astate_store.errors import LayoutError
+from astate_store.model.layout import (
+    Box,
+    Entry,
+    ShardColumns,
+    ShardRecord,
+    TensorLayout,
+    check_fit,
+    group_layouts,
+    itemsize,
+    merge_tensor_layout,
+)
+from astate_store.model.spans import span_runs
+
+__all__ = ["PUBLISHERS", "SourceGroup", "source_groups", "assign", "failover_order", "bases", "dest_records",
+           "converted_layout", "to_transport_ops", "publisher_peer", "byte_spans", "read_spans", "Wanted"]
+
+PUBLISHERS = "pub"  # the group id of the version's publisher ranks
+
+
+@dataclass(frozen=True)
+class SourceGroup:
+    """One set of sources that together hold whole tensors: the publishers, or a re-serving group.
+    ``sources`` maps the planner's source id to (transport peer key, publisher rank or None, layout);
+    a publisher's base offset (its staging slot) changes every step and is looked up per version."""
+
+    gid: str
+    layouts: Mapping[str, TensorLayout]
+    sources: Mapping[int, tuple[Hashable, int | None, Layout]]
+    key: object
+    packed: tuple[ShardRecord, ...] = ()  # contiguous copies publishers built (for any consumer)
+    shards_key: object = None  # the shard layout alone (packed copies left out)
+    converted: tuple[ShardRecord, ...] = ()  # copies built in another dtype (converted on the publisher)
+
+
+def publisher_peer(rank: int, lay: Layout) -> Hashable:
+    """The transport peer key of publisher ``rank`` (its layout names the session epoch)."""
+    return ("pub", lay.epoch, rank)
+
+
+def _publisher_group(version: Version) -> SourceGroup:
+    src = {r: (publisher_peer(r, version.layouts[r]), r, version.layouts[r]) for r in version.layouts}
+    layouts = group_layouts(s for lay in version.layouts.values() for s in lay.shards)
+    # One copy per (tensor, box, dtype) serves every consumer: the planner uses a copy only where
+    # it equals a piece this consumer reads.
+    mine = [rec for lay in version.layouts.values() for rec in lay.packed]
+    return SourceGroup(PUBLISHERS, layouts, src, version.layout_key,
+                       tuple(r for r in mine if r.dtype == layouts[r.name].dtype),
+                       tuple(version.layouts[r].shards for r in sorted(version.layouts)),
+                       tuple(r for r in mine if r.dtype != layouts[r.name].dtype))
+
+
+def _replica_group(version: Version, name: str, members: Sequence[str]) -> SourceGroup | None:
+    """A re-serving group, with the tensors its members hold whole between them."""
+    src, by_name = {}, {}
+    for i, m in enumerate(members):
+        lay = version.replica_layouts[m]
+        src[i] = (("replica", m), None, lay)
+        for s in lay.shards:
+            by_name.setdefault(s.name, []).append(replace(s, rank=i))
+    layouts = {}
+    for n, recs in sorted(by_name.items()):
+        try:
+            layouts[n] = merge_tensor_layout(n, recs)
+        except LayoutError:
+            continue  # the group holds only part of this tensor: not a source of it
+    if not layouts:
+        return None
+    return SourceGroup("g:" + name, layouts, src, tuple((m, version.replica_layouts[m].layout_id) for m in members))
+
+
+def source_groups(version: Version) -> dict[str, SourceGroup]:
+    """The alternative sources of a version (with its layouts resolved): the publishers, when
+    all are alive, and each re-serving group."""
+    groups: dict[str, SourceGroup] = {}
+    if not version.missing:
+        groups[PUBLISHERS] = _publisher_group(version)
+    by_group: dict[str, list[str]] = {}
+    for m in sorted(version.replica_layouts):
+        by_group.setdefault(version.replicas[m].group, []).append(m)
+    for name, members in sorted(by_group.items()):
+        g = _replica_group(version, name, members)
+        if g is not None:
+            groups[g.gid] = g
+    return groups
+
+
+def assign(groups: Mapping[str, SourceGroup], dests: Sequence[Entry], rotation: int) -> dict[str, list[Entry]]:
+    """One source group per buffer: every buffer is checked to fit first (before any byte moves),
+    then consumers spread over the groups that hold the tensor, deterministically per consumer.
+
+    Raises:
+        LayoutError: a name no group publishes, or a global shape / dtype that does not fit.
+    """
+    out: dict[str, list[Entry]] = {}
+    order = sorted(groups)
+    for i, e in enumerate(dests):
+        cands = [g for g in order if e.name in groups[g].layouts]
+        if not cands and e.aliases:  # a tied buffer: fill it from whichever of its names is published
+            e = _published_alias(groups, order, e)
+            cands = [g for g in order if e.name in groups[g].layouts]
+        if not cands:
+            names = sorted({n for g in groups.values() for n in g.layouts})
+            raise LayoutError(f"tensor {e.name!r} is not in step's published tensors ({', '.join(names[:8])}"
+                              f"{', ...' if len(names) > 8 else ''})")
+        check_fit(e, groups[cands[0]].layouts[e.name], "the published tensor")
+        out.setdefault(cands[(rotation + i) % len(cands)], []).append(e)
+    return out
+
+
+def _published_alias(groups: Mapping[str, SourceGroup], order: list[str], e: Entry) -> Entry:
+    """``e`` under the first of its aliases some group publishes (``e`` itself when none is)."""
+    for a in e.aliases:
+        if any(a in groups[g].layouts for g in order):
+            return replace(e, name=a, aliases=tuple(n for n in (e.name, *e.aliases) if n != a))
+    return e
+
+
+def failover_order(groups: Mapping[str, SourceGroup], dests: Sequence[Entry]) -> list[dict[str, SourceGroup]]:
+    """The group sets to try in turn: all of them, then without the publishers, then the
+    publishers alone, then (with several re-serving groups) each of those alone — a dead
+    replica server whose lease has not expired yet must not fail a pull another one can
+    serve; sets that cannot serve every buffer are left out."""
+    tries = [dict(groups)]
+    if PUBLISHERS in groups and len(groups) > 1:
+        tries += [{k: v for k, v in groups.items() if k != PUBLISHERS}, {PUBLISHERS: groups[PUBLISHERS]}]
+    replicas = sorted(k for k in groups if k != PUBLISHERS)
+    if len(replicas) > 1:
+        tries += [{k: groups[k]} for k in replicas]
+    return [gs for i, gs in enumerate(tries)
+            if i == 0 or all(any(n in g.layouts for g in gs.values() for n in (e.name, *e.aliases)) for e in dests)]
+
+
+def bases(version: Version, g: SourceGroup) -> dict[int, int]:
+    """Per source id, the byte offset of this step's bytes in its regions (a publisher's
+    staging slot; 0 for in-place and re-served memory)."""
+    return {sid: (0 if r is None else version.pieces[r].base_offset) for sid, (_p, r, _l) in g.sources.items()}
+
+
+Wanted = Mapping[str, Sequence[tuple[Box, str]]]  # tensor name -> (box, dtype) of each buffer of it
+
+
+def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wanted: Wanted,
+               columns: ShardColumns | None = None) -> list[tuple[int, int, int]]:
+    """``(region, lo, hi)`` runs (``spans.span_runs``) of the bytes a plan for the ``wanted``
+    buffers may read in one source, relative to its base offset: each buffer's piece of each
+    shard, and its pre-packed copies. A piece that a copy holds whole (of the buffer's or the
+    shard's dtype) is left out of the shard: the planner reads the copy; a copy of a third dtype
+    is left out. A superset of what a plan reads, without the other consumers' copies or the
+    shard bytes next to the piece. ``columns``: the same shards column-wise (``Layout.columns``):
+    a shard a whole-tensor buffer wants takes its byte range from them, and no record is built
+    unless some buffer wants part of a shard."""
+    copies: dict[str, list[ShardRecord]] = {}
+    for r in packed:
+        if r.name in wanted:
+            copies.setdefault(r.name, []).append(r)
+    spans = None if columns is None else columns.spans
+    region: list[int] = []
+    lo: list[int] = []
+    hi: list[int] = []
+    whole: list[int] = []  # shards a whole-tensor buffer takes whole (from ``spans``)
+    shapes = _GlobalShapes(columns) if spans is not None else None
+    for i, name in enumerate(columns.names if shapes is not None else map(_NAME, shards)):  # type: ignore[union-attr]
+        boxes = wanted.get(name, ())
+        if not boxes:
+            continue
+        if len(boxes) == 1 and name not in copies and \
+                boxes[0][0].sizes == (shards[i].global_shape if shapes is None else shapes[i]):
+            if spans is None:
+                _add_piece(shards[i], shards[i].box, region, lo, hi)
+            else:
+                whole.append(i)
+            continue
+        r = shards[i]
+        for box, dtype in boxes:
+            piece = r.box.intersect(box)
+            if piece is not None and not any(c.box == piece and c.dtype in (dtype, r.dtype)
+                                             for c in copies.get(r.name, ())):
+                _add_piece(r, piece, region, lo, hi)
+    published = {r.name: r.dtype for r in shards if r.name in copies} if copies else {}
+    for name, recs in copies.items():
+        for r in recs:
+            for box, dtype in wanted[name]:
+                piece = r.box.intersect(box)
+                if piece is not None and r.dtype in (dtype, published.get(name)):
+                    _add_piece(r, piece, region, lo, hi)
+    rows = np.array([region, lo, hi], dtype=np.int64).reshape(3, -1)
+    if whole:
+        rows = np.concatenate([rows, spans[whole].T], axis=1)  # type: ignore[index]
+    return span_runs(rows[0], rows[1], rows[2])
+
+
+class _GlobalShapes:
+    """Shard i's global shape as a tuple, from the columns (no record needed)."""
+
+    def __init__(self, columns: ShardColumns) -> None:
+        self.flat, self.starts = columns.global_shapes.tolist(), columns.starts.tolist()
+
+    def __getitem__(self, i: int) -> tuple[int, ...]:
+        return tuple(self.flat[self.starts[i]:self.starts[i + 1]])
+
+
+_NAME = attrgetter("name")
+
+
+def _add_piece(r: ShardRecord, piece: Box, region: list[int], lo: list[int], hi: list[int]) -> None:
+    a, b = r.byte_range(piece)
+    if a < b:
+        region.append(r.region)
+        lo.append(a)
+        hi.append(b)
+
+
+def read_spans(ops: np.ndarray) -> dict[int, list[tuple[int, int, int]]]:
+    """Per peer index of transport ops, ``(region, lo, hi)`` runs (``spans.span_runs``) of
+    the bytes they read."""
+    if not len(ops):
+        return {}
+    stride = int(ops[:, 1].max()) + 1
+    key = ops[:, 0].astype(np.int64) * stride + ops[:, 1]
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for k, a, b in span_runs(key, ops[:, 2], ops[:, 2] + ops[:, 4]):
+        out.setdefault(k // stride, []).append((k % stride, a, b))
+    return out
+
+
+def dest_records(dests: Sequence[Entry]) -> tuple[ShardRecord, ...]:
+    """Buffers as the planner's destination records: buffer i is region i of rank -1."""
+    return tuple(e.record(-1, i, 0) for i, e in enumerate(dests))
+
+
+def converted_layout(g: SourceGroup, e: Entry) -> TensorLayout | None:
+    """The publisher-converted copies of this buffer's pieces, if together they cover it."""
+    recs = tuple(r for r in g.converted if r.name == e.name and r.dtype == e.dtype
+                 and e.box.intersect(r.box) == r.box)
+    if not recs or sum(r.box.numel for r in recs) != e.box.numel:
+        return None
+    return TensorLayout(e.name, e.dtype, e.global_shape, recs)
+
+
+def to_transport_ops(g: SourceGroup, peer_index: Callable[[Hashable], int], base: Mapping[int, int],
+                     reads: np.ndarray, dst_base: np.ndarray) -> np.ndarray:
+    """Plan rows -> (peer index, region, remote offset, local address, length), vectorized."""
+    n = max(g.sources) + 1
+    peer_idx = np.full(n, -1, dtype=np.int64)
+    base_arr = np.zeros(n, dtype=np.int64)
+    for sid, (peer, _r, _lay) in g.sources.items():
+        peer_idx[sid] = peer_index(peer)
+        base_arr[sid] = base[sid]
+    src = reads["src_rank"].astype(np.int64)
+    ops = np.empty((len(reads), 5), dtype=np.int64)
+    ops[:, 0] = peer_idx[src]
+    ops[:, 1] = reads["src_region"]
+    ops[:, 2] = reads["src_offset"] + base_arr[src]
+    ops[:, 3] = dst_base[reads["dst_region"]] + reads["dst_offset"]
+    ops[:, 4] = reads["length"]
+    return ops

@@ -1,0 +1,71 @@
+"""Re-serving (P2P fan-out): a consumer offers the buffers it just pulled as an extra source.
+
+The buffers are registered in place (the same registry as zero-copy publishing: only their
+page-rounded spans), and the catalog lists them as a replica of the step, on the consumer's
+lease. Before the buffers change (the next ``get_into``), or at ``unserve``, the offer is
+withdrawn, its readers waited for, and the registrations only the offer held are released.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Mapping
+
+from astate_store.model import codec
+from astate_store.context import StoreContext
+from astate_store.errors import LayoutError
+from astate_store.model.layout import Entry, TensorLike, validate_tensors, with_aliases
+from astate_store.put.registry import Registry
+
+__all__ = ["Serving"]
+
+log = logging.getLogger("astate_store")
+
+_HOLDER = "serve"  # the registry's holder name for offered buffers
+
+
+class Serving:
+    """The steps this process re-serves, as (step, group, layout id)."""
+
+    def __init__(self, ctx: StoreContext, registry: Registry, delivered: Callable[[], tuple[int | None, list[Entry]]]):
+        self.ctx, self.registry = ctx, registry
+        self._delivered = delivered  # (step, entries) the consumer last filled
+        self._offers: list[tuple[int, str, str]] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._offers)
+
+    def serve(self, step: int, buffers: Mapping[str, TensorLike], group: str | None) -> None:
+        """Offer ``buffers`` as a source of ``step``; see ``Store.serve``.
+
+        Raises:
+            LayoutError: a buffer that this store's last ``get_into`` did not fill with ``step``.
+        """
+        entries = validate_tensors(buffers, "serve(buffers)")
+        got, filled = self._delivered()
+        delivered = {e.tensor.data_ptr() for e in filled} if step == got else set()
+        for e in entries:
+            if e.tensor.data_ptr() not in delivered:
+                raise LayoutError(f"tensor {e.name!r}: serve() of step {step} needs buffers that get_into "
+                                  "filled with that step")
+        # Rank 0: a group's members are numbered by the consumer when it plans against them.
+        shards = with_aliases(entries, self.registry.acquire(_HOLDER, entries, 0))  # tied weights: every name
+        self.ctx.stats.registrations = self.registry.count
+        desc = codec.encode("ucx_descriptor", self.ctx.transport.descriptor())
+        grp = group or f"solo-{self.ctx.reader_id}"
+        lid = self.ctx.catalog.replicas.add(step, grp, self.ctx.reader_id, shards, desc)
+        self._offers.append((step, grp, lid))
+        log.info("re-serving step %d as %s/%s (%d tensors)", step, grp, self.ctx.reader_id, len(shards))
+
+    def withdraw(self) -> int:
+        """Withdraw every offer; returns readers that had not finished within the wait."""
+        left = 0
+        for step, grp, lid in self._offers:
+            left += self.ctx.catalog.replicas.remove(step, grp, self.ctx.reader_id, lid,
+                                                     timeout=self.ctx.options.retire_timeout)
+        self._offers.clear()
+        # Nobody reads the offered buffers any more: stop exposing them.
+        self.registry.sweep(self.registry.release(_HOLDER))
+        self.ctx.stats.registrations = self.registry.count
+        return left

@@ -1,0 +1,1 @@
+"""Shared pieces of the tests (and of the benchmarks that reuse them)."""
