@@ -71,6 +71,21 @@ class Publisher:
         self._nbytes_of: list[Entry] | None = None  # the entries _nbytes_cached was computed for
         self._nbytes_cached = 0
 
+    def publish(self, step: int, tensors: Mapping[str, TensorLike], *, copy: bool = True,
+                meta: bytes | None = None) -> bool:
+        """The whole put sequence of ``Store.put``; True when this put completed the version.
+
+        1. ``begin``: validate the tensors (cached while they are the same objects at the same
+           addresses), then make sure a transport near their device and the session exist;
+        2. ``put``: snapshot into a slot, publish in place, or stream; then the piece and, from
+           the last rank, the commit, in one catalog transaction;
+        3. ``wait_replicated``: with ``replicas=K``, until K replica servers hold the step.
+        """
+        entries = self.begin(tensors, "put(tensors)", every_step=True)
+        committed = self.put(step, entries, copy=copy, meta=meta)
+        self.wait_replicated(step)  # replicas=K: K replica servers hold it (docs/replicas.md)
+        return committed
+
     def begin(self, tensors: Mapping[str, TensorLike], what: str, *, every_step: bool = False) -> list[Entry]:
         """Validate a publishing call's tensors, then make sure a transport (near their device)
         and the publisher session exist: nothing is created for bad input."""
@@ -145,8 +160,7 @@ class Publisher:
         if self._pool is None or self._pool_device != device:
             tr, opts = self.ctx.transport, self.ctx.options
             cap = opts.staging_cap_bytes if opts.staging_cap_bytes is not None else default_staging_cap(device)
-            self._pool = SnapshotPool(opts.staging_depth, cap,
-                                      lambda n: self.ctx.alloc(n, device, shared=True), tr.register_tensor, tr.unregister)
+            self._pool = SnapshotPool(opts.staging_depth, cap, lambda n: self.ctx.alloc(n, device, shared=True), tr)
             self._pool_device = device
         return self._pool
 
