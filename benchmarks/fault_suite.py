@@ -25,7 +25,7 @@ UCX registrations must stay flat (slopes per 100 steps, least squares).
 
     python benchmarks/fault_suite.py [--trials 3] [--only NAME[,NAME]] [--soak-steps 1000]
 
-Processes: every store lives in an actor process (``_fault_workers.py``); nothing here waits
+Processes: every store lives in an actor process (``tests/support/fault_workers.py``); nothing here waits
 without a timeout, and every process started is ended by PID.
 """
 
@@ -52,8 +52,8 @@ if _HERE not in sys.path:
 if os.path.dirname(_HERE) not in sys.path:
     sys.path.insert(1, os.path.dirname(_HERE))
 
-import _fault_workers as W  # noqa: E402
-from _fault_workers import Actor, Died, Hang, Pool, SetupError  # noqa: E402
+import tests.support.fault_workers as W  # noqa: E402
+from tests.support.fault_workers import Actor, Died, Hang, Pool, SetupError  # noqa: E402
 
 FIELDS = ("trials", "completed_correct", "typed_errors", "wrong_bytes", "hangs", "lost_versions", "crashes",
           "violations", "harness_errors")

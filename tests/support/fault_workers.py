@@ -2,7 +2,7 @@
 
 Two halves:
 
-* **The actor** (``python benchmarks/_fault_workers.py``): a separate process that reads one JSON
+* **The actor** (``python -m tests.support.fault_workers``): a separate process that reads one JSON
   command per line on stdin (``{"id", "op", "args", "kw"}``), runs ``op_<op>(state, *args, **kw)``
   and answers one JSON line on stdout (``{"id", "ok": true, "result"}`` or ``{"id", "ok": false,
   "etype", "typed", "msg"}``; ``typed`` means an ``AStateError``). It may also print events
@@ -35,8 +35,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from tests.support.data import value
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root (this file is tests/support/)
 
 # ---------------------------------------------------------------------------------------- model
 
@@ -71,23 +72,6 @@ def _torch() -> Any:
 
 def tdtype(name: str) -> Any:
     return getattr(_torch(), name)
-
-
-def value(name: str, shape: Sequence[int], dtype: str, step: int) -> Any:
-    """The exact global tensor ``name`` at ``step``: every element changes with the step (fp32
-    values are integers below 2**24, bf16 ones below 2**8, so they are exact)."""
-    torch = _torch()
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    base = torch.arange(numel, dtype=torch.int64) + (sum(map(ord, name)) % 89)
-    if dtype == "bfloat16":
-        v = (base % 8) + 8 * (step % 16)
-    elif dtype in ("float32", "float64", "float16"):
-        v = (base % 4093) + 4096 * (step % 4000)
-    else:
-        v = base + step * 1_000_003
-    return v.to(tdtype(dtype)).reshape(tuple(shape))
 
 
 def split_box(shape: Sequence[int], dim: int, parts: int, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -1369,11 +1353,11 @@ class Actor:
         self.log_path = os.path.join(logdir, f"{name}.log")
         e = dict(os.environ)
         e.pop("ASTATE_ETCD", None)
-        e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
+        e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
         e.setdefault("ASTATE_HOME", os.path.join(logdir, "home"))  # never the host's shared embedded etcd
         e.setdefault("UCX_LOG_LEVEL", "error")
         e.update(env or {})
-        cmd = [sys.executable, "-u", str(HERE / "_fault_workers.py"), "--actor"]
+        cmd = [sys.executable, "-u", "-m", "tests.support.fault_workers", "--actor"]
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
         self._log = open(self.log_path, "ab")
