@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 from astate_store.errors import PeerUnreachable, TransportError
 from astate_store.transport import PeerDescriptor, UcxTransport
 from astate_store.transport import stream as S
-from astate_store.transport.stream import client as stream_client, server as stream_server, wire as stream_wire
+from astate_store.transport.stream import client as stream_client
+from astate_store.transport.stream import server as stream_server
+from astate_store.transport.stream import wire as stream_wire
 
 from tests._transport_peer import pattern
 from tests.transport.test_transport import Peer, _wait_stopped, ops_for
