@@ -8,7 +8,7 @@ planning converges in one round trip.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Mapping, Optional
+from typing import Hashable, Mapping, Optional
 
 import numpy as np
 
@@ -17,10 +17,8 @@ from ..layout import Box, ShardRecord
 from .contracts import CostModel, PackedInput, PackedShard, PackItem
 from .intersect import _Instances, _Pieces
 from .shards import _Sources
+from .tables import PlanTables
 from .util import _segment_arange, _sorted_ids, _unique_rows
-
-if TYPE_CHECKING:
-    from .result import GlobalPlan
 
 
 def _normalize_packed(packed: PackedInput) -> list[tuple[ShardRecord, tuple]]:
@@ -100,20 +98,20 @@ def _pack_decision(cost: CostModel, T_n: np.ndarray, tp: np.ndarray, pi_n: np.nd
     return (~is_packed_rec[pi_src]) & (saved > 0) & cost.pack_pays(saved, pieces.bytes[inst.P])
 
 
-def _build_pack_items(plan: "GlobalPlan") -> dict[int, list[PackItem]]:
+def _build_pack_items(plan: PlanTables) -> dict[int, list[PackItem]]:
     """Per publisher rank, the marked instances as ``PackItem``s: one item per (source record,
     box) listing every consumer that reads it, ranks and items in a deterministic order."""
-    pis = np.flatnonzero(plan._pi_pack)
+    pis = np.flatnonzero(plan.pi_pack)
     out: dict[int, list[PackItem]] = {}
     if len(pis) == 0:
         return out
-    P = plan._pi_P[pis]
-    srcr = plan._pi_src[pis]
-    key = np.concatenate([srcr[:, None], plan._P_t[P][:, None], plan._P_lo[P], plan._P_sz[P]], axis=1)
+    P = plan.pi_P[pis]
+    srcr = plan.pi_src[pis]
+    key = np.concatenate([srcr[:, None], plan.P_t[P][:, None], plan.P_lo[P], plan.P_sz[P]], axis=1)
     _, first, inv = _unique_rows(key)
     G = len(first)
     # consumers of each item, sorted and deduplicated (one consumer may read a box twice)
-    pc = plan._pi_c[pis]
+    pc = plan.pi_c[pis]
     o = np.lexsort((pc, inv))
     gi, ci = inv[o], pc[o]
     keep = np.ones(len(o), bool)
@@ -122,12 +120,12 @@ def _build_pack_items(plan: "GlobalPlan") -> dict[int, list[PackItem]]:
     bounds = np.searchsorted(gi, np.arange(G + 1)).tolist()
     cons = plan.consumers
     cons_l = [cons[c] for c in ci.tolist()]
-    D = plan._D
+    D = plan.D
     Pf = P[first]
-    lo_l = plan._P_lo[Pf].tolist()
-    sz_l = plan._P_sz[Pf].tolist()
+    lo_l = plan.P_lo[Pf].tolist()
+    sz_l = plan.P_sz[Pf].tolist()
     rec_l = srcr[first].tolist()
-    rec_obj = plan._rec_obj
+    rec_obj = plan.rec_obj
     for g in range(G):
         rec = rec_obj[rec_l[g]]
         cut = D - len(rec.global_shape)

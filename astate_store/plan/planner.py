@@ -7,7 +7,7 @@ decision -> merge -> totals (``GlobalPlan``).
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Mapping, Optional, Sequence
+from typing import Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from .requests import _dedupe_requests, _Requests
 from .result import ConsumerPlan, GlobalPlan
 from .runs import _instance_templates, _merge_whole_runs, _Runs
 from .shards import _compile_sources, _Sources
+from .tables import PlanTables
 from .util import _sorted_ids
 
 
@@ -54,9 +55,9 @@ def _plan(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Seque
 
 
 def _totals(src: _Sources, pieces: _Pieces, inst: _Instances, links: _Links, runs: _Runs, pi_src: np.ndarray,
-            C: int) -> dict[str, Any]:
+            C: int) -> dict[str, np.ndarray]:
     """Exact per-consumer read counts and bytes, per-link and per-rank bytes, without
-    materializing a read."""
+    materializing a read (``PlanTables`` fields)."""
     NPI, pi_c, n_links = inst.n, inst.c, links.n_links
     cnt_pi = np.where(runs.tail, 0, runs.n)
     read_counts = np.bincount(pi_c, weights=cnt_pi.astype(np.float64), minlength=C).astype(np.int64) \
@@ -74,15 +75,15 @@ def _totals(src: _Sources, pieces: _Pieces, inst: _Instances, links: _Links, run
         ranks_u, rank_bytes = ranks_all[keep_r], rank_bytes[keep_r]
     else:
         ranks_u, rank_bytes = np.zeros(0, np.int64), np.zeros(0)
-    return dict(_read_counts=read_counts, _dst_bytes=dst_bytes, _link_bytes=link_bytes,
-                _src_ranks=ranks_u, _src_rank_bytes=rank_bytes, _pi_bytes=pi_bytes)
+    return dict(read_counts=read_counts, dst_bytes=dst_bytes, link_bytes=link_bytes,
+                src_ranks=ranks_u, src_rank_bytes=rank_bytes, pi_bytes=pi_bytes)
 
 
 def _assemble(src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances, links: _Links, runs: _Runs,
               pi_src: np.ndarray, pi_pack: np.ndarray, consumers: list, cindex: dict, balance: str,
               stale_packed: int, staggers: Optional[Mapping[Hashable, int]]) -> GlobalPlan:
-    """The compact ``GlobalPlan``: instances grouped by consumer (``_perm`` / ``_cstart``) plus the
-    tables ``materialize`` and ``pack_items`` read."""
+    """The compact ``GlobalPlan``: instances grouped by consumer (``perm`` / ``cstart``) plus the
+    tables ``materialize`` and ``pack_items`` read, as one frozen ``PlanTables``."""
     C, NPI, pi_c = len(consumers), inst.n, inst.c
     perm = np.argsort(pi_c, kind="stable") if NPI else np.zeros(0, np.int64)
     cstart = np.zeros(C + 1, np.int64)
@@ -91,16 +92,17 @@ def _assemble(src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances, 
     stagger = np.zeros(C, np.int64)
     for i, cid in enumerate(consumers):
         stagger[i] = int(staggers[cid]) if (staggers is not None and cid in staggers) else i
-    return GlobalPlan(
-        consumers=tuple(consumers), tensors=src.names, balance=balance, stale_packed=stale_packed,
-        _cindex=cindex, _D=src.D, **_totals(src, pieces, inst, links, runs, pi_src, C),
-        _perm=perm, _cstart=cstart, _pi_c=pi_c, _pi_P=inst.P, _pi_src=pi_src, _pi_tm=runs.tm,
-        _pi_sbase=runs.sbase, _pi_mlen=runs.mlen, _pi_tail=runs.tail, _pi_pack=pi_pack,
-        _P_row=pieces.row, _P_t=pieces.t, _P_lo=pieces.lo, _P_sz=pieces.sz, _P_dbase=pieces.dbase,
-        _row_region=req.region, _row_index=req.index, _row_scode=req.scode, _row_code=req.code,
-        _rec_rank=src.rec_rank, _rec_region=src.rec_region, _rec_link=links.rec_link, _rec_obj=src.rec_obj,
-        _n_links=links.n_links, _stagger=stagger, _tmpl=runs.tmpl, _T_n=runs.T_n,
+    tables = PlanTables(
+        consumers=tuple(consumers), cindex=cindex, stagger=stagger, perm=perm, cstart=cstart,
+        **_totals(src, pieces, inst, links, runs, pi_src, C),
+        pi_c=pi_c, pi_P=inst.P, pi_src=pi_src, pi_tm=runs.tm, pi_sbase=runs.sbase, pi_mlen=runs.mlen,
+        pi_tail=runs.tail, pi_pack=pi_pack,
+        P_row=pieces.row, P_t=pieces.t, P_lo=pieces.lo, P_sz=pieces.sz, P_dbase=pieces.dbase,
+        row_region=req.region, row_index=req.index, row_scode=req.scode, row_code=req.code,
+        rec_rank=src.rec_rank, rec_region=src.rec_region, rec_link=links.rec_link, rec_obj=src.rec_obj,
+        D=src.D, n_links=links.n_links, tmpl=runs.tmpl, T_n=runs.T_n,
     )
+    return GlobalPlan(tables, tensors=src.names, balance=balance, stale_packed=stale_packed)
 
 
 def plan_global(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]], *,
