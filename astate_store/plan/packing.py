@@ -8,12 +8,14 @@ planning converges in one round trip.
 
 from __future__ import annotations
 
+from itertools import chain, repeat
+from operator import itemgetter
 from typing import Hashable, Mapping, Optional
 
 import numpy as np
 
 from ..errors import PlanError
-from ..layout import Box, ShardRecord
+from ..layout import Box, ShardRecord, _frozen
 from .contracts import CostModel, PackedInput, PackedShard, PackItem
 from .intersect import _Instances, _Pieces
 from .shards import _Sources
@@ -60,21 +62,25 @@ def _match_packed(src: _Sources, pk: list[tuple[ShardRecord, tuple]], pieces: _P
         return src, None, 0
     override = np.full(inst.n, -1, np.int64)
     src, prec_idx, prec_sz = src.with_packed([r for r, _ in pk])
-    lens = np.fromiter((len(cs) for _, cs in pk), np.int64, len(pk))
-    ent_c = np.array([cindex.get(cid, -1) for _, cs in pk for cid in cs], np.int64)
+    lens = np.fromiter(map(len, map(itemgetter(1), pk)), np.int64, len(pk))
+    ent_c = np.fromiter(map(cindex.get, chain.from_iterable(map(itemgetter(1), pk)), repeat(-1)), np.int64,
+                        int(lens.sum()))
     ent_j = np.repeat(np.arange(len(pk)), lens)
     keep = ent_c >= 0
     ent_c, ent_j = ent_c[keep], ent_j[keep]
+    # boxes first: one id per distinct (tensor, lo, sz) over pieces and packed records (tens of
+    # thousands of rows, not one per (consumer, record) entry); then (box, request) as one int
+    kP = np.concatenate([pieces.t[:, None], pieces.lo, pieces.sz], axis=1)
+    kR = np.concatenate([src.rec_t[prec_idx][:, None], src.rec_lo[prec_idx], prec_sz], axis=1)
+    _, _, bid = _unique_rows(np.concatenate([kP, kR]))
+    U = int(max(pieces.u.max(initial=-1), u_of_c.max(initial=-1))) + 1
+    gP = bid[:pieces.n] * U + pieces.u
+    gE = bid[pieces.n:][ent_j] * U + u_of_c[ent_c]
     prec = prec_idx[ent_j]
-    eu = u_of_c[ent_c]
-    # group pieces and entries by (request, tensor, lo, sz); every piece of the group matches
-    kP = np.concatenate([pieces.u[:, None], pieces.t[:, None], pieces.lo, pieces.sz], axis=1)
-    kE = np.concatenate([eu[:, None], src.rec_t[prec][:, None], src.rec_lo[prec], prec_sz[ent_j]], axis=1)
-    _, _, gid = _unique_rows(np.concatenate([kP, kE]))
-    gP, gE = gid[:pieces.n], gid[pieces.n:]
     po = np.argsort(gP, kind="stable")
-    lo_i = np.searchsorted(gP[po], gE, side="left")
-    hi_i = np.searchsorted(gP[po], gE, side="right")
+    sP = gP[po]
+    lo_i = np.searchsorted(sP, gE, side="left")
+    hi_i = np.searchsorted(sP, gE, side="right")
     nm = hi_i - lo_i
     stale = int((nm == 0).sum())
     e_rep = np.repeat(np.arange(len(gE)), nm)
@@ -107,8 +113,18 @@ def _build_pack_items(plan: PlanTables) -> dict[int, list[PackItem]]:
         return out
     P = plan.pi_P[pis]
     srcr = plan.pi_src[pis]
-    key = np.concatenate([srcr[:, None], plan.P_t[P][:, None], plan.P_lo[P], plan.P_sz[P]], axis=1)
-    _, first, inv = _unique_rows(key)
+    # distinct (source, piece) pairs first (one int each; consumers sharing a request sequence
+    # share its pieces), in first-seen order; then the distinct boxes among those pairs
+    k1 = srcr * (int(P.max()) + 1) + P
+    _, f1, inv1 = np.unique(k1, return_index=True, return_inverse=True)
+    o1 = np.argsort(f1, kind="stable")
+    r1 = np.empty_like(o1)
+    r1[o1] = np.arange(len(o1))
+    f1 = f1[o1]
+    P1, s1 = P[f1], srcr[f1]
+    _, first2, inv2 = _unique_rows(np.concatenate([s1[:, None], plan.P_t[P1][:, None], plan.P_lo[P1],
+                                                   plan.P_sz[P1]], axis=1))
+    first, inv = f1[first2], inv2[r1[inv1.reshape(-1)]]
     G = len(first)
     # consumers of each item, sorted and deduplicated (one consumer may read a box twice)
     pc = plan.pi_c[pis]
@@ -126,11 +142,13 @@ def _build_pack_items(plan: PlanTables) -> dict[int, list[PackItem]]:
     sz_l = plan.P_sz[Pf].tolist()
     rec_l = srcr[first].tolist()
     rec_obj = plan.rec_obj
+    # checked fields: build the frozen records without their per-field __setattr__ (46k items for a
+    # 1T-parameter fleet, where the dataclass constructors were most of this function)
     for g in range(G):
         rec = rec_obj[rec_l[g]]
         cut = D - len(rec.global_shape)
-        box = Box(tuple(lo_l[g][cut:]), tuple(sz_l[g][cut:]))
-        item = PackItem(rec, box, tuple(cons_l[bounds[g]:bounds[g + 1]]))
+        box = _frozen(Box, {"offsets": tuple(lo_l[g][cut:]), "sizes": tuple(sz_l[g][cut:])})
+        item = _frozen(PackItem, {"source": rec, "box": box, "consumers": tuple(cons_l[bounds[g]:bounds[g + 1]])})
         lst = out.get(rec.rank)
         if lst is None:
             out[rec.rank] = [item]

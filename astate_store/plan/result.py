@@ -43,10 +43,11 @@ class GlobalPlan:
     Public attributes: ``consumers`` (sorted ids), ``tensors`` (names, indexed by the reads'
     ``tensor``), ``balance``, ``stale_packed`` (packed entries that matched no piece), and
     ``tables`` (the planner's frozen ``PlanTables``). The plan adds only its caches: each
-    consumer's materialized reads and the pack items.
+    consumer's materialized reads, the pack items and the planner's stages before packing.
     """
 
-    def __init__(self, tables: PlanTables, tensors: tuple, balance: str, stale_packed: int) -> None:
+    def __init__(self, tables: PlanTables, tensors: tuple, balance: str, stale_packed: int,
+                 prepared: object = None) -> None:
         self.tables = tables
         self.consumers = tables.consumers
         self.tensors = tensors
@@ -54,6 +55,9 @@ class GlobalPlan:
         self.stale_packed = stale_packed
         self._reads_cache: dict[int, np.ndarray] = {}
         self._pack_cache: Optional[dict] = None
+        # the planner's stages before packed copies (``planner._Prepared``): kept alive with the
+        # plan so the pass with the packed copies it asked for reuses them
+        self._prepared = prepared
 
     def __repr__(self) -> str:
         return (f"GlobalPlan(consumers={len(self.consumers)}, tensors={len(self.tensors)}, "
