@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 from astate_store import checkpoint as ckpt
 from astate_store.catalog import CheckpointEntry
 from astate_store.checkpoint.storage import resolve as resolve_uri
-from astate_store.catalog.checkpoints import pieces_present
+from astate_store.catalog.checkpoints import commit_epoch, pieces_present
 from astate_store.catalog.records import Version
 from astate_store.catalog.agreement import RecoveryPlan
 from astate_store.context import StoreContext
@@ -330,7 +330,8 @@ def _await_commit(ctx: StoreContext, step: int, timeout: float) -> Version:
 
     While it has not, each round (at most every 0.5 s; the ``latest`` watch wakes it at a commit)
     asks the catalog whether it still can: this session not fenced, no newer step committed, and
-    every rank whose piece is missing still a live member.
+    every rank whose piece is missing still a live member (once it was one: a step of this
+    session committed).
 
     Raises:
         CheckpointNotCommitted: it cannot commit, or did not within ``timeout`` (names the ranks
@@ -356,8 +357,10 @@ def _await_commit(ctx: StoreContext, step: int, timeout: float) -> Version:
         if latest is not None and latest > step:
             raise CheckpointNotCommitted(f"{what}, and step {latest} is already committed (steps only move "
                                          "forward: it can never commit)", step=step, missing=missing, reason="stale")
-        gone = sorted(set(missing) - cat.sessions.live_ranks(s.epoch))
-        if gone:
+        # A rank that is no live member either has not joined yet (sessions open at the first
+        # put) or has left; once a step of this epoch committed, every rank had joined.
+        gone = sorted(set(missing) - cat.sessions.live_ranks(s.epoch) - {s.rank})
+        if gone and latest is not None and commit_epoch(cat.client, latest) == s.epoch:
             raise CheckpointNotCommitted(f"{what}, and ranks {gone} left the session (their leases expired)",
                                          step=step, missing=missing, reason="rank_gone")
         left = deadline - time.monotonic()

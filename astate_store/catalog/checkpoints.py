@@ -14,7 +14,7 @@ from astate_store.model import codec
 from astate_store.catalog.client import EtcdClient
 from astate_store.catalog.records import CheckpointEntry, Skips, numbered_records, pad20, parse_pad20
 
-__all__ = ["CheckpointIndex", "pieces_present"]
+__all__ = ["CheckpointIndex", "pieces_present", "commit_epoch"]
 
 
 class CheckpointIndex:
@@ -79,3 +79,16 @@ def pieces_present(client: EtcdClient, step: int, epoch: int) -> set[int]:
         if r is not None:
             out.add(r)
     return out
+
+
+def commit_epoch(client: EtcdClient, step: int) -> int | None:
+    """The session epoch that committed ``step`` (None: not committed, or its record is bad —
+    the caller then knows nothing more than before)."""
+    key = client.key("versions", pad20(step), "commit")
+    raw, _m = client.call("get commit", lambda: client.raw.get(key))
+    if raw is None:
+        return None
+    try:
+        return int(codec.decode("commit", raw)["epoch"])
+    except CodecError:
+        return None

@@ -15,7 +15,7 @@ from astate_store import checkpoint as ckpt
 from astate_store.store import Store
 
 from tests._procs import CTX
-from tests._store_workers import SPECS, value
+from tests._store_workers import SPECS, local_tensors, value
 from tests.checkpoint._lifecycle_workers import rank_main
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,8 +107,9 @@ def test_step_that_cannot_commit_raises_a_typed_error_naming_missing_ranks(etcd:
         g.exit(2)
         m = g.send([0], "ckpt", 3, uri, {"timeout": 60})[0]
         assert m[3:6] == ("CheckpointNotCommitted", "rank_gone", [2]), m
-        # A new session fences this one.
-        with Store(ns, endpoint=etcd.endpoint, rank=0, world_size=1, transport="shm", session_id=f"{ns}-new"):
+        # A new session (opened by its first put) fences this one.
+        with Store(ns, endpoint=etcd.endpoint, rank=0, world_size=1, transport="shm", session_id=f"{ns}-new") as s:
+            s.put(4, local_tensors("mixed", 4, 0, 1))
             m = g.send([1], "ckpt", 3, uri, {"timeout": 60, "asynchronous": True})[1]
             assert m[3:6] == ("CheckpointNotCommitted", "fenced", [2]), m
         assert ckpt.list_checkpoints(uri) == []
@@ -119,8 +120,6 @@ def test_step_that_cannot_commit_raises_a_typed_error_naming_missing_ranks(etcd:
 def test_store_checkpoint_retention_removes_from_storage_and_catalog(etcd: Any, tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     with Store(_ns(), endpoint=etcd.endpoint, transport="shm") as s:
-        from tests._store_workers import local_tensors
-
         for step in range(1, 10):
             s.put(step, local_tensors("mixed", step, 0, 1))
             assert s.checkpoint(step, uri, keep_last=2, keep_every=4) is True
