@@ -102,8 +102,8 @@ class ReaderLease:
 
     def __enter__(self) -> "ReaderLease":
         sdir = self.loc.step_dir(self.step)
-        if self.loc.fs.get_file_info(sdir).type == pafs.FileType.NotFound:
-            return self  # nothing to protect; the read raises CheckpointNotFound
+        if self.loc.fs.get_file_info(posixpath.join(sdir, COMMIT_NAME)).type == pafs.FileType.NotFound:
+            return self  # nothing to protect (and no lease left in a directory removed meanwhile)
         try:
             self._write()
             self.held = True

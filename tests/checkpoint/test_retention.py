@@ -9,18 +9,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
 from astate_store import checkpoint as ckpt
 from astate_store.errors import CheckpointError, CheckpointInUse, CheckpointNotFound
 
-from tests._checkpoint_workers import rank_shards
+from tests._checkpoint_workers import SPEC, expected, rank_shards
 from tests._procs import CTX
 from tests._store_workers import SPECS, local_tensors, value
 from tests.checkpoint._lifecycle_workers import paused_part, paused_restore
 
 pytestmark = pytest.mark.timeout(120)
+
+SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "schemas" / "checkpoint_manifest.json").read_text())
 
 def _write(uri: str, step: int) -> None:
     """A complete one-rank checkpoint of the "mixed" model at ``step``."""
@@ -65,7 +68,9 @@ def test_a_tombstoned_step_is_not_restored(tmp_path: Path) -> None:
     uri = str(tmp_path / "c")
     for s in (1, 2):
         _write(uri, s)
-    (tmp_path / "c" / f"step-{1:020d}" / ckpt.leases.REMOVING_NAME).write_text("{}")
+    tomb = {"format": ckpt.FORMAT, "kind": "removing", "step": 1, "by": "a test"}
+    jsonschema.validate(tomb, {"$defs": SCHEMA["$defs"], "$ref": "#/$defs/removing"})
+    (tmp_path / "c" / f"step-{1:020d}" / ckpt.leases.REMOVING_NAME).write_text(json.dumps(tomb))
     bufs = {"norm": torch.zeros(48)}
     with pytest.raises(CheckpointNotFound, match="being removed"):
         ckpt.restore(uri, bufs, step=1)
@@ -92,6 +97,8 @@ def test_retention_under_a_concurrent_restore(tmp_path: Path) -> None:
     p, go, out, _ = _start_restore(uri, 1, ttl=30.0)
     try:
         assert len(ckpt.live_readers(ckpt.storage.resolve(uri), 1)) == 1
+        (lease,) = (tmp_path / "c" / f"step-{1:020d}").glob("reader-*.lease")
+        jsonschema.validate(json.loads(lease.read_text()), {"$defs": SCHEMA["$defs"], "$ref": "#/$defs/reader_lease"})
         assert ckpt.policy_view(uri, ckpt.RetentionPolicy(1)) == {1: "reading", 2: "remove", 3: "newest"}
         res = ckpt.apply_retention(uri, ckpt.RetentionPolicy(1))
         assert res.removed == [2] and list(res.busy) == [1], res
@@ -153,6 +160,9 @@ def test_retention_under_a_concurrent_write(tmp_path: Path) -> None:
     ckpt.write_part(uri, 4, 1, 2, rank_shards(4, 1, 2), checksum="crc32", fsync=False)
     assert ckpt.try_commit(uri, 4, 2)
     assert ckpt.list_checkpoints(uri) == [3, 4]
+    bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _, _) in SPEC.items()}
+    assert ckpt.restore(uri, bufs) == 4
+    assert all(torch.equal(bufs[n], expected(n, 4)) for n in SPEC)
     assert ckpt.apply_retention(uri, ckpt.RetentionPolicy(1), upto=4).removed == [3]
 
 
