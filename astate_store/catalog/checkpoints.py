@@ -51,7 +51,7 @@ class CheckpointIndex:
         gone = []
         for step in steps:
             key = self.client.key("checkpoints", pad20(step))
-            raw, meta = self.client.call("get checkpoint", lambda: self.client.raw.get(key))
+            raw, meta = self.client.call("get checkpoint", lambda k=key: self.client.raw.get(k))
             if raw is None:
                 continue
             try:
