@@ -44,6 +44,7 @@ from astate_store.get.sources import (
     assign,
     bases,
     byte_spans,
+    check_live,
     converted_layout,
     dest_records,
     failover_order,
@@ -94,6 +95,7 @@ class Consumer:
         self._spans: dict[object, list[tuple[int, int, int]]] = {}  # (layout id, buffers) -> byte spans
         self._wanted: tuple[object, Wanted, bool] = (None, {}, False)  # buffers: (box, dtype) per name, all host
         self._whole: tuple[object, bool] = (None, False)  # buffers: all whole contiguous host tensors
+        self._tries_for: tuple[object, list[dict[str, SourceGroup]]] = (None, [])  # (sources, buffers) -> sets
 
     def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
                  progress: Progress | None = None) -> int:
@@ -220,12 +222,8 @@ class Consumer:
                 self._ops_cache.clear()
                 raise
         groups = self._groups(version)
+        tries = self._tries(version, groups, dests)
         t.plan += _now() - t0  # choosing and connecting sources counts with planning
-        if not groups:
-            raise PeerUnreachable(
-                f"namespace {self.ctx.namespace!r}: step {version.step}: publisher ranks {sorted(version.missing)} "
-                "are gone (their leases expired) and no consumer re-serves the version")
-        tries = failover_order(groups, dests)
         for i, gs in enumerate(tries):
             try:
                 return self._pull_from(version, gs, dests, t)
@@ -240,6 +238,26 @@ class Consumer:
                 log.warning("namespace %s: step %d: reading from %s failed (%s); failing over to %s",
                             self.ctx.namespace, version.step, "+".join(sorted(gs)), exc,
                             "+".join(sorted(tries[i + 1])))
+
+    def _tries(self, version: Version, groups: dict[str, SourceGroup], dests: list[Entry]
+               ) -> list[dict[str, SourceGroup]]:
+        """The group sets to try in turn (``failover_order``), once per sources and buffers.
+        With publisher ranks gone, first check (before any byte moves) that live sources hold
+        every byte asked for (``check_live``), else raise ``NoLiveSource`` naming what is lost."""
+        key = (version.layout_key, version.missing, self.buffers.fingerprint)
+        if self._tries_for[0] != key:
+            if version.missing:
+                check_live(version, groups, dests, lambda: self._gone_manifests(version))
+            if not groups:
+                raise PeerUnreachable(
+                    f"namespace {self.ctx.namespace!r}: step {version.step}: publisher ranks "
+                    f"{sorted(version.missing)} are gone (their leases ended) and no consumer re-serves the version")
+            self._tries_for = (key, failover_order(groups, dests))
+        return self._tries_for[1]
+
+    def _gone_manifests(self, version: Version) -> dict[int, Any]:
+        """The manifests (leaseless: what each rank held) of the version's gone publisher ranks."""
+        return {r: m for r, m in self.ctx.catalog.versions.manifests_of(version).items() if r in version.missing}
 
     def _warm(self, version: Version, dests: list[Entry]) -> None:
         """Before planning a pull from the publishers: connect them and tell the transport which
