@@ -19,6 +19,7 @@ __all__ = [
     "PlanError",
     "TransportError",
     "PeerUnreachable",
+    "NoLiveSource",
     "TornReadError",
     "CheckpointError",
     "CheckpointNotFound",
@@ -116,6 +117,22 @@ class TransportError(AStateError):
 
 class PeerUnreachable(TransportError):
     """A source process is gone or cannot be connected."""
+
+
+class NoLiveSource(PeerUnreachable):
+    """Some bytes a pull asked for are held only by publisher ranks that are gone (their leases
+    ended), and no live publisher, replica or re-serving consumer holds them. Raised before any
+    byte moves. ``step``: the version; ``holes``: (tensor, box offsets, box sizes, ranks that
+    held that box) for each piece that has no live source."""
+
+    def __init__(self, message: str, *, step: int | None = None,
+                 holes: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] | None = None):
+        super().__init__(message)
+        self.step = step
+        self.holes = list(holes or [])
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep step and holes across processes (pickle)
+        return (type(self), self.args, {"step": self.step, "holes": self.holes})
 
 
 class TornReadError(AStateError):

@@ -458,8 +458,29 @@ class Store:
 
     # ---- lifetime ------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def drain(self, timeout: float) -> int:
+        """Wait, bounded by ``timeout`` seconds, until every live consumer of the namespace has
+        finished reading the newest version this rank put, or has left; then a publisher may exit
+        without cutting a reader off its last version. Live consumers are those with a consumer
+        record (every store registers one on its first ``get_into``), those that have not started
+        that read yet included; a consumer that died holds the drain no longer than its lease
+        (``lease_ttl``). This store's own pulls do not count. Returns how many consumers had
+        neither read it nor left (0: drained; also when this store never put).
+
+        Raises:
+            LayoutError: ``timeout`` is not a number of seconds >= 0.
+        """
+        _step, t = _check_wait(None, timeout, "drain")
+        if t is None:
+            raise LayoutError("drain(timeout=...) needs a number of seconds >= 0, got None")
+        return self._publisher.drain(t)
+
+    def close(self, drain: bool = False, timeout: float | None = None) -> None:
         """Leave the session (members, layouts and readers vanish at once) and free memory.
+
+        With ``drain=True``, first :meth:`drain` (bounded by ``timeout``, default
+        ``retire_timeout``): every live consumer reads the newest version this rank put, or
+        leaves, before this rank's memory goes.
 
         Memory that peers may be reading right now — re-served buffers, snapshot slots, tensors
         published in place — is withdrawn or retired first (readers waited for up to
@@ -467,6 +488,12 @@ class Store:
         that is freed or handed back to the caller."""
         if self._closed:
             return
+        if drain:
+            _step, t = _check_wait(None, timeout, "close")
+            try:
+                self._publisher.drain(self._ctx.options.retire_timeout if t is None else t)
+            except Exception as exc:  # closing goes on: an unreachable etcd must not keep a rank alive
+                log.warning("close(drain=True): drain failed: %s", exc)
         self._closed = True
         for what, release in (("re-served buffers", self._serving.withdraw), ("published steps", self._publisher.retire_all)):
             try:

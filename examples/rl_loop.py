@@ -13,8 +13,9 @@
 - Verification, each step: every rollout sends its logits on a fixed prompt back through the store (the
   ``<namespace>-acks`` namespace, one rank per rollout); trainer rank 0 compares them bit for bit with the
   logits its own FSDP2 model computes on the same prompt. The trainer waits for the acks before the next
-  step (synchronous, on-policy RL), and the rollouts wait for ``<namespace>-done`` before leaving, so no
-  process leaves while another still reads its memory.
+  step (synchronous, on-policy RL). Every publisher drains before it leaves (``store.drain``: its
+  consumers have read its last version, or have left), so no process leaves while another still reads
+  its memory.
 
 Run it standalone (an embedded etcd unless ``--etcd``): ``python examples/rl_loop.py``. Or launch the sides
 yourself (docs/rl.md): ``torchrun --nproc-per-node 2 examples/rl_loop.py --role trainer --etcd H:P`` and
@@ -83,9 +84,6 @@ class LoopOptions:
     def acks(self) -> str:
         return self.namespace + "-acks"
 
-    @property
-    def done(self) -> str:
-        return self.namespace + "-done"
 
 
 @dataclass(frozen=True)
@@ -271,11 +269,7 @@ def train(rank: int, world: int, o: LoopOptions, *, echo: bool = True,
                     on_report(reports[-1])
             prev = ref
             dist.barrier()  # the next step's put only after rank 0 saw every rollout's ack
-        if acks is not None:
-            done = astate_store.connect(o.done, etcd=o.etcd, rank=0, world_size=1)
-            # Rollouts only wait for this commit (etcd); no one reads the tensor, so we may leave at once.
-            done.put(o.steps, {"done": torch.ones(1)})
-            done.close()
+        store.drain(o.timeout)  # the rollouts have read the last weights (they acked them) or left
         log.info("trainer %d: done", rank)
     finally:
         store.close()
@@ -401,8 +395,7 @@ def rollout(index: int, kind: str, o: LoopOptions, *, echo: bool = False) -> lis
             if echo:
                 print(f"{label} step {got}: sync {times[-1] * 1e3:.1f} ms, generated {out[0, o.prompt_len:].tolist()}",
                       flush=True)
-        with astate_store.connect(o.done, etcd=o.etcd) as done:
-            done.wait(o.steps, timeout=o.timeout)  # trainer rank 0 has read our last ack
+        acks.drain(o.timeout)  # trainer rank 0 has read our last ack (or left)
         log.info("rollout %d: done", index)
     log.info("rollout %d: closed", index)
     return times

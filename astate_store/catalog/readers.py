@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
+from dataclasses import replace
 from typing import Any, Iterable
 
 from pyetcd import transactions as tx
@@ -20,7 +22,7 @@ from astate_store.model import codec
 from astate_store.errors import CodecError, VersionNotFound
 from astate_store.catalog.client import EtcdClient, range_end
 from astate_store.catalog.consumers import Consumers
-from astate_store.catalog.records import Skips, Version, pad20, version_from_kvs
+from astate_store.catalog.records import Skips, Version, pad20, parse_pad20, version_from_kvs
 from astate_store.catalog.sessions import Sessions
 
 __all__ = ["Readers", "replica_source"]
@@ -53,6 +55,8 @@ class Readers:
         # (step, reader id) -> the revision that registered the reader: end_read succeeds only if
         # its record is still that one (a record overwritten by anyone else fails the read).
         self._open: dict[tuple[int, str], int] = {}
+        # member key -> (mod revision, (epoch, rank) or None when the record is bad): decoded once
+        self._members: dict[str, tuple[int, tuple[int, int] | None]] = {}
 
     def begin_read(self, step: int, reader_id: str) -> Version:
         """Register as a reader of ``step`` and read its commit and pieces, in one transaction.
@@ -66,23 +70,63 @@ class Readers:
         retired = c.key("retired", pad20(step)) + "/"
         reader = codec.encode("reader", {"step": step, "reader_id": reader_id, "host": socket.gethostname(),
                                          "pid": os.getpid()})
+        members = c.key("members") + "/"
         resp = c.txn_raw(f"begin read {step}", [
             tx.Version(vkey + "/commit") > 0,
             tx.Version(retired, range_end(retired)) == 0,
         ], [
             tx.Put(c.key("readers", pad20(step), reader_id), reader, lease=c.reader_lease()),
             tx.Get(vkey + "/", range_end(vkey + "/")),
+            # Which publisher ranks are alive, at the same revision: their member records hang on
+            # the leases their layouts hang on. One range of one small record per live rank.
+            tx.Get(members, range_end(members)),
         ])
         if not resp.succeeded:
             raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed or was retired")
         self._open[(step, reader_id)] = int(resp.header.revision)
         try:
             kvs = [(kv.value, kv) for kv in resp.responses[1].response_range.kvs]
-            return version_from_kvs(c.namespace, step, kvs, self.skips)
+            version = version_from_kvs(c.namespace, step, kvs, self.skips)
+            live = self._live_members(members, resp.responses[2].response_range.kvs)
+            gone = frozenset(r for r, p in version.pieces.items() if (p.epoch, p.rank) not in live)
+            return replace(version, missing=gone) if gone else version
         except BaseException:
             # Registered but unusable: do not leave a publisher waiting for this reader.
             self.end_read(step, reader_id)
             raise
+
+    def _live_members(self, pre: str, kvs: Iterable[Any]) -> set[tuple[int, int]]:
+        """(epoch, rank) of every member record under ``pre`` that is what its key says; a bad one
+        is skipped (counted, logged once) and its rank counts as gone. Each record is decoded once
+        per revision, so a steady read decodes nothing."""
+        live: set[tuple[int, int]] = set()
+        checked: dict[str, tuple[int, tuple[int, int] | None]] = {}
+        for kv in kvs:
+            key = kv.key.decode("utf-8", "replace")
+            known = self._members.get(key)
+            if known is None or known[0] != kv.mod_revision:
+                known = (kv.mod_revision, self._member(pre, key, kv.value, kv.mod_revision))
+            checked[key] = known
+            if known[1] is not None:
+                live.add(known[1])
+        self._members = checked
+        return live
+
+    def _member(self, pre: str, key: str, value: bytes, rev: int) -> tuple[int, int] | None:
+        parts = key[len(pre):].split("/")
+        epoch, rank = (parse_pad20(parts[0]), parse_pad20(parts[1])) if len(parts) == 2 else (None, None)
+        if epoch is None or rank is None:
+            self.skips(key, "not a member key (members/<epoch>/<rank>, 20 digits each)", rev)
+            return None
+        try:
+            d = codec.decode("member", value)
+        except CodecError as exc:
+            self.skips(key, str(exc), rev)
+            return None
+        if (d["epoch"], d["rank"]) != (epoch, rank):
+            self.skips(key, f"member record of epoch {d['epoch']} rank {d['rank']} under this key", rev)
+            return None
+        return epoch, rank
 
     def end_read(self, step: int, reader_id: str, sources: Iterable[int | str] | None = None) -> bool:
         """Unregister; True when none of ``sources`` changed the memory of ``step`` while this
@@ -209,3 +253,44 @@ class Readers:
             if not missing or remaining <= 0:
                 return missing
             c.wait_change(pre, remaining, prefix=True, start_revision=rev + 1)
+
+    def wait_drained(self, step: int, timeout: float, *, exclude: Iterable[str] = ()) -> set[str]:
+        """Wait (bounded) until every live consumer of the namespace — each one with a consumer
+        record, including those that have not started reading ``step`` yet — has finished a good
+        read of ``step`` or has left (its record goes with its lease: a dead consumer holds the
+        wait no longer than its lease). Returns the consumers that had done neither.
+
+        Each round: one range read of the step's delivery records, the consumer list (keys only
+        in a steady state), then one watch over both until something changes."""
+        c = self.client
+        pre = c.key("delivered", pad20(step)) + "/"
+        cons = c.key("consumers") + "/"
+        mine = set(exclude)
+        deadline = time.monotonic() + timeout
+        while True:
+            kvs, rev = c.get_prefix_rev(pre)
+            done = {m.key.decode("utf-8", "replace")[len(pre):] for _v, m in kvs}
+            waiting = self.consumers.ids() - done - mine
+            remaining = deadline - time.monotonic()
+            if not waiting or remaining <= 0:
+                return waiting
+            # ``consumers/`` sorts right before ``delivered/`` (no other family lies between): one
+            # watch over [consumers/, the end of this step's deliveries) sees a consumer come or
+            # go and a delivery of this step (deliveries of older steps only wake it once more).
+            self._wait_range(cons, range_end(pre), remaining, rev + 1)
+
+    def _wait_range(self, start: str, end: str, timeout: float, start_revision: int) -> None:
+        """One watch event on keys in [start, end) after ``start_revision``, or at most
+        ``min(timeout, 5)`` seconds (a lost watch stream is then made again by the caller)."""
+        c = self.client
+        event = threading.Event()
+        wid = c.call(f"watch {start}", lambda: c.raw.add_watch_callback(
+            start, lambda _resp: event.set(), range_end=end, start_revision=start_revision))
+        try:
+            event.wait(min(timeout, 5.0))
+        finally:
+            try:
+                c.raw.cancel_watch(wid)
+            except Exception:  # the stream may be gone already: nothing left to cancel
+                pass
+

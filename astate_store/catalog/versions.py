@@ -479,7 +479,9 @@ class Versions:
         """The version with the layouts of its live sources (cached by key: layouts are immutable
         and verified against the key they were read at). A publisher whose layout lease expired
         (the rank died) — or whose layout is bad — is listed in ``missing``; a re-serving consumer
-        that died, whose records are bad, or whose tensors are not the version's, is left out."""
+        that died, whose records are bad, or whose tensors are not the version's, is left out.
+        Ranks ``version.missing`` already names (``begin_read`` found their member record gone)
+        stay missing even when their layout is cached: a source whose lease ended is not dialled."""
         k = self.client.key
         manifests = {p.manifest_id: k("manifests", p.manifest_id) for p in version.pieces.values()}
         manifests.update({rp.manifest_id: k("layouts", "replicas", m, rp.manifest_id)
@@ -489,7 +491,7 @@ class Versions:
         rkeys = {m: k("layouts", "replicas", m, rp.layout_id) for m, rp in version.replicas.items()}
         want: dict[str, tuple[str, int | None, int | None]] = {}  # layout key -> (manifest id, epoch, rank)
         for r, p in version.pieces.items():
-            if pkeys[r] not in self._layouts:
+            if pkeys[r] not in self._layouts and r not in version.missing:
                 want[pkeys[r]] = (p.manifest_id, p.epoch, p.rank)
         for m, rp in version.replicas.items():
             if rkeys[m] not in self._layouts:
@@ -499,7 +501,7 @@ class Versions:
             if data is not None and mid in self._manifests:
                 self._decode(key, lambda: self._cache_layout(key, data, self._manifests[mid], epoch, rank))
         layouts = {r: self._layouts[pkeys[r]] for r, p in version.pieces.items()
-                   if self._usable(pkeys[r], p.manifest_id)}
+                   if r not in version.missing and self._usable(pkeys[r], p.manifest_id)}
         pub = tuple(sorted({p.manifest_id for p in version.pieces.values()})) if version.replicas else ()
         rlayouts = {m: self._layouts[rkeys[m]] for m, rp in version.replicas.items()
                     if self._usable(rkeys[m], rp.manifest_id) and self._replica_fits(pub, rkeys[m], rp.manifest_id)}

@@ -1,28 +1,25 @@
-"""The consuming side of a store: ``get_into``.
+"""The consuming side of a store: ``get_into``, its torn-read retry loop and its timing.
 
 get_into: catalog (wait for a commit, begin_read: register as a reader and read the version in
-one transaction) -> sources (which groups can serve it, which serves each buffer) -> plan (the
-byte ranges, cached while layouts and buffers stay the same) -> transport (one batched get)
--> buffers -> catalog (end_read: succeeds only if no source retired the memory meanwhile).
+one transaction, with which publisher ranks are alive) -> sources (which groups can serve it,
+which serves each buffer) -> plan (the byte ranges, cached while layouts and buffers stay the
+same) -> transport (one batched get) -> buffers -> catalog (end_read: succeeds only if no source
+retired the memory meanwhile).
+
+The roles are split by module: this one runs the pulls (the retry loop over versions, failover
+over source sets, the transfer and its figures); ``batches`` holds the plans and ready-made
+batches; ``links`` the connections to peers and prefaulting; ``sources`` (pure) chooses them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
-from operator import attrgetter, eq
-from dataclasses import replace
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Mapping
 
 import numpy as np
-import torch
 
-from astate_store.model import codec
-from astate_store import plan as planner
-from astate_store.catalog import Version
 from astate_store.context import StoreContext
-from astate_store.get.conversion import Conversion, Converter
 from astate_store.errors import (
     CatalogCorrupted,
     PeerUnreachable,
@@ -31,69 +28,38 @@ from astate_store.errors import (
     VersionNotFound,
     WaitTimeout,
 )
+from astate_store.catalog import Version
+from astate_store.get.batches import Batches, Work, conversion_nbytes
+from astate_store.get.conversion import Converter
+from astate_store.get.links import Links
+from astate_store.get.sources import PUBLISHERS, SourceGroup
 from astate_store.metrics import PullTimes
+from astate_store.model.layout import Entry, GCPaused, TensorLike
 from astate_store.model.progress import Progress, ProgressCounter
-from astate_store.model.layout import DTYPE_CODES, Box, Entry, GCPaused, ShardRecord, TensorLike
-from astate_store.plan.columns import whole_buffer_reads
-from astate_store.plan.prepack import consumer_requests
 from astate_store.model.validated import ValidatedTensors
-from astate_store.get.sources import (
-    PUBLISHERS,
-    SourceGroup,
-    Wanted,
-    assign,
-    bases,
-    byte_spans,
-    converted_layout,
-    dest_records,
-    failover_order,
-    publisher_peer,
-    read_spans,
-    source_groups,
-    to_transport_ops,
-)
 
-__all__ = ["Consumer"]
+__all__ = ["Consumer", "Work"]
 
 log = logging.getLogger("astate_store")
 
 _MAX_TORN_RETRIES = 8
-_CACHE = 8  # source-group sets and ready-made batches kept (consumers and re-servers come and go)
-_KEEP_PEERS = 4  # pulls a peer stays connected after its last appearance in a version's sources
-
 _PROGRESS_BATCH = 64 << 20  # with a progress callback, the batched reads go in parts of this many bytes
 _now = time.perf_counter
 
 
-class Work(NamedTuple):
-    """A ready-made pull: the batched ops, the local conversions, the sources the ops read from
-    (publisher ranks, or ``r-<member>`` of re-serving consumers: the torn markers end_read
-    checks), and its size — computed once, so a steady pull does no per-tensor accounting."""
-
-    ops: np.ndarray
-    conversions: list[Conversion]
-    sources: frozenset[object]
-    nbytes: int  # over the transport: same-dtype reads plus the conversions' staged reads
-    reads: int  # transport read operations
-
-
 class Consumer:
-    """One process's pulls: caches of source groups, connections and ready-made batches."""
+    """One process's pulls: the retry loop over versions and source sets, and its figures; the
+    plans and batches live in :class:`~astate_store.get.batches.Batches`, the connections in
+    :class:`~astate_store.get.links.Links`."""
 
     def __init__(self, ctx: StoreContext, converter: Converter):
         self.ctx, self.converter = ctx, converter
         self.buffers = ValidatedTensors("get_into(buffers)")
         self.delivered_step: int | None = None  # the step self.buffers.entries hold
-        self._planner = planner.Planner()
-        self._connected: dict[Any, str] = {}  # peer -> layout id its rkeys come from
-        self._groups_cache: OrderedDict[object, dict[str, SourceGroup]] = OrderedDict()
-        self._ops_cache: OrderedDict[object, Work] = OrderedDict()
-        self._pack_key: object = None
+        self.links = Links(ctx)
+        self.batches = Batches(ctx, converter, self.links, self.buffers)
         self._registered = False
         self._last: Work | None = None  # the batch the last good attempt ran
-        self._spans: dict[object, list[tuple[int, int, int]]] = {}  # (layout id, buffers) -> byte spans
-        self._wanted: tuple[object, Wanted, bool] = (None, {}, False)  # buffers: (box, dtype) per name, all host
-        self._whole: tuple[object, bool] = (None, False)  # buffers: all whole contiguous host tensors
 
     def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
                  progress: Progress | None = None) -> int:
@@ -190,18 +156,8 @@ class Consumer:
         t.metadata += _now() - t0
         return ok
 
-    # ---- one pull -------------------------------------------------------------------------
 
-    def _groups(self, version: Version) -> dict[str, SourceGroup]:
-        key = (version.layout_key, version.missing)
-        hit = self._groups_cache.get(key)
-        if hit is None:
-            hit = self._groups_cache[key] = source_groups(version)
-            while len(self._groups_cache) > _CACHE:
-                self._groups_cache.popitem(last=False)
-        else:
-            self._groups_cache.move_to_end(key)
-        return hit
+    # ---- one pull -------------------------------------------------------------------------
 
     def _pull(self, version: Version, dests: list[Entry], t: PullTimes) -> frozenset[object]:
         """Read every buffer from one set of sources; a source may have died without its lease
@@ -216,23 +172,16 @@ class Consumer:
             try:
                 return self._pull_from(version, None, dests, t)
             except TransportError:
-                self._connected.clear()  # endpoints of a failed read may be closed: afresh next time
-                self._ops_cache.clear()
+                self._afresh()
                 raise
-        groups = self._groups(version)
+        groups = self.batches.groups(version)
+        tries = self.batches.tries(version, groups, dests)
         t.plan += _now() - t0  # choosing and connecting sources counts with planning
-        if not groups:
-            raise PeerUnreachable(
-                f"namespace {self.ctx.namespace!r}: step {version.step}: publisher ranks {sorted(version.missing)} "
-                "are gone (their leases expired) and no consumer re-serves the version")
-        tries = failover_order(groups, dests)
         for i, gs in enumerate(tries):
             try:
                 return self._pull_from(version, gs, dests, t)
             except TransportError as exc:
-                # Endpoints of a failed read may be closed: connect and plan afresh next time.
-                self._connected.clear()
-                self._ops_cache.clear()
+                self._afresh()
                 if i == len(tries) - 1:
                     raise
                 t.failovers += 1
@@ -240,88 +189,28 @@ class Consumer:
                 log.warning("namespace %s: step %d: reading from %s failed (%s); failing over to %s",
                             self.ctx.namespace, version.step, "+".join(sorted(gs)), exc,
                             "+".join(sorted(tries[i + 1])))
+        raise AssertionError("failover_order gives at least one set")  # pragma: no cover
+
+    def _afresh(self) -> None:
+        """After a failed read: its endpoints may be closed, so connect and plan afresh next time."""
+        self.links.forget()
+        self.batches.clear()
 
     def _warm(self, version: Version, dests: list[Entry]) -> None:
-        """Before planning a pull from the publishers: connect them and tell the transport which
-        of their bytes the buffers' tensors occupy, so that a mapped same-host source has the
-        kernel map those pages on another core while this thread plans (~0.1 s per GiB, about
-        a third of a first pull). A hint: a failure here is left to the pull, which connects
-        and reports it itself. Only for a batch not built yet (new layouts, buffers or slots):
-        a ready-made one read these pages before."""
-        if version.missing or version.replica_layouts or not self._host_buffers(dests) or \
-                self._batch_key(version, (PUBLISHERS,)) in self._ops_cache:
-            return  # with re-serving groups, sources are chosen per buffer: nothing to guess ahead
-        for r, lay in version.layouts.items():
-            peer = publisher_peer(r, lay)
-            if not self._connect_peer(peer, lay, report=False):
-                continue
-            key = (lay.layout_id, self.buffers.fingerprint)
-            spans = self._spans.get(key)
-            if spans is None:
-                if len(self._spans) >= 4 * _CACHE:
-                    self._spans.clear()
-                # pre-packed copies too: a plan reads those instead of the strided shards
-                spans = self._spans[key] = byte_spans(lay.shards, lay.packed, self._wanted[1], lay.columns)
-            self.ctx.transport.prefault(peer, _shifted(spans, version.pieces[r].base_offset))
-
-    def _prefault_ahead(self, version: Version, work: Work) -> None:
-        """After the first good pull of a new batch: the byte ranges it read from each
-        publisher's slot, in that publisher's other staging slots (its piece lists them), mapped
-        in the background before a step first reads them — a slot's first read otherwise waits
-        for that with nothing left to overlap (the plan is cached by then)."""
-        spans, tr = read_spans(work.ops), self.ctx.transport
-        for r, lay in version.layouts.items():
-            piece, peer = version.pieces[r], publisher_peer(r, lay)
-            if len(piece.slot_bases) < 2 or self._connected.get(peer) != lay.layout_id:
-                continue
-            try:
-                index, base = tr.peer_index(peer), piece.base_offset
-            except KeyError:  # dropped meanwhile: a hint is not worth failing a good pull over
-                continue
-            mine = [(region, lo - base, hi - base) for region, lo, hi in spans.get(index, ()) if lo >= base]
-            for b in piece.slot_bases:
-                if b != base and mine:
-                    tr.prefault(peer, _shifted(mine, b))
-
-    def _host_buffers(self, dests: list[Entry]) -> bool:
-        """Whether every buffer is host memory (rows into device memory never read a mapping:
-        prefaulting one for them would be wasted); caches each tensor name's boxes too."""
-        fp = self.buffers.fingerprint
-        if self._wanted[0] is not fp:
-            wanted: dict[str, list[tuple[Box, str]]] = {}
-            for e in dests:
-                for n in (e.name, *e.aliases):
-                    wanted.setdefault(n, []).append((e.box, e.dtype))
-            self._wanted = (fp, wanted, all(e.tensor.is_cpu for e in dests))
-        return self._wanted[2]
-
-    def _batch_key(self, version: Version, gids: tuple[str, ...]) -> tuple[object, ...]:
-        """What a ready-made batch is cached under: sources, buffers and this step's slots."""
-        slots = tuple(p.base_offset for _r, p in sorted(version.pieces.items()))
-        return (version.layout_key, version.missing, gids, self.buffers.fingerprint, slots)
+        """Before planning a pull from the publishers, map the pages it will read (``Links.warm``).
+        Only for a batch not built yet (new layouts, buffers or slots): a ready-made one read
+        these pages before. With re-serving groups or gone ranks, sources are chosen per buffer:
+        nothing to guess ahead."""
+        if version.missing or version.replica_layouts or not self.batches.host_buffers(dests) or \
+                self.batches.ready(self.batches.key(version, (PUBLISHERS,))):
+            return
+        self.links.warm(version, self.batches.wanted, self.buffers.fingerprint)
 
     def _pull_from(self, version: Version, groups: Mapping[str, SourceGroup] | None, dests: list[Entry],
                    t: PullTimes) -> frozenset[object]:
         """One pull from ``groups`` (None: the version's publishers, its only source)."""
         t0 = _now()
-        # Steady state: same sources, same buffers, same staging slots -> the ready-made batch.
-        key = self._batch_key(version, (PUBLISHERS,) if groups is None else tuple(sorted(groups)))
-        work = self._ops_cache.get(key)
-        built = work is None
-        if built:
-            work = self._rebased(version, key)
-            if work is None:
-                work = self._build_columns(version, dests) if groups is None else None
-                if work is None:
-                    work = self._build_pull(version, self._groups(version) if groups is None else groups, dests)
-            else:
-                built = False  # its first build hinted every slot ahead
-            self._ops_cache[key] = work
-            while len(self._ops_cache) > _CACHE:
-                self._ops_cache.popitem(last=False)
-        else:
-            self._ops_cache.move_to_end(key)
-            self.ctx.stats.plan_hits += 1
+        work, built = self.batches.lookup(version, groups, dests)
         t1 = _now()
         t.plan += t1 - t0
         done = self._transfer(work, t)
@@ -330,43 +219,18 @@ class Consumer:
         for conv in work.conversions:
             self.converter.run(conv)
             if t.progress is not None:
-                done += _nbytes(conv)
+                done += conversion_nbytes(conv)
                 _report(t, done, work.nbytes)
         t3 = _now()
         t.convert += t3 - t2
-        self._disconnect_departed(version)
+        if self.links.disconnect_departed(version, lambda: self.batches.groups(version)):
+            self.batches.clear()  # ready-made batches may name the departed peers' indices
         if built and (groups is None or PUBLISHERS in groups) and not version.replica_layouts and \
-                self._host_buffers(dests):
-            self._prefault_ahead(version, work)
+                self.batches.host_buffers(dests):
+            self.links.prefault_ahead(version, work.ops)
         t.plan += _now() - t3  # connection upkeep counts with planning
         self._last = work
         return work.sources
-
-    def _rebased(self, version: Version, key: tuple[object, ...]) -> Work | None:
-        """The ready-made batch of the same sources and buffers in other staging slots, if one
-        is cached: each publisher's rows moved by the distance between its two slots (the same
-        layout, so every offset inside a slot is the same; the transport still checks each row).
-        A 10^4-tensor model's first read of its second slot otherwise re-planned (~0.2 s).
-        None when there is no such batch, or it converts locally (its chunks hold offsets too)."""
-        stem, slots = key[:-1], key[-1]
-        old = next(((k, w) for k, w in reversed(self._ops_cache.items())
-                    if k[:-1] == stem and not w.conversions), None)
-        if old is None or not len(old[1].ops) or len(old[0][-1]) != len(slots):  # type: ignore[arg-type]
-            return None
-        ops = old[1].ops.copy()
-        shift = np.zeros(int(ops[:, 0].max()) + 1, dtype=np.int64)
-        for r, was, now in zip(sorted(version.pieces), old[0][-1], slots):  # type: ignore[call-overload]
-            lay = version.layouts.get(r)
-            if was != now and lay is not None:
-                try:
-                    i = self.ctx.transport.peer_index(publisher_peer(r, lay))
-                except KeyError:  # not connected (dropped meanwhile): plan afresh
-                    return None
-                if i < len(shift):
-                    shift[i] = now - was
-        ops[:, 2] += shift[ops[:, 0]]
-        self.ctx.stats.plan_hits += 1
-        return old[1]._replace(ops=ops)
 
     def _transfer(self, work: Work, t: PullTimes) -> int:
         """Every same-dtype read in one batched call; with a progress callback, in parts of
@@ -384,199 +248,6 @@ class Consumer:
             _report(t, done, work.nbytes)
         return done
 
-    def _disconnect_departed(self, version: Version) -> None:
-        """After a good pull: close the endpoints (rkeys, pidfds) of peers that no source group
-        of the last ``_KEEP_PEERS`` pulled versions names (publishers that left or restarted,
-        withdrawn re-servers), so connections and ``_connected`` stay bounded. A steady state
-        (the same sources pull after pull) costs one comparison."""
-        key = (version.layout_key, version.missing)
-        st = self.__dict__.get("_departed")
-        if st is None:  # [sources key, pulls with it in a row, peers of the last pulls]
-            st = self.__dict__["_departed"] = [None, 0, deque(maxlen=_KEEP_PEERS)]
-        if st[0] == key:
-            st[1] += 1
-            if st[1] > _KEEP_PEERS:
-                return  # every peer that left was disconnected when the window filled
-            peers = st[2][-1]
-        else:
-            peers = frozenset(publisher_peer(r, lay) for r, lay in version.layouts.items()) \
-                if not version.missing and not version.replica_layouts else \
-                frozenset(peer for g in self._groups(version).values() for peer, _r, _l in g.sources.values())
-            st[0], st[1] = key, 1
-        st[2].append(peers)
-        live = frozenset().union(*st[2])
-        tr = self.ctx.transport
-        gone = [p for p in tr.peers if p not in live]
-        for p in gone:
-            try:
-                tr.disconnect(p)
-            except Exception as exc:  # the pull succeeded: a failed close must not undo it
-                log.warning("disconnecting departed peer %s failed: %s", p, exc)
-        for p in [p for p in self._connected if p not in live]:
-            del self._connected[p]
-        if gone:
-            self._ops_cache.clear()  # ready-made batches may name the departed peers' indices
-            log.info("step %d: disconnected %d peers no recent version lists (%s)", version.step, len(gone),
-                     ", ".join(map(str, gone[:4])) + (", ..." if len(gone) > 4 else ""))
-
-    def _build_pull(self, version: Version, groups: Mapping[str, SourceGroup], dests: list[Entry]) -> Work:
-        """Plan every buffer against its source group: same-dtype reads into one batch; other
-        dtypes from publisher-converted copies when they exist, else a local conversion."""
-        batches, conversions = [], []
-        for gid, items in assign(groups, dests, self.ctx.rotation).items():
-            g = groups[gid]
-            self._connect(g)
-            base = bases(version, g)
-            same = [e for e in items if e.dtype == g.layouts[e.name].dtype]
-            convert = [e for e in items if e.dtype != g.layouts[e.name].dtype]
-            cp, same_recs = None, dest_records(same)
-            if same:
-                cp = self._plan(g, same_recs)
-                batches.append(self._ops(g, base, cp.reads, same))
-            for e in convert:
-                ready = converted_layout(g, e)
-                if ready is not None:  # the publisher already converted this buffer's pieces
-                    cg = replace(g, layouts={e.name: ready}, packed=(), key=(g.key, "conv", e.name, e.dtype))
-                    batches.append(self._ops(cg, base, self._plan(cg, dest_records([e])).reads, [e]))
-                else:
-                    conversions.append(self.converter.plan(g, base, e, lambda gg, recs: self._plan(gg, recs).reads))
-            if self.ctx.options.prepack and gid == PUBLISHERS:
-                self._request_packs(g, same_recs, cp, convert)
-        ops = np.concatenate(batches) if batches else np.empty((0, 5), dtype=np.int64)
-        reads = len(ops) + sum(len(c[0]) for conv in conversions for c in conv.chunks)
-        nbytes = int(ops[:, 4].sum()) + sum(_nbytes(conv) for conv in conversions)
-        return Work(ops, conversions, self._sources_read(groups, ops, conversions), nbytes, reads)
-
-    def _build_columns(self, version: Version, dests: list[Entry]) -> Work | None:
-        """The first pull of whole-tensor host buffers from publishers whose shards tile each
-        tensor along one dim: one read per shard, planned from the layouts' columns
-        (``plan.columns``) without a record or layout object per tensor. None for anything else
-        (the general planner's, which also names bad buffers)."""
-        fp = self.buffers.fingerprint
-        if self._whole[0] is not fp:
-            self._whole = (fp, self._host_buffers(dests) and _whole_contiguous(dests))
-        ranks = sorted(version.layouts)
-        lays = [version.layouts[r] for r in ranks]
-        if not self._whole[1] or any(lay.columns is None or lay.packed for lay in lays):
-            return None
-        reads = whole_buffer_reads([lay.columns for lay in lays], list(map(_NAME, dests)),  # type: ignore[misc]
-                                   np.fromiter(map(DTYPE_CODES.__getitem__, map(_DTYPE, dests)), np.int64, len(dests)),
-                                   list(map(_SHAPE, dests)), self.ctx.rotation)
-        if reads is None:
-            return None
-        peers = [publisher_peer(r, lay) for r, lay in zip(ranks, lays)]
-        for peer, lay in zip(peers, lays):
-            self._connect_peer(peer, lay)
-        ptrs = np.fromiter(map(_DATA_PTR, map(_TENSOR, dests)), np.int64, len(dests))
-        index = np.array([self.ctx.transport.peer_index(p) for p in peers], dtype=np.int64)
-        base = np.array([version.pieces[r].base_offset for r in ranks], dtype=np.int64)
-        ops = np.empty((len(reads), 5), dtype=np.int64)
-        ops[:, 0] = index[reads[:, 0]]
-        ops[:, 1] = reads[:, 1]
-        ops[:, 2] = reads[:, 2] + base[reads[:, 0]]
-        ops[:, 3] = ptrs[reads[:, 3]] + reads[:, 4]
-        ops[:, 4] = reads[:, 5]
-        self.ctx.stats.plans += 1
-        if self.ctx.options.prepack and self._pack_key != ("columns", version.layout_key, fp):
-            # one range per shard: no pre-packed copy would save a read (withdraw any asked before)
-            self.ctx.catalog.consumers.register(self.ctx.reader_id, [])
-            self._pack_key = ("columns", version.layout_key, fp)
-        used = frozenset(ranks[i] for i in np.unique(reads[:, 0]).tolist())
-        return Work(ops, [], used, int(reads[:, 5].sum()), len(ops))
-
-    def _sources_read(self, groups: Mapping[str, SourceGroup], ops: np.ndarray, conversions: list[Conversion]
-                      ) -> frozenset[object]:
-        """The sources whose memory these ops read: their torn markers decide whether the bytes
-        are good (a source that did not serve this pull cannot tear it)."""
-        from astate_store.catalog.readers import replica_source
-
-        used = set(np.unique(ops[:, 0]).tolist())
-        for conv in conversions:
-            for chunk_ops, _src, _dst in conv.chunks:
-                used.update(np.unique(chunk_ops[:, 0]).tolist())
-        out: set[object] = set()
-        for g in groups.values():
-            for peer, rank, _lay in g.sources.values():
-                if peer in self._connected and self.ctx.transport.peer_index(peer) in used:
-                    out.add(rank if rank is not None else replica_source(peer[1]))
-        return frozenset(out)
-
-    def _ops(self, g: SourceGroup, base: Mapping[int, int], reads: np.ndarray, dests: Sequence[Entry]
-             ) -> np.ndarray:
-        ptrs = np.asarray([e.tensor.data_ptr() for e in dests], dtype=np.int64)
-        return to_transport_ops(g, self.ctx.transport.peer_index, base, reads, ptrs)
-
-    def _connect(self, g: SourceGroup) -> None:
-        for peer, _rank, lay in g.sources.values():
-            self._connect_peer(peer, lay)
-
-    def _connect_peer(self, peer: Any, lay: Any, *, report: bool = True) -> bool:
-        """Connect ``peer`` with its layout's descriptor unless already done. Raises
-        ``PeerUnreachable`` (a bad descriptor counted as a skipped record) when ``report``;
-        else returns False, leaving the report to the pull's own connect."""
-        from astate_store.errors import CodecError
-
-        if self._connected.get(peer) == lay.layout_id:
-            return True
-        try:
-            desc = codec.decode("ucx_descriptor", lay.transport)
-        except CodecError as exc:
-            if not report:
-                return False
-            # A bad descriptor makes this source unreachable; the pull fails over to the others.
-            self.ctx.catalog.versions.skips(f"transport descriptor of layout {lay.layout_id}", str(exc))
-            raise PeerUnreachable(f"source {peer}: its layout's transport descriptor is bad: {exc}") from None
-        try:
-            self.ctx.transport.connect(peer, desc)
-        except TransportError as exc:
-            if not report:
-                return False
-            raise PeerUnreachable(f"cannot connect to source {peer}: {exc}") from exc
-        self._connected[peer] = lay.layout_id
-        return True
-
-    def _plan(self, g: SourceGroup, dests: tuple[ShardRecord, ...]) -> Any:
-        before = self._planner.misses
-        packed = {self.ctx.reader_id: g.packed} if g.packed else None
-        cp = self._planner.plan_consumer(g.layouts, dests, consumer=self.ctx.reader_id, rotation=self.ctx.rotation,
-                                         packed=packed, key=(g.key, dests))
-        if self._planner.misses != before:
-            self.ctx.stats.plans += 1
-        else:
-            self.ctx.stats.plan_hits += 1
-        return cp
-
-    def _request_packs(self, g: SourceGroup, dests: tuple[ShardRecord, ...], cp: Any, convert: list[Entry]) -> None:
-        """Tell the publishers which pieces to build for this consumer (see ``prepack``); ``dests``
-        are the same-dtype buffers' records. Sent only when the shard layout or the buffers change."""
-        key = (g.shards_key, dests, dest_records(convert))
-        if key == self._pack_key:
-            return
-        items: Sequence[Any] = ()
-        if cp is not None:
-            # With copies already built, plan without them to see which are still wanted.
-            items = cp.pack_items if not g.packed else self._planner.plan_consumer(
-                g.layouts, dests, consumer=self.ctx.reader_id, rotation=self.ctx.rotation).pack_items
-        packs = consumer_requests(items, g.layouts, convert, self.ctx.rotation)
-        self.ctx.catalog.consumers.register(self.ctx.reader_id, packs)
-        self._pack_key = key
-        if packs:
-            log.info("asked publishers for %d pre-packed pieces", len(packs))
-
-
-_NAME, _DTYPE, _SHAPE, _TENSOR = (attrgetter(a) for a in ("name", "dtype", "global_shape", "tensor"))
-_DATA_PTR = torch.Tensor.data_ptr
-
-
-def _whole_contiguous(dests: list[Entry]) -> bool:
-    """Every buffer a whole tensor in contiguous memory, under one name (no tied aliases)."""
-    return all(map(eq, map(_SHAPE, dests), map(attrgetter("box.sizes"), dests))) and \
-        not any(map(attrgetter("aliases"), dests)) and all(map(torch.Tensor.is_contiguous, map(_TENSOR, dests)))
-
-
-def _shifted(spans: list[tuple[int, int, int]], base: int) -> list[tuple[int, int, int]]:
-    return [(region, lo + base, hi + base) for region, lo, hi in spans]
-
 
 def _report(t: PullTimes, done: int, total: int) -> None:
     """Bytes done in this attempt, to the pull's progress callback: first ``(0, total)``; an
@@ -585,11 +256,6 @@ def _report(t: PullTimes, done: int, total: int) -> None:
     if t.counter is None:
         t.counter = ProgressCounter(t.progress, total)
     t.counter.add(done - t.counter.done)
-
-
-def _nbytes(conv: Conversion) -> int:
-    """Bytes one conversion reads over the transport (into its staging)."""
-    return sum(int(ops[:, 4].sum()) for ops, _src, _dst in conv.chunks)
 
 
 def _parts(ops: np.ndarray, nbytes: int) -> list[np.ndarray]:

@@ -1,21 +1,25 @@
 """Source selection: which sets of peers can serve a committed version, and which one serves
 each buffer. Pure (no etcd, no transport): it works on the catalog's ``Version`` records.
 
-A *source group* holds whole tensors: the publishers of the version (when all are alive), or
-one group of re-serving consumers. Each buffer is read from exactly one group, chosen per
-consumer by a stable rotation so that independent consumers spread over the groups.
+A *source group* holds tensors: the publishers of the version, or one group of re-serving
+consumers (which holds whole tensors). When publisher ranks are gone (their leases ended), the
+publishers' group holds only what the live ranks hold: a tensor some dead rank held a part of
+is *partial* there, and serves only the buffers whose boxes its live shards cover. Each buffer
+is read from exactly one group that covers it, chosen per consumer by a stable rotation so that
+independent consumers spread over the groups; a buffer no group covers is named, with the dead
+ranks that held its bytes, before any byte moves (:func:`check_live`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from operator import attrgetter
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from astate_store.catalog import Layout, Version
-from astate_store.errors import LayoutError
+from astate_store.catalog import Layout, Manifest, Version
+from astate_store.errors import LayoutError, NoLiveSource
 from astate_store.model.layout import (
     Box,
     Entry,
@@ -30,7 +34,8 @@ from astate_store.model.layout import (
 from astate_store.model.spans import span_runs
 
 __all__ = ["PUBLISHERS", "SourceGroup", "source_groups", "assign", "failover_order", "bases", "dest_records",
-           "converted_layout", "to_transport_ops", "publisher_peer", "byte_spans", "read_spans", "Wanted"]
+           "converted_layout", "to_transport_ops", "publisher_peer", "byte_spans", "read_spans", "Wanted",
+           "covers", "check_live"]
 
 PUBLISHERS = "pub"  # the group id of the version's publisher ranks
 
@@ -48,6 +53,7 @@ class SourceGroup:
     packed: tuple[ShardRecord, ...] = ()  # contiguous copies publishers built (for any consumer)
     shards_key: object = None  # the shard layout alone (packed copies left out)
     converted: tuple[ShardRecord, ...] = ()  # copies built in another dtype (converted on the publisher)
+    partial: frozenset[str] = frozenset()  # tensors held only in part here (some holder rank is gone)
 
 
 def publisher_peer(rank: int, lay: Layout) -> Hashable:
@@ -56,15 +62,43 @@ def publisher_peer(rank: int, lay: Layout) -> Hashable:
 
 
 def _publisher_group(version: Version) -> SourceGroup:
+    """The version's live publisher ranks (all of them unless ``version.missing``)."""
     src = {r: (publisher_peer(r, version.layouts[r]), r, version.layouts[r]) for r in version.layouts}
-    layouts = group_layouts(s for lay in version.layouts.values() for s in lay.shards)
+    shards = (s for lay in version.layouts.values() for s in lay.shards)
+    layouts, partial = (group_layouts(shards), frozenset()) if not version.missing else _live_layouts(shards)
     # One copy per (tensor, box, dtype) serves every consumer: the planner uses a copy only where
     # it equals a piece this consumer reads.
     mine = [rec for lay in version.layouts.values() for rec in lay.packed]
     return SourceGroup(PUBLISHERS, layouts, src, version.layout_key,
                        tuple(r for r in mine if r.dtype == layouts[r.name].dtype),
                        tuple(version.layouts[r].shards for r in sorted(version.layouts)),
-                       tuple(r for r in mine if r.dtype != layouts[r.name].dtype))
+                       tuple(r for r in mine if r.dtype != layouts[r.name].dtype), partial)
+
+
+def _live_layouts(shards: Iterable[ShardRecord]) -> tuple[dict[str, TensorLayout], frozenset[str]]:
+    """Per tensor, the layout of the shards live ranks hold, and the tensors those do not tile
+    (a dead rank held the rest): those are kept as partial layouts, which the planner serves
+    only for boxes they cover (it checks every destination's coverage). A tensor whose live
+    shards disagree on dtype or global shape is no source of it."""
+    by_name: dict[str, list[ShardRecord]] = {}
+    for r in shards:
+        by_name.setdefault(r.name, []).append(r)
+    layouts: dict[str, TensorLayout] = {}
+    partial: set[str] = set()
+    for n, recs in sorted(by_name.items()):
+        try:
+            layouts[n] = merge_tensor_layout(n, recs)
+        except LayoutError:
+            first = recs[0]
+            if any((r.dtype, r.global_shape) != (first.dtype, first.global_shape) for r in recs):
+                continue
+            recs.sort(key=_MERGE_KEY)
+            layouts[n] = TensorLayout(n, first.dtype, first.global_shape, tuple(recs))
+            partial.add(n)
+    return layouts, frozenset(partial)
+
+
+_MERGE_KEY = attrgetter("box.offsets", "box.sizes", "rank", "region")
 
 
 def _replica_group(version: Version, name: str, members: Sequence[str]) -> SourceGroup | None:
@@ -87,10 +121,10 @@ def _replica_group(version: Version, name: str, members: Sequence[str]) -> Sourc
 
 
 def source_groups(version: Version) -> dict[str, SourceGroup]:
-    """The alternative sources of a version (with its layouts resolved): the publishers, when
-    all are alive, and each re-serving group."""
+    """The alternative sources of a version (with its layouts resolved): its live publishers
+    (partial when some ranks are gone) and each re-serving group."""
     groups: dict[str, SourceGroup] = {}
-    if not version.missing:
+    if version.layouts:
         groups[PUBLISHERS] = _publisher_group(version)
     by_group: dict[str, list[str]] = {}
     for m in sorted(version.replica_layouts):
@@ -112,10 +146,10 @@ def assign(groups: Mapping[str, SourceGroup], dests: Sequence[Entry], rotation: 
     out: dict[str, list[Entry]] = {}
     order = sorted(groups)
     for i, e in enumerate(dests):
-        cands = [g for g in order if e.name in groups[g].layouts]
+        cands = [g for g in order if covers(groups[g], e)]
         if not cands and e.aliases:  # a tied buffer: fill it from whichever of its names is published
             e = _published_alias(groups, order, e)
-            cands = [g for g in order if e.name in groups[g].layouts]
+            cands = [g for g in order if covers(groups[g], e)]
         if not cands:
             names = sorted({n for g in groups.values() for n in g.layouts})
             raise LayoutError(f"tensor {e.name!r} is not in step's published tensors ({', '.join(names[:8])}"
@@ -126,11 +160,92 @@ def assign(groups: Mapping[str, SourceGroup], dests: Sequence[Entry], rotation: 
 
 
 def _published_alias(groups: Mapping[str, SourceGroup], order: list[str], e: Entry) -> Entry:
-    """``e`` under the first of its aliases some group publishes (``e`` itself when none is)."""
+    """``e`` under the first of its aliases some group covers (``e`` itself when none is)."""
     for a in e.aliases:
-        if any(a in groups[g].layouts for g in order):
-            return replace(e, name=a, aliases=tuple(n for n in (e.name, *e.aliases) if n != a))
+        other = replace(e, name=a, aliases=tuple(n for n in (e.name, *e.aliases) if n != a))
+        if any(covers(groups[g], other) for g in order):
+            return other
     return e
+
+
+def covers(g: SourceGroup, e: Entry) -> bool:
+    """Whether group ``g`` holds every element of buffer ``e`` under its name: any tensor it
+    holds whole; a partial one when its distinct live boxes (disjoint in a valid layout) hold
+    all of the buffer's box."""
+    lay = g.layouts.get(e.name)
+    if lay is None:
+        return False
+    if e.name not in g.partial:
+        return True
+    return _covered(lay.shards, e.box) == e.box.numel
+
+
+def _covered(shards: Sequence[ShardRecord], box: Box) -> int:
+    """Elements of ``box`` the distinct boxes of ``shards`` hold (replicas counted once)."""
+    n = 0
+    for b in {s.box for s in shards}:
+        piece = b.intersect(box)
+        if piece is not None:
+            n += piece.numel
+    return n
+
+
+def check_live(version: Version, groups: Mapping[str, SourceGroup], dests: Sequence[Entry],
+               gone: Callable[[], Mapping[int, Manifest]]) -> None:
+    """Before any byte moves: every buffer is covered by some live group, or raise naming each
+    tensor and box no live source holds and the gone ranks that held them. ``gone``: the
+    manifests (leaseless) of the ranks in ``version.missing``; read only when some buffer is not
+    covered. A buffer whose tensor no one, live or gone, ever published is left to :func:`assign`
+    (its ``LayoutError``).
+
+    Raises:
+        NoLiveSource: naming (tensor, box, ranks) of every piece without a live source.
+    """
+    order = sorted(groups)
+    short = [e for e in dests if not any(covers(groups[g], x) for g in order for x in _names_of(e))]
+    if not short:
+        return
+    held = _held_by(gone(), {n for e in short for n in (e.name, *e.aliases)})
+    holes: dict[tuple[str, Box], set[int]] = {}
+    for e in short:
+        names = [n for n in (e.name, *e.aliases) if n in held]
+        if not names:
+            continue  # never published under any of its names: assign's LayoutError
+        live = groups[PUBLISHERS].layouts.get(names[0]) if PUBLISHERS in groups else None
+        live_boxes = {s.box for s in live.shards} if live is not None else set()
+        found = False
+        for box, rank in held[names[0]]:
+            piece = box.intersect(e.box)
+            if piece is not None and box not in live_boxes:
+                holes.setdefault((names[0], piece), set()).add(rank)
+                found = True
+        if not found:  # the gone ranks' boxes do not explain it (an inconsistent layout): the buffer
+            holes.setdefault((names[0], e.box), set())
+    if not holes:
+        return
+    items = sorted(holes.items(), key=lambda kv: (kv[0][0], kv[0][1].offsets))
+    text = "; ".join(f"{n!r} box {b.offsets}+{b.sizes} (held by ranks {sorted(r)})" for (n, b), r in items[:8])
+    raise NoLiveSource(
+        f"step {version.step}: publisher ranks {sorted(version.missing)} are gone (their leases ended) and no live "
+        f"publisher, replica or re-serving consumer holds {len(items)} pieces of the buffers asked for: {text}"
+        f"{'; ...' if len(items) > 8 else ''}", step=version.step,
+        holes=[(n, b.offsets, b.sizes, tuple(sorted(r))) for (n, b), r in items])
+
+
+def _names_of(e: Entry) -> list[Entry]:
+    """The buffer under its own name and under each alias (a tied buffer is filled by any)."""
+    return [e] + [replace(e, name=a, aliases=tuple(n for n in (e.name, *e.aliases) if n != a)) for a in e.aliases]
+
+
+def _held_by(manifests: Mapping[int, Manifest], names: set[str]) -> dict[str, list[tuple[Box, int]]]:
+    """Per tensor of ``names``, the (box, rank) of each shard the manifests' ranks held."""
+    out: dict[str, list[tuple[Box, int]]] = {}
+    for rank, m in sorted(manifests.items()):
+        st, of, sz = m.starts.tolist(), m.offsets.tolist(), m.sizes.tolist()
+        for i, n in enumerate(m.names):
+            if n in names:
+                out.setdefault(n, []).append((Box(tuple(of[st[i]:st[i + 1]]), tuple(sz[st[i]:st[i + 1]])), rank))
+    return out
 
 
 def failover_order(groups: Mapping[str, SourceGroup], dests: Sequence[Entry]) -> list[dict[str, SourceGroup]]:
@@ -145,7 +260,7 @@ def failover_order(groups: Mapping[str, SourceGroup], dests: Sequence[Entry]) ->
     if len(replicas) > 1:
         tries += [{k: groups[k]} for k in replicas]
     return [gs for i, gs in enumerate(tries)
-            if i == 0 or all(any(n in g.layouts for g in gs.values() for n in (e.name, *e.aliases)) for e in dests)]
+            if i == 0 or all(any(covers(g, x) for g in gs.values() for x in _names_of(e)) for e in dests)]
 
 
 def bases(version: Version, g: SourceGroup) -> dict[int, int]:

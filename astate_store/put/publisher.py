@@ -20,7 +20,7 @@ import torch
 
 from astate_store.model import codec
 from astate_store.context import StoreContext, sync_device
-from astate_store.errors import CheckpointError, LayoutError
+from astate_store.errors import CheckpointError, LayoutError, WaitTimeout
 from astate_store.model.layout import (
     Entry,
     ShardRecord,
@@ -70,6 +70,7 @@ class Publisher:
         self._packs_refused: tuple[Copy, ...] = ()
         self._nbytes_of: list[Entry] | None = None  # the entries _nbytes_cached was computed for
         self._nbytes_cached = 0
+        self.last_step: int | None = None  # the newest step this rank put (what drain waits on)
 
     def publish(self, step: int, tensors: Mapping[str, TensorLike], *, copy: bool = True,
                 meta: bytes | None = None) -> bool:
@@ -105,6 +106,7 @@ class Publisher:
             self.ctx.stats.put_errors += 1  # a fence is logged where it is found (catalog.sessions)
             raise
         seconds = time.perf_counter() - t0
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
         self.ctx.stats.put_done(mode, self._nbytes(entries), seconds, step, committed)
         log.debug("rank %d: put step %d (%s, %d bytes, %.4fs, committed: %s)", self.ctx.rank, step, mode,
                   self._nbytes_cached, seconds, committed)
@@ -265,6 +267,37 @@ class Publisher:
         log.info("rank %d: publishing layout %s (%d shards, %d pre-packed copies)", self.ctx.rank, lid,
                  len(shards), len(packed))
         return lid
+
+    # ---- drain ----------------------------------------------------------------------------
+
+    def drain(self, timeout: float) -> int:
+        """Before this rank exits: wait, bounded by ``timeout``, until every live consumer of the
+        namespace has finished reading the newest version this rank put, or has left. Returns
+        how many had done neither (0 when this rank never put).
+
+        1. Wait for the step this rank put last to commit (the other ranks' pieces), or a newer one.
+        2. Wait until each consumer with a consumer record — those that have not started that
+           read yet included; this store's own consumer left out — has a good read of it on
+           record, or its record is gone (closed; or dead, once its lease ends).
+        """
+        cat, step = self.ctx.catalog, self.last_step
+        if step is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        try:
+            newest = cat.versions.wait_for(step, timeout=timeout)
+        except WaitTimeout:
+            left = cat.consumers.ids() - {self.ctx.reader_id}
+            log.warning("rank %d: drain: step %d did not commit within %.1fs (other ranks' pieces missing); "
+                        "%d consumers could not read it", self.ctx.rank, step, timeout, len(left))
+            return len(left)
+        left = cat.readers.wait_drained(newest, max(0.0, deadline - time.monotonic()), exclude={self.ctx.reader_id})
+        if left:
+            log.warning("rank %d: drain: %d consumers had not read step %d within %.1fs: %s", self.ctx.rank,
+                        len(left), newest, timeout, ", ".join(sorted(left)[:4]) + (", ..." if len(left) > 4 else ""))
+        else:
+            log.info("rank %d: drained: every live consumer read step %d", self.ctx.rank, newest)
+        return len(left)
 
     # ---- retire and held state ------------------------------------------------------------
 

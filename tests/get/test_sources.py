@@ -5,14 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astate_store.catalog import Layout, Piece, Replica, Version
-from astate_store.errors import LayoutError
+from astate_store.catalog import Layout, Manifest, Piece, Replica, Version
+from astate_store.catalog.records import manifest_from_record, manifest_record
+from astate_store.errors import LayoutError, NoLiveSource
 from astate_store.model.layout import Box, Shard, ShardRecord, contiguous_strides, validate_tensors
 from astate_store.get.sources import (
     PUBLISHERS,
     assign,
     bases,
     byte_spans,
+    check_live,
+    covers,
     failover_order,
     read_spans,
     source_groups,
@@ -57,14 +60,58 @@ def test_publishers_are_one_group_with_every_tensor_whole() -> None:
     assert bases(_version(), g) == {0: 0, 1: 4096}  # each rank's staging slot of this step
 
 
-def test_a_dead_publisher_leaves_only_reserving_groups() -> None:
+def test_a_dead_publisher_leaves_the_live_ranks_and_the_reserving_groups() -> None:
     solo = _layout("R1", 0, _rec("w", 0, (0, 0), SHAPE))
     half = _layout("R2", 0, _rec("b", 0, (0, 0), (4, 4)))  # only part of "b": not a source of it
     v = _version(missing=frozenset({1}), replicas={"c1": ("solo", solo), "c2": ("part", half)})
     groups = source_groups(v)
-    assert set(groups) == {"g:solo"}
+    assert set(groups) == {PUBLISHERS, "g:solo"}
     assert set(groups["g:solo"].layouts) == {"w"}
     assert bases(v, groups["g:solo"]) == {0: 0}  # re-served memory has no staging slot
+    live = groups[PUBLISHERS]
+    assert set(live.sources) == {0}  # rank 1 is not a source: it is never dialled
+    assert live.partial == {"w"}  # rank 0 holds rows 0..4 of "w", and all of "b" (replicated)
+    assert [s.rank for s in live.layouts["b"].shards] == [0]
+    top, bottom = (_bufs(w=Shard(torch.zeros(4, 4), (o, 0), SHAPE))[0] for o in (0, 4))
+    whole = _bufs(w=torch.zeros(SHAPE))[0]
+    assert covers(live, top) and not covers(live, bottom) and not covers(live, whole)
+    assert covers(live, _bufs(b=torch.zeros(SHAPE))[0])
+    # every buffer goes to a group that covers it: the bottom rows only to the re-servers
+    assert {g for r in range(4) for g in assign(groups, [bottom], r)} == {"g:solo"}
+    assert {g for r in range(4) for g in assign(groups, [top], r)} == {PUBLISHERS, "g:solo"}
+
+
+def _manifest(*recs: ShardRecord) -> Manifest:
+    rec = manifest_record(recs)
+    return manifest_from_record(rec, rec["manifest_id"])
+
+
+def test_bytes_only_gone_ranks_held_are_named_before_any_read() -> None:
+    v = _version(missing=frozenset({1}))
+    groups = source_groups(v)
+    gone = {1: _manifest(_rec("w", 1, (4, 0), (4, 4)), _rec("b", 1, (0, 0), SHAPE))}
+    asked: list[int] = []
+
+    def manifests() -> dict[int, Manifest]:
+        asked.append(1)
+        return gone
+
+    check_live(v, groups, _bufs(w=Shard(torch.zeros(4, 4), (0, 0), SHAPE), b=torch.zeros(SHAPE)), manifests)
+    assert not asked  # everything asked for is live: the gone ranks' manifests are not even read
+    with pytest.raises(NoLiveSource, match=r"ranks \[1\] are gone.*'w' box \(4, 0\)\+\(1, 4\)") as err:
+        check_live(v, groups, _bufs(w=Shard(torch.zeros(2, 4), (3, 0), SHAPE), b=torch.zeros(SHAPE)), manifests)
+    # row 3 is rank 0's; only row 4 was rank 1's alone ("b" was replicated on rank 0 too)
+    assert err.value.holes == [("w", (4, 0), (1, 4), (1,))] and err.value.step == 7
+    # a tensor nobody ever published is still the buffer's LayoutError (from assign)
+    check_live(v, groups, _bufs(nope=torch.zeros(SHAPE)), manifests)
+    with pytest.raises(LayoutError, match=r"'nope' is not in"):
+        assign(groups, _bufs(nope=torch.zeros(SHAPE)), 0)
+    # with every publisher gone and no re-server, every byte asked for is named
+    v2 = _version(missing=frozenset({0, 1}))
+    both = {0: _manifest(_rec("w", 0, (0, 0), (4, 4)), _rec("b", 0, (0, 0), SHAPE)), **gone}
+    with pytest.raises(NoLiveSource) as err:
+        check_live(v2, source_groups(v2), _bufs(w=torch.zeros(SHAPE), b=torch.zeros(SHAPE)), lambda: both)
+    assert err.value.holes == [("b", (0, 0), SHAPE, (0, 1)), ("w", (0, 0), (4, 4), (0,)), ("w", (4, 0), (4, 4), (1,))]
 
 
 def test_assign_spreads_consumers_and_checks_fit_first() -> None:

@@ -108,15 +108,16 @@ def column_buffers(index: int, parts: int = 2) -> dict[str, Shard]:
 
 def spy_builds(c: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """(builder, step) of each batch a consumer's pulls plan from now on: from the layouts'
-    columns (``_build_columns``) or with the general planner (``_build_pull``)."""
+    columns (``_build_columns``) or with the general planner (``_build_pull``), both of the
+    consumer's batches (``get/batches.py``)."""
     built: list[tuple[str, int]] = []
     for builder in ("_build_columns", "_build_pull"):
-        def spy(v: Any, *a: Any, _real: Any = getattr(c, builder), _name: str = builder) -> Any:
+        def spy(v: Any, *a: Any, _real: Any = getattr(c.batches, builder), _name: str = builder) -> Any:
             work = _real(v, *a)
             if work is not None:
                 built.append((_name, v.step))
             return work
-        monkeypatch.setattr(c, builder, spy)
+        monkeypatch.setattr(c.batches, builder, spy)
     return built
 
 
