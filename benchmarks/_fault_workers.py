@@ -1376,6 +1376,10 @@ class Actor:
         cmd = [sys.executable, "-u", str(HERE / "_fault_workers.py"), "--actor"]
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
+        # SIGTERM when the driver dies (its pipes would close too, but an actor stuck in a call never reads)
+        from astate_store.etcd.embedded import tied_to_caller
+
+        cmd = tied_to_caller(cmd)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, cwd=str(ROOT),
                                      env=e, text=True, bufsize=1)
@@ -1607,8 +1611,11 @@ class EtcdProcess:
         cmd = [self.binary, "--name", "f", "--data-dir", os.path.join(self.dir, "data"), "--listen-client-urls", c,
                "--advertise-client-urls", c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
                "--initial-cluster", f"f={p}", "--initial-cluster-state", "new", "--log-level", "error"]
+        from astate_store.etcd.embedded import tied_to_caller
+
         with open(os.path.join(self.dir, "etcd.log"), "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(tied_to_caller(cmd), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
