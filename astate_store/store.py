@@ -419,24 +419,36 @@ class Store:
     # ---- checkpoints and recovery ---------------------------------------------------------
 
     def checkpoint(self, step: int, uri: str, *, asynchronous: bool = False,
-                   progress: Progress | None = None) -> Any:
-        """Write this rank's shards of committed version ``step`` to storage (any ``pyarrow.fs``
-        URI or local path); the rank that completes the set commits it and records it in the
-        catalog. Every publisher rank calls it. Replicated shards are written by one rank only.
+                   progress: Progress | None = None, timeout: float = 60.0, keep_last: int | None = None,
+                   keep_every: int | None = None) -> Any:
+        """Write this rank's shards of version ``step`` to storage (any ``pyarrow.fs`` URI or local
+        path); the rank that completes the set commits it and records it in the catalog. Every
+        publisher rank calls it, right after its ``put(step)``: it first waits (up to ``timeout``)
+        for the other ranks' pieces to commit the step. Replicated shards are written by one rank only.
 
         Args:
-            asynchronous: snapshot the shards and write in a background thread; returns a
-                ``concurrent.futures.Future`` of the same result instead of waiting.
+            asynchronous: wait for the commit and snapshot the shards now, write in a background
+                thread; returns a ``concurrent.futures.Future`` of the same result.
             progress: ``progress(done_bytes, total_bytes)`` as this rank's part is written
                 (:mod:`astate_store.model.progress`).
+            timeout: seconds to wait for ``step`` to commit.
+            keep_last: retention: once this checkpoint is complete, remove older complete
+                checkpoints under ``uri`` (storage and catalog) except the ``keep_last`` newest;
+                the newest, any a restore is reading, and incomplete ones are never removed
+                (docs/checkpoint.md "Retention"). None: keep everything.
+            keep_every: with ``keep_last``, also keep the oldest checkpoint of every window of
+                ``keep_every`` steps (the steps ``n * keep_every`` when checkpoints fall on them).
 
         Returns:
             True if the checkpoint is complete after this call (it is then in the catalog).
 
         Raises:
-            CheckpointError: the step is not committed, or this rank no longer holds it.
+            CheckpointNotCommitted: ``step`` did not commit within ``timeout``, or never can (the
+                session was fenced, a newer step committed, a rank whose piece is missing is gone);
+                it names the ranks whose pieces are missing.
+            CheckpointError: this rank no longer holds the step, bad arguments, or a storage error.
         """
-        return self._recovery.checkpoint(step, uri, asynchronous, progress)
+        return self._recovery.checkpoint(step, uri, asynchronous, progress, timeout, keep_last, keep_every)
 
     def restore(self, buffers: Mapping[str, Any], *, uri: str | None = None, step: int | None = None,
                 progress: Progress | None = None, non_tensors: NonTensors = "error") -> int:
