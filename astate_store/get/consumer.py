@@ -61,6 +61,19 @@ class Consumer:
         self._registered = False
         self._last: Work | None = None  # the batch the last good attempt ran
 
+    def close(self) -> None:
+        """Drop the caches that refer to the caller's buffers (entries, batches, plans): a closed
+        store is freed by the cycle collector, which may come ~100 stores later, and must not keep
+        those buffers alive until then."""
+        self.buffers = ValidatedTensors("get_into(buffers)")
+        self.delivered_step = None
+        self._planner = planner.Planner()
+        self._connected.clear()
+        self._groups_cache.clear()
+        self._ops_cache.clear()
+        self._pack_key, self._last, self._wanted, self._whole = None, None, (None, {}, False), (None, False)
+        self._spans.clear()
+
     def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
                  progress: Progress | None = None) -> int:
         """Pull the newest committed version >= ``step`` into the buffers; see ``Store.get_into``."""

@@ -340,6 +340,46 @@ def op_pub_put(state: dict[str, Any], key: str, step: int, *, copy: bool = True,
     return {"committed": bool(committed), "seconds": time.monotonic() - t0, "retire_seconds": t1 - t0}
 
 
+def op_pub_checkpoint(state: dict[str, Any], key: str, step: int, uri: str, *, keep_last: int | None = None,
+                      keep_every: int | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """This rank's part of checkpoint ``step`` at ``uri``, under the retention policy when the
+    store's ``checkpoint`` takes one (``retention``: whether it did)."""
+    import inspect
+
+    store = state["held"][key].store
+    params = inspect.signature(store.checkpoint).parameters
+    kw: dict[str, Any] = {}
+    if keep_last is not None and "keep_last" in params:
+        kw["keep_last"] = keep_last
+        if keep_every is not None and "keep_every" in params:
+            kw["keep_every"] = keep_every
+    if "timeout" in params:
+        kw["timeout"] = timeout
+    return {"complete": bool(store.checkpoint(step, uri, **kw)), "retention": "keep_last" in kw}
+
+
+def op_pub_recover(state: dict[str, Any], key: str, *, timeout: float = 60.0) -> dict[str, Any]:
+    """A restarted rank: recover into zeroed tensors; the step and whether every byte is that step's."""
+    h = state["held"][key]
+    for t in h.tensors.values():
+        _tensor_of(t).zero_()
+    got = h.store.recover(h.tensors, timeout=timeout)
+    boxes = publisher_boxes(h.size, h.extra["rank"], h.extra["world"])
+    exact = got is not None and all(
+        same_bytes(_tensor_of(t), _sel(value(n, spec(h.size)[n][0], spec(h.size)[n][1], got), boxes[n]))
+        for n, t in h.tensors.items())
+    return {"step": got, "exact": exact}
+
+
+def op_open_close(state: dict[str, Any], endpoint: str, ns: str, **kw: Any) -> dict[str, Any]:
+    """Open a store, ask for the newest step, close it (a process that opens a store every step)."""
+    store = _store(endpoint, ns, **kw)
+    try:
+        return {"latest": store.latest()}
+    finally:
+        store.close()
+
+
 def op_con_open(state: dict[str, Any], key: str, endpoint: str, ns: str, *, size: str = "small", **kw: Any
                 ) -> dict[str, Any]:
     old = state["held"].pop(key, None)
@@ -1360,6 +1400,10 @@ class Actor:
         cmd = [sys.executable, "-u", "-m", "tests.support.fault_workers", "--actor"]
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
+        # SIGTERM when the driver dies (its pipes would close too, but an actor stuck in a call never reads)
+        from astate_store.etcd.embedded import tied_to_caller
+
+        cmd = tied_to_caller(cmd)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, cwd=str(ROOT),
                                      env=e, text=True, bufsize=1)
@@ -1591,8 +1635,11 @@ class EtcdProcess:
         cmd = [self.binary, "--name", "f", "--data-dir", os.path.join(self.dir, "data"), "--listen-client-urls", c,
                "--advertise-client-urls", c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
                "--initial-cluster", f"f={p}", "--initial-cluster-state", "new", "--log-level", "error"]
+        from astate_store.etcd.embedded import tied_to_caller
+
         with open(os.path.join(self.dir, "etcd.log"), "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(tied_to_caller(cmd), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
