@@ -57,6 +57,7 @@ def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
 def engine_env(tp: int) -> None:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with the tests' own functions
     if tp == 2:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     else:
@@ -94,3 +95,78 @@ def update(llm: Any, update_info: dict[str, Any], version: str | None = None) ->
     llm.start_weight_update()
     llm.update_weights({"update_info": update_info})
     llm.finish_weight_update(weight_version=version)
+
+
+class LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over an offline ``LLM`` (the four phases by method)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+
+def shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _describe(view: Any, params: dict[str, Any]) -> tuple:
+    """A view of an engine parameter as (parameter, element offset, sizes, strides)."""
+    t = view.tensor if hasattr(view, "tensor") else view
+    for name, p in params.items():
+        lo, n = p.data_ptr(), p.numel() * p.element_size()
+        if lo <= t.data_ptr() < lo + max(n, 1):
+            return (name, (t.data_ptr() - lo) // p.element_size(), tuple(t.shape), tuple(t.stride()))
+    return ("?", 0, tuple(t.shape), tuple(t.stride()))
+
+
+def preset_against_bake(worker: Any, preset: str) -> dict[str, Any]:
+    """Runs on each worker (collective_rpc): the preset's views next to what the bake learned from the
+    loaders, both as {HF name: sorted [(parameter, offset, sizes, strides, HF offsets)]}."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from astate_store import presets
+
+    model = worker.model_runner.get_model()
+    engine = worker.weight_transfer_engine
+    params = dict(model.named_parameters())
+    tp = get_tp_group()
+    ep = bool(worker.vllm_config.parallel_config.enable_expert_parallel)
+    views = presets.views(preset, params, worker.model_config.hf_config, tp_rank=tp.rank_in_group,
+                          tp_size=tp.world_size, expert_parallel=ep)
+    got: dict[str, list] = {}
+    for hf, v in views.items():
+        for shard in v if isinstance(v, list) else [v]:
+            offsets = tuple(getattr(shard, "offsets", (0,) * shard.dim()))
+            got.setdefault(hf, []).append(_describe(shard, params) + (offsets,))
+    baked: dict[str, list] = {}
+    plan = engine._plan
+    pieces = list(plan.baked.pieces) + [p for s in plan.staged for p in s.pieces]
+    for p in pieces:
+        baked.setdefault(p.hf, []).append((p.param, p.base, p.sizes, p.strides, p.offsets))
+    return {"preset": {k: sorted(v) for k, v in got.items()}, "bake": {k: sorted(v) for k, v in baked.items()},
+            "staged": {s.name: s.reason for s in plan.staged}}
+
+
+def TensorSource(tensors: dict[str, torch.Tensor]) -> Any:
+    """A vLLM ``WeightSource`` over a dict of full tensors."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class _Source(WeightSource):
+        def metadata(self) -> list[Any]:
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+
+        def __iter__(self) -> Any:
+            return iter(tensors.items())
+
+    return _Source()

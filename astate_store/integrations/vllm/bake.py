@@ -158,6 +158,10 @@ class _Swap:
         from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
         self.kernel[mname] = dict(module._parameters)
+        for pname, p in module._parameters.items():  # no pre-processing format recorded: stays live (bias)
+            if p is not None and pname not in metadata:
+                self.live[_join(mname, pname)] = (p, p.data)
+                p.data = torch.full(p.shape, -1.0, dtype=torch.float64)
         fresh = {}
         for pname, meta in metadata.items():
             t = torch.full(tuple(meta.shape), -1.0, dtype=torch.float64)
@@ -169,12 +173,12 @@ class _Swap:
         self.fresh[mname] = fresh
 
     def __exit__(self, *exc: Any) -> None:
-        for p, data in self.live.values():
-            p.data = data
         for mname, params in self.kernel.items():
             module = self.model.get_submodule(mname)
             module._parameters.clear()
             module._parameters.update(params)
+        for p, data in self.live.values():
+            p.data = data
 
 
 def _join(prefix: str, name: str) -> str:

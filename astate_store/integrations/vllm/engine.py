@@ -209,16 +209,27 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         return got
 
     def _agreed(self, fn: Any) -> Any:
-        """``fn()`` on every worker; if it failed on any, raise on all (so none moves a byte)."""
+        """``fn()`` on every worker; if it failed on any, raise on all (so none moves a byte), each
+        with the first failing worker's message."""
         err: BaseException | None = None
         try:
             out = fn()
         except (AStateError, ValueError, KeyError, RuntimeError) as exc:
             err = exc
-        if _all_max(0 if err is None else 1) and err is None:
-            raise UpdateError("astate: the update was refused on another worker (see its error); no weights changed")
+        group = _world()
+        if group is None:
+            if err is not None:
+                raise err
+            return out
+        msgs: list[Any] = [None] * group.world_size
+        torch.distributed.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}",
+                                            group=group.cpu_group)
         if err is not None:
             raise err
+        failed = [(rank, m) for rank, m in enumerate(msgs) if m is not None]
+        if failed:
+            rank, msg = failed[0]
+            raise UpdateError(f"astate: worker {rank} refused the update, so no worker changed its weights: {msg}")
         return out
 
 

@@ -72,8 +72,6 @@ class StagedModule:
             t.__class__ = meta.__class__
             t.__dict__ = meta.__dict__.copy()
             module._parameters[pname] = restore_layer_refs(t, module)
-        for pname in set(kernel) - set(self.metadata):
-            del module._parameters[pname]
         try:
             _post_process(module, model_config)
         except BaseException:
