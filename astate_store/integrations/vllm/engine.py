@@ -13,7 +13,8 @@ in every vLLM process. Driven by vLLM's four phases:
    b. bake once per published set: learn each parameter's boxes from vLLM's loaders (:mod:`.bake`);
    c. build the buffers: in-place views of the live parameters, staging views for staged modules;
       validate names, shapes and dtypes on every worker and agree (a collective) before any byte moves;
-   d. one ``get_into`` (or ``restore``) pulls this worker's TP/EP slice of that version;
+   d. one ``get_into`` (or ``restore``) pulls this worker's TP/EP slice of that version (agreed too:
+      if it fails on one worker, every worker raises);
    e. the workers agree on the step; a worker behind pulls again at the newest;
    f. staged modules are post-processed by vLLM and copied in (:mod:`.staged`).
 4. ``finish_weight_update()``: nothing left to do (vLLM records the weight version).
@@ -21,6 +22,7 @@ in every vLLM process. Driven by vLLM's four phases:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -91,10 +93,31 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
     # ---- the four phases --------------------------------------------------------------------------
 
     def init_transfer_engine(self, init_info: AstateInitInfo) -> None:
+        try:
+            self._agreed(lambda: self._init(init_info))
+        except _Refused:
+            pass  # another worker raises the error; init has no session to end
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        try:  # refused later, together with the other workers (see _agreed)
+            return super().parse_init_info(init_dict)
+        except ValueError as exc:
+            return _BadInfo(LayoutError(f"astate init_info {init_dict!r}: {exc}"))
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
+        try:
+            return super().parse_update_info(update_dict)
+        except ValueError as exc:
+            return _BadInfo(LayoutError(f"astate update_info {update_dict!r}: {exc}"))
+
+    def _init(self, init_info: AstateInitInfo) -> None:
+        if isinstance(init_info, _BadInfo):
+            raise init_info.error
         if not isinstance(init_info.namespace, str) or not init_info.namespace:
             raise LayoutError(f"astate init_info: 'namespace' must be a non-empty string, got {init_info.namespace!r}")
         if self.store is not None:
             self.store.close()
+            self.store = None
         self.timeout = float(init_info.timeout)
         # a consumer: rank / world size are publisher settings, not this worker's vLLM rank
         self.store = astate_store.connect(init_info.namespace, etcd=init_info.etcd, rank=0, world_size=1)
@@ -115,16 +138,23 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         self._plan = None
 
     def receive_weights(self, update_info: AstateUpdateInfo) -> None:
-        if self.store is None:
-            raise LayoutError("astate: call init_weight_transfer_engine({'namespace': ...}) before update_weights")
         t0 = time.perf_counter()
         timeout = self.timeout if update_info.timeout is None else float(update_info.timeout)
-        step, keys = self._published(update_info, timeout)
-        plan = self._plan_for(keys)
-        t1 = time.perf_counter()
-        buffers = self._agreed(lambda: self._buffers(plan, keys))
+        # every step that can fail on one worker and not another is agreed on (a collective), so all
+        # workers refuse together and none waits for another that left
         try:
-            got = self._pull(buffers, update_info, step, timeout)
+            step, plan, buffers = self._agreed(lambda: self._prepare(update_info, timeout))
+        except BaseException:
+            for s in self._plan.staged if self._plan is not None else ():
+                s.drop()  # refused elsewhere after this worker allocated its staging
+            raise
+        t1 = time.perf_counter()
+        try:
+            got = self._agreed(lambda: self._pull(buffers, update_info, step, timeout))
+            newest = _all_max(got)
+            while got < newest:  # another worker pulled a newer version: follow it
+                got = self._agreed(lambda: self.store.get_into(buffers, step=newest, timeout=timeout))
+                newest = _all_max(got)
             t2 = time.perf_counter()
             for s in plan.staged:
                 s.commit(self.model_config)
@@ -132,9 +162,17 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
             for s in plan.staged:
                 s.drop()
         self.last_step = got
-        self.last_seconds = {"plan": t1 - t0, "pull": t2 - t1, "staged": time.perf_counter() - t2}
-        log.info("astate: step %d in place (%d staged modules) in %.3fs", got, len(plan.staged),
-                 time.perf_counter() - t0)
+        self.last_seconds = {"prepare": t1 - t0, "pull": t2 - t1, "staged": time.perf_counter() - t2}
+        log.info("astate: step %d (%d staged modules) in %.3fs", got, len(plan.staged), time.perf_counter() - t0)
+
+    def _prepare(self, info: AstateUpdateInfo, timeout: float) -> tuple[int, "_Plan", dict[str, Any]]:
+        if isinstance(info, _BadInfo):
+            raise info.error
+        if self.store is None:
+            raise LayoutError("astate: call init_weight_transfer_engine({'namespace': ...}) before update_weights")
+        step, keys = self._published(info, timeout)
+        plan = self._plan_for(keys)
+        return step, plan, self._buffers(plan, keys)
 
     # ---- steps ------------------------------------------------------------------------------------
 
@@ -168,7 +206,7 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         if missing:
             raise LayoutError(f"astate: modules {missing} are transformed after loading ({self.paths[missing[0]]}) "
                               "but vLLM recorded no pre-processing format for them")
-        baked = self._agreed(lambda: bake(self.model, {n: s for n, (s, _) in keys.items()}, metadata))
+        baked = bake(self.model, {n: s for n, (s, _) in keys.items()}, metadata)
         if baked.unwritten:
             raise LayoutError(f"astate: no published tensor writes parameter {baked.unwritten[0]!r} "
                               f"({len(baked.unwritten)} in all: {baked.unwritten[:5]}); the published names do "
@@ -201,16 +239,16 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         assert self.store is not None
         if info.checkpoint is not None:
             return self.store.restore(buffers, uri=info.checkpoint, step=step)
-        got = self.store.get_into(buffers, step=step, timeout=timeout)
-        newest = _all_max(got)
-        while got < newest:  # another worker pulled a newer version: follow it
-            got = self.store.get_into(buffers, step=newest, timeout=timeout)
-            newest = _all_max(got)
-        return got
+        return self.store.get_into(buffers, step=step, timeout=timeout)
 
     def _agreed(self, fn: Any) -> Any:
-        """``fn()`` on every worker; if it failed on any, raise on all (so none moves a byte), each
-        with the first failing worker's message."""
+        """``fn()`` on every worker; if it failed on any, every worker refuses (none moves a byte).
+
+        The refusal is raised by the *last* worker only, with the first failing worker's message; the
+        others raise :class:`_Refused` (caught in :meth:`update_weights`: they end the session quietly).
+        vLLM's multiproc executor stops reading replies at the first worker error, so an error from an
+        earlier worker would leave the later workers' replies queued, answering the next call instead.
+        """
         err: BaseException | None = None
         try:
             out = fn()
@@ -224,13 +262,46 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         msgs: list[Any] = [None] * group.world_size
         torch.distributed.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}",
                                             group=group.cpu_group)
-        if err is not None:
-            raise err
         failed = [(rank, m) for rank, m in enumerate(msgs) if m is not None]
-        if failed:
-            rank, msg = failed[0]
-            raise UpdateError(f"astate: worker {rank} refused the update, so no worker changed its weights: {msg}")
-        return out
+        if not failed:
+            return out
+        if group.rank_in_group != group.world_size - 1:
+            raise _Refused()
+        if err is not None and failed[0][0] == group.rank_in_group:
+            raise err
+        rank, msg = failed[0]
+        raise UpdateError(f"astate: worker {rank} refused the update, so no worker changed its weights: {msg}")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        try:
+            super().update_weights(update_info)
+        except _Refused:
+            _end_worker_session(self)
+
+
+@dataclass
+class _BadInfo:
+    """An init or update dict that does not parse: refused together with the other workers."""
+
+    error: LayoutError
+
+
+class _Refused(Exception):
+    """This worker refuses along with another one, which raises the error (see ``_agreed``)."""
+
+
+def _end_worker_session(engine: AstateWeightTransferEngine) -> None:
+    """End the vLLM worker's update session as its ``update_weights`` does on an error (this worker
+    returns normally so that the executor's replies stay aligned; see ``_agreed``)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if getattr(owner, "weight_transfer_engine", None) is engine and hasattr(owner, "_weight_update_active"):
+            owner._weight_update_active = False
+            engine.reset_weight_update_target()
+            return
+        frame = frame.f_back
+    log.warning("astate: refused update: the vLLM worker that called it was not found; its session stays open")
 
 
 def _world() -> Any:
