@@ -72,7 +72,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import astate_store
-    from astate_store.etcd_server import EmbeddedEtcd
+    from astate_store.etcd.embedded import EmbeddedEtcd
     from vllm import LLM
 
     work = Path(tempfile.mkdtemp(prefix="vllm_sync-"))

@@ -1,5 +1,4 @@
 """Publisher processes for the data-path tests, and the model specs both sides rebuild.
-from tests.support.data import value
 
 Every tensor's value at step s is a pure function of (name, step), so any process can
 compute the expected global tensor and check a consumer's buffers byte for byte.
@@ -12,6 +11,8 @@ import time
 from typing import Any, Callable
 
 import torch
+
+from tests.support.data import value
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

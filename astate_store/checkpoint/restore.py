@@ -15,15 +15,8 @@ import pyarrow.fs as pafs
 import torch
 
 from astate_store.errors import CheckpointCorrupted, CheckpointError, LayoutError, PlanError
-from astate_store.model.layout import (
-    Entry,
-    TensorLayout,
-    TensorLike,
-    check_fit,
-    check_step,
-    group_layouts,
-    validate_tensors,
-)
+from astate_store.model.layout import TensorLayout, TensorLike, check_step, group_layouts
+from astate_store.model.validation import Entry, check_fit, validate_tensors
 from astate_store.plan import plan_consumer
 from astate_store.model.progress import Progress, ProgressCounter
 from astate_store.checkpoint.checksum import CHECKSUMS, Checksum, Crc32

@@ -34,7 +34,8 @@ from astate_store.get.conversion import Converter
 from astate_store.get.links import Links
 from astate_store.get.sources import PUBLISHERS, SourceGroup
 from astate_store.metrics import PullTimes
-from astate_store.model.layout import Entry, GCPaused, TensorLike
+from astate_store.model.layout import GCPaused, TensorLike
+from astate_store.model.validation import Entry
 from astate_store.model.progress import Progress, ProgressCounter
 from astate_store.model.validated import ValidatedTensors
 
@@ -67,12 +68,9 @@ class Consumer:
         those buffers alive until then."""
         self.buffers = ValidatedTensors("get_into(buffers)")
         self.delivered_step = None
-        self._planner = planner.Planner()
-        self._connected.clear()
-        self._groups_cache.clear()
-        self._ops_cache.clear()
-        self._pack_key, self._last, self._wanted, self._whole = None, None, (None, {}, False), (None, False)
-        self._spans.clear()
+        self.links = Links(self.ctx)
+        self.batches = Batches(self.ctx, self.converter, self.links, self.buffers)
+        self._last = None
 
     def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
                  progress: Progress | None = None) -> int:

@@ -20,17 +20,8 @@ import numpy as np
 
 from astate_store.catalog import Layout, Manifest, Version
 from astate_store.errors import LayoutError, NoLiveSource
-from astate_store.model.layout import (
-    Box,
-    Entry,
-    ShardColumns,
-    ShardRecord,
-    TensorLayout,
-    check_fit,
-    group_layouts,
-    itemsize,
-    merge_tensor_layout,
-)
+from astate_store.model.layout import Box, ShardColumns, ShardRecord, TensorLayout, group_layouts, itemsize, merge_tensor_layout
+from astate_store.model.validation import Entry, check_fit
 from astate_store.model.spans import span_runs
 
 __all__ = ["PUBLISHERS", "SourceGroup", "source_groups", "assign", "failover_order", "bases", "dest_records",

@@ -560,17 +560,3 @@ def _whole_boxes(recs: list[ShardRecord]) -> list[bool]:
     offs = map(eq, map(_OFFSETS, recs), map(_ZEROS.__getitem__, map(len, shapes)))
     sizes = map(eq, map(_SIZES, recs), shapes)
     return list(map(and_, offs, sizes))
-
-
-# Validation of user tensors lives in ``model.validation`` (which imports this module); its
-# public names are still importable from here, resolved on first use so neither module
-# imports the other at load time.
-_VALIDATION_NAMES = frozenset({"Entry", "local_box", "validate_tensors", "with_aliases", "check_fit"})
-
-
-def __getattr__(name: str) -> object:
-    if name in _VALIDATION_NAMES:
-        from astate_store.model import validation
-
-        return getattr(validation, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

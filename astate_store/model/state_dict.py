@@ -3,7 +3,7 @@
 Users hand over ``model.state_dict()``-like mappings: nested dicts, DTensors (FSDP2, tensor
 parallel, 2-D meshes), plain tensors, ``Shard``s, lists of ``Shard``s (several boxes of one
 name) and sometimes non-tensor entries. :class:`StateDictConverter` turns them into the flat
-``{name: Tensor | Shard | list[Shard]}`` mapping that ``layout.validate_tensors`` checks:
+``{name: Tensor | Shard | list[Shard]}`` mapping that ``validation.validate_tensors`` checks:
 
 - nested mappings are flattened the way torch DCP's ``flatten_state_dict`` names them
   (``{"a": {"b": t}}`` -> ``"a.b"``; lists holding tensors or mappings -> ``"a.0"``, ...);

@@ -21,14 +21,8 @@ import torch
 from astate_store.model import codec
 from astate_store.context import StoreContext, sync_device
 from astate_store.errors import CheckpointError, LayoutError, WaitTimeout
-from astate_store.model.layout import (
-    Entry,
-    ShardRecord,
-    TensorLike,
-    torch_dtype,
-    validate_tensors,
-    with_aliases,
-)
+from astate_store.model.layout import ShardRecord, TensorLike, torch_dtype
+from astate_store.model.validation import Entry, validate_tensors, with_aliases
 from astate_store.catalog.records import pad20
 from astate_store.plan.prepack import Copy, servable
 from astate_store.put.registry import Registry

@@ -135,7 +135,7 @@ def preset_against_bake(worker: Any, preset: str) -> dict[str, Any]:
     loaders, both as {HF name: sorted [(parameter, offset, sizes, strides, HF offsets)]}."""
     from vllm.distributed.parallel_state import get_tp_group
 
-    from astate_store import presets
+    from astate_store.integrations import presets
 
     model = worker.model_runner.get_model()
     engine = worker.weight_transfer_engine

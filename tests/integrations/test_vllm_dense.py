@@ -16,7 +16,7 @@ import pytest
 
 import astate_store
 
-from . import _vllm as V
+from tests.integrations import _vllm as V
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
 if not os.environ.get("CI"):

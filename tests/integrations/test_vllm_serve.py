@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from . import _vllm as V
+from tests.integrations import _vllm as V
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
 if not os.environ.get("CI"):

@@ -12,18 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astate_store.errors import LayoutError
-from astate_store.model.layout import (
-    Box,
-    Shard,
-    ShardRecord,
-    TensorLayout,
-    contiguous_strides,
-    group_layouts,
-    local_box,
-    merge_tensor_layout,
-    validate_name,
-    validate_tensors,
-)
+from astate_store.model.layout import Box, Shard, ShardRecord, TensorLayout, contiguous_strides, group_layouts, merge_tensor_layout, validate_name
+from astate_store.model.validation import local_box, validate_tensors
 
 
 def rec(rank: int, offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...] = (8, 6),

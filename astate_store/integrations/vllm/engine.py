@@ -38,9 +38,9 @@ from vllm.distributed.weight_transfer.base import (
 import astate_store
 from astate_store.errors import AStateError, LayoutError, WaitTimeout
 
-from .bake import Baked, bake
-from .paths import decide, pre_processing_metadata
-from .staged import StagedModule
+from astate_store.integrations.vllm.bake import Baked, bake
+from astate_store.integrations.vllm.paths import decide, pre_processing_metadata
+from astate_store.integrations.vllm.staged import StagedModule
 
 __all__ = ["AstateInitInfo", "AstateUpdateInfo", "AstateWeightTransferEngine", "UpdateError"]
 

@@ -26,7 +26,7 @@ import torch
 from astate_store import Shard
 from astate_store.errors import LayoutError
 
-from .bake import Piece
+from astate_store.integrations.vllm.bake import Piece
 
 __all__ = ["StagedModule"]
 
