@@ -84,3 +84,33 @@ def paused_part(uri: str, step: int, world: int, conn: Any) -> None:
     ckpt._TEST_HOOK = hook
     ckpt.write_part(uri, step, 0, world, rank_shards(step, 0, world), checksum="crc32", fsync=False)
     conn.send("written")
+
+
+def restore_oldest_loop(uri: str, stop: Any, out: Any) -> None:
+    """Restore the oldest complete step of the "mixed" model (whole tensors) from ``uri`` again and
+    again until ``stop``: the step retention removes next. Reports (ok, not found, anything else)."""
+    import torch
+
+    from astate_store import checkpoint as ckpt
+    from astate_store.errors import CheckpointNotFound
+    from tests._store_workers import SPECS, value
+
+    bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
+    ok, gone, other = 0, 0, []
+    while not stop.is_set():
+        steps = ckpt.list_checkpoints(uri)
+        if not steps:
+            continue
+        try:
+            got = ckpt.restore(uri, bufs, step=steps[0], threads=1)
+            exact = got == steps[0] and all(torch.equal(bufs[n], value(n, shape, dt, got))
+                                            for n, (shape, dt, _) in SPECS["mixed"].items())
+            if exact:
+                ok += 1
+            else:
+                other.append(f"step {got}: bytes differ")
+        except CheckpointNotFound:
+            gone += 1  # removed before this restore saw its marker: never read
+        except Exception as exc:  # a torn read: what the test must never see
+            other.append(f"{type(exc).__name__}: {exc}")
+    out.put((ok, gone, other[:5]))
