@@ -4,6 +4,7 @@ typed error for a step that cannot commit, and retention through ``Store.checkpo
 from __future__ import annotations
 
 import random
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -129,3 +130,10 @@ def test_store_checkpoint_retention_removes_from_storage_and_catalog(etcd: Any, 
         assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
             f"step-{n:020d}" for n in (1, 4, 8, 9)]
         _assert_restores(uri, 4)
+        # Entries whose checkpoint is gone from storage (removed by hand, lost) are skipped by a
+        # restore from the catalog: it takes the newest one still there.
+        ckpt.remove_checkpoint(uri, 8)
+        shutil.rmtree(tmp_path / "ckpt" / f"step-{9:020d}")
+        bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
+        assert s.restore(bufs) == 4
+        assert all(torch.equal(bufs[n], value(n, shape, dt, 4)) for n, (shape, dt, _) in SPECS["mixed"].items())
