@@ -50,7 +50,7 @@ def paused_restore(uri: str, step: int, lease_ttl: float, started: Any, go: Any,
     import torch
 
     from astate_store import checkpoint as ckpt
-    from tests._store_workers import SPECS, value
+    from tests._store_workers import SPECS, local_tensors
 
     bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
     first = [True]
@@ -63,8 +63,8 @@ def paused_restore(uri: str, step: int, lease_ttl: float, started: Any, go: Any,
 
     try:
         got = ckpt.restore(uri, bufs, step=step, progress=progress, lease_ttl=lease_ttl, threads=1)
-        ok = got == step and all(torch.equal(bufs[n], value(n, shape, dt, step))
-                                 for n, (shape, dt, _) in SPECS["mixed"].items())
+        want = local_tensors("mixed", step, 0, 1)  # one rank: every box is the whole tensor
+        ok = got == step and all(torch.equal(bufs[n], want[n].tensor) for n in SPECS["mixed"])
         out.put(("restored", got, ok))
     except Exception as exc:  # reported to the test
         out.put(("error", type(exc).__name__, str(exc)))
@@ -93,7 +93,7 @@ def restore_oldest_loop(uri: str, stop: Any, out: Any) -> None:
 
     from astate_store import checkpoint as ckpt
     from astate_store.errors import CheckpointNotFound
-    from tests._store_workers import SPECS, value
+    from tests._store_workers import SPECS, local_tensors
 
     bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
     ok, gone, other = 0, 0, []
@@ -103,8 +103,8 @@ def restore_oldest_loop(uri: str, stop: Any, out: Any) -> None:
             continue
         try:
             got = ckpt.restore(uri, bufs, step=steps[0], threads=1)
-            exact = got == steps[0] and all(torch.equal(bufs[n], value(n, shape, dt, got))
-                                            for n, (shape, dt, _) in SPECS["mixed"].items())
+            want = local_tensors("mixed", got, 0, 1)
+            exact = got == steps[0] and all(torch.equal(bufs[n], want[n].tensor) for n in SPECS["mixed"])
             if exact:
                 ok += 1
             else:

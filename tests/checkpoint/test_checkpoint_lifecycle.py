@@ -16,7 +16,7 @@ from astate_store import checkpoint as ckpt
 from astate_store.store import Store
 
 from tests._procs import CTX
-from tests._store_workers import SPECS, local_tensors, value
+from tests._store_workers import SPECS, local_tensors
 from tests.checkpoint._lifecycle_workers import rank_main
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,8 +65,9 @@ def _ns() -> str:
 def _assert_restores(uri: str, step: int) -> None:
     bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
     assert ckpt.restore(uri, bufs, step=step) == step
-    for n, (shape, dt, _) in SPECS["mixed"].items():
-        assert torch.equal(bufs[n], value(n, shape, dt, step)), n
+    want = local_tensors("mixed", step, 0, 1)  # one rank: every box is the whole tensor
+    for n in SPECS["mixed"]:
+        assert torch.equal(bufs[n], want[n].tensor), n
 
 
 def test_checkpoint_right_after_put_on_every_rank_in_random_order(etcd: Any, tmp_path: Path) -> None:
@@ -136,4 +137,5 @@ def test_store_checkpoint_retention_removes_from_storage_and_catalog(etcd: Any, 
         shutil.rmtree(tmp_path / "ckpt" / f"step-{9:020d}")
         bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
         assert s.restore(bufs) == 4
-        assert all(torch.equal(bufs[n], value(n, shape, dt, 4)) for n, (shape, dt, _) in SPECS["mixed"].items())
+        want = local_tensors("mixed", 4, 0, 1)
+        assert all(torch.equal(bufs[n], want[n].tensor) for n in SPECS["mixed"])

@@ -18,7 +18,7 @@ from astate_store.errors import CheckpointError, CheckpointInUse, CheckpointNotF
 
 from tests._checkpoint_workers import SPEC, expected, rank_shards
 from tests._procs import CTX
-from tests._store_workers import SPECS, local_tensors, value
+from tests._store_workers import SPECS, local_tensors
 from tests.checkpoint._lifecycle_workers import paused_part, paused_restore, restore_oldest_loop
 
 pytestmark = pytest.mark.timeout(120)
@@ -194,7 +194,7 @@ def test_cli_ls_shows_the_policy_and_rm_follows_its_rules(tmp_path: Path) -> Non
     assert ckpt.list_checkpoints(uri) == [100, 200, 250]
     bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
     assert ckpt.restore(uri, bufs, step=100) == 100
-    assert torch.equal(bufs["emb"], value("emb", (64, 48), torch.float32, 100))
+    assert torch.equal(bufs["emb"], local_tensors("mixed", 100, 0, 1)["emb"].tensor)
 
 
 def test_restores_racing_retention_are_exact_or_refused(tmp_path: Path) -> None:
