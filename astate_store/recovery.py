@@ -356,7 +356,8 @@ def _await_commit(ctx: StoreContext, step: int, timeout: float) -> Version:
                                          step=step, missing=missing, reason="fenced")
         if latest is not None and latest > step:
             raise CheckpointNotCommitted(f"{what}, and step {latest} is already committed (steps only move "
-                                         "forward: it can never commit)", step=step, missing=missing, reason="stale")
+                                         "forward: it can never commit; or it did, and the catalog's version "
+                                         "retention dropped it)", step=step, missing=missing, reason="stale")
         # A rank that is no live member either has not joined yet (sessions open at the first
         # put) or has left; once a step of this epoch committed, every rank had joined.
         gone = sorted(set(missing) - cat.sessions.live_ranks(s.epoch) - {s.rank})

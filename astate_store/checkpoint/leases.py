@@ -85,7 +85,7 @@ class ReaderLease:
         self.loc, self.step, self.ttl = loc, step, float(ttl)
         self.path = posixpath.join(loc.step_dir(step), _lease_name(self.ttl, uuid.uuid4().hex[:16]))
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
         self.held = False
 
     def _write(self) -> None:
@@ -95,10 +95,13 @@ class ReaderLease:
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl / 3):
-            try:
-                self._write()
-            except (OSError, pa.ArrowException) as exc:  # the next renewal tries again
-                log.warning("step %d: renewing reader lease %s failed: %s", self.step, self.path, exc)
+            with self._lock:  # never rewrites the lease after _release deleted it
+                if not self.held:
+                    return
+                try:
+                    self._write()
+                except (OSError, pa.ArrowException) as exc:  # the next renewal tries again
+                    log.warning("step %d: renewing reader lease %s failed: %s", self.step, self.path, exc)
 
     def __enter__(self) -> "ReaderLease":
         sdir = self.loc.step_dir(self.step)
@@ -116,15 +119,16 @@ class ReaderLease:
             self._release()
             raise CheckpointNotFound(f"checkpoint step {self.step} under {self.loc.uri} is being removed "
                                      f"(retention or `astate checkpoint rm`)")
-        self._thread = threading.Thread(target=self._renew, name="astate-ckpt-lease", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._renew, name="astate-ckpt-lease", daemon=True).start()
         return self
 
     def _release(self) -> None:
+        # No join: the renewal thread wakes at once and finds the lease released (a join costs a
+        # scheduling round trip per restore on a busy host).
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self.held:
+        with self._lock:
+            if not self.held:
+                return
             self.held = False
             try:
                 self.loc.fs.delete_file(self.path)

@@ -50,7 +50,7 @@ def paused_restore(uri: str, step: int, lease_ttl: float, started: Any, go: Any,
     import torch
 
     from astate_store import checkpoint as ckpt
-    from tests._store_workers import SPECS, value
+    from tests._store_workers import SPECS, local_tensors
 
     bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
     first = [True]
@@ -63,8 +63,8 @@ def paused_restore(uri: str, step: int, lease_ttl: float, started: Any, go: Any,
 
     try:
         got = ckpt.restore(uri, bufs, step=step, progress=progress, lease_ttl=lease_ttl, threads=1)
-        ok = got == step and all(torch.equal(bufs[n], value(n, shape, dt, step))
-                                 for n, (shape, dt, _) in SPECS["mixed"].items())
+        want = local_tensors("mixed", step, 0, 1)  # one rank: every box is the whole tensor
+        ok = got == step and all(torch.equal(bufs[n], want[n].tensor) for n in SPECS["mixed"])
         out.put(("restored", got, ok))
     except Exception as exc:  # reported to the test
         out.put(("error", type(exc).__name__, str(exc)))
@@ -84,3 +84,33 @@ def paused_part(uri: str, step: int, world: int, conn: Any) -> None:
     ckpt._TEST_HOOK = hook
     ckpt.write_part(uri, step, 0, world, rank_shards(step, 0, world), checksum="crc32", fsync=False)
     conn.send("written")
+
+
+def restore_oldest_loop(uri: str, stop: Any, out: Any) -> None:
+    """Restore the oldest complete step of the "mixed" model (whole tensors) from ``uri`` again and
+    again until ``stop``: the step retention removes next. Reports (ok, not found, anything else)."""
+    import torch
+
+    from astate_store import checkpoint as ckpt
+    from astate_store.errors import CheckpointNotFound
+    from tests._store_workers import SPECS, local_tensors
+
+    bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
+    ok, gone, other = 0, 0, []
+    while not stop.is_set():
+        steps = ckpt.list_checkpoints(uri)
+        if not steps:
+            continue
+        try:
+            got = ckpt.restore(uri, bufs, step=steps[0], threads=1)
+            want = local_tensors("mixed", got, 0, 1)
+            exact = got == steps[0] and all(torch.equal(bufs[n], want[n].tensor) for n in SPECS["mixed"])
+            if exact:
+                ok += 1
+            else:
+                other.append(f"step {got}: bytes differ")
+        except CheckpointNotFound:
+            gone += 1  # removed before this restore saw its marker: never read
+        except Exception as exc:  # a torn read: what the test must never see
+            other.append(f"{type(exc).__name__}: {exc}")
+    out.put((ok, gone, other[:5]))

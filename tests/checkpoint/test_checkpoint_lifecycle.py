@@ -4,6 +4,7 @@ typed error for a step that cannot commit, and retention through ``Store.checkpo
 from __future__ import annotations
 
 import random
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from astate_store import checkpoint as ckpt
 from astate_store.store import Store
 
 from tests._procs import CTX
-from tests._store_workers import SPECS, local_tensors, value
+from tests._store_workers import SPECS, local_tensors
 from tests.checkpoint._lifecycle_workers import rank_main
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,8 +65,9 @@ def _ns() -> str:
 def _assert_restores(uri: str, step: int) -> None:
     bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
     assert ckpt.restore(uri, bufs, step=step) == step
-    for n, (shape, dt, _) in SPECS["mixed"].items():
-        assert torch.equal(bufs[n], value(n, shape, dt, step)), n
+    want = local_tensors("mixed", step, 0, 1)  # one rank: every box is the whole tensor
+    for n in SPECS["mixed"]:
+        assert torch.equal(bufs[n], want[n].tensor), n
 
 
 def test_checkpoint_right_after_put_on_every_rank_in_random_order(etcd: Any, tmp_path: Path) -> None:
@@ -129,3 +131,11 @@ def test_store_checkpoint_retention_removes_from_storage_and_catalog(etcd: Any, 
         assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
             f"step-{n:020d}" for n in (1, 4, 8, 9)]
         _assert_restores(uri, 4)
+        # Entries whose checkpoint is gone from storage (removed by hand, lost) are skipped by a
+        # restore from the catalog: it takes the newest one still there.
+        ckpt.remove_checkpoint(uri, 8)
+        shutil.rmtree(tmp_path / "ckpt" / f"step-{9:020d}")
+        bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
+        assert s.restore(bufs) == 4
+        want = local_tensors("mixed", 4, 0, 1)
+        assert all(torch.equal(bufs[n], want[n].tensor) for n in SPECS["mixed"])

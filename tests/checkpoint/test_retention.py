@@ -18,8 +18,8 @@ from astate_store.errors import CheckpointError, CheckpointInUse, CheckpointNotF
 
 from tests._checkpoint_workers import SPEC, expected, rank_shards
 from tests._procs import CTX
-from tests._store_workers import SPECS, local_tensors, value
-from tests.checkpoint._lifecycle_workers import paused_part, paused_restore
+from tests._store_workers import SPECS, local_tensors
+from tests.checkpoint._lifecycle_workers import paused_part, paused_restore, restore_oldest_loop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -194,4 +194,29 @@ def test_cli_ls_shows_the_policy_and_rm_follows_its_rules(tmp_path: Path) -> Non
     assert ckpt.list_checkpoints(uri) == [100, 200, 250]
     bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()}
     assert ckpt.restore(uri, bufs, step=100) == 100
-    assert torch.equal(bufs["emb"], value("emb", (64, 48), torch.float32, 100))
+    assert torch.equal(bufs["emb"], local_tensors("mixed", 100, 0, 1)["emb"].tensor)
+
+
+def test_restores_racing_retention_are_exact_or_refused(tmp_path: Path) -> None:
+    """Another process restores the oldest complete step over and over while this one writes steps
+    and applies retention after each: every restore is byte-exact or refused before reading
+    (CheckpointNotFound), never torn or failing on a vanished file."""
+    uri = str(tmp_path / "c")
+    for s in (1, 2):
+        _write(uri, s)
+    stop, out = CTX.Event(), CTX.Queue()
+    p = CTX.Process(target=restore_oldest_loop, args=(uri, stop, out), daemon=True)
+    p.start()
+    busy = 0
+    try:
+        for s in range(3, 40):
+            _write(uri, s)
+            busy += len(ckpt.apply_retention(uri, ckpt.RetentionPolicy(2), upto=s).busy)
+        stop.set()
+        ok, gone, other = out.get(timeout=60)
+    finally:
+        stop.set()
+        p.join(30)
+    assert other == [] and ok > 0, (ok, gone, busy, other)
+    assert ckpt.list_checkpoints(uri)[-2:] == [38, 39]
+    # (Without the reader lease in restore, this fails with "CheckpointCorrupted: data file ... is missing".)
