@@ -26,7 +26,7 @@ from .. import codec
 from ..errors import CatalogCorrupted, CatalogError, CodecError, StaleStepError, VersionNotFound, WaitTimeout
 from ..layout import ShardRecord, check_step
 from .background import own_job
-from .blobs import blob_from_kvs, blob_requests
+from .blobs import CHUNK_BYTES, blob_from_kvs, blob_requests
 from .client import EtcdClient, range_end
 from .records import (
     Layout,
@@ -81,6 +81,12 @@ class Versions:
         # namespaces (sessions_hub.py); by default this namespace's own lazily started thread.
         self._retention = (runner or own_job)(f"astate-retention-{client.namespace}", self._apply_retention)
         self._drops = 0
+        # Steps in the commits/ index as of the last listing (epoch, count), and commits made here
+        # since: a single-rank session makes every commit of its epoch itself, so retention lists
+        # the index again only once it may hold more than ``retention`` steps (not per commit).
+        self._listed: tuple[int, int] | None = None
+        self._unlisted = 0
+        self._count_lock = threading.Lock()
 
     @property
     def skipped_records(self) -> int:
@@ -112,9 +118,23 @@ class Versions:
         lid, mid = rec["layout_id"], man["manifest_id"]
         if lid in self._written:
             return lid
-        self._ensure_manifest(mid, man)
         key = self.client.key("layouts", pad20(s.epoch), pad20(s.rank), lid)
-        self._write_blob("write layout", key, codec.encode("layout", rec), s.lease_id)
+        blobs = [] if mid in self._written_manifests else \
+            [blob_requests(self.client.key("manifests", mid), codec.encode("manifest", man), None)]
+        blobs.append(blob_requests(key, codec.encode("layout", rec), s.lease_id))
+        # Chunks first, then both heads in one fenced transaction (a session's first put was two
+        # round trips here): the manifest's head is in before any layout names it.
+        for chunks, _ in blobs:
+            for ops in chunks:
+                self.client.txn("write layout chunk", [], ops)
+        heads = [head for _, head in blobs]
+        # two heads inlining up to CHUNK_BYTES each could pass etcd's request limit: apart then
+        groups = [heads] if sum(len(h.value) for h in heads) <= CHUNK_BYTES else [[h] for h in heads]
+        for group in groups:
+            ok, _ = self.client.txn("write layout", self.sessions.fence(), group)
+            if not ok:
+                raise self.sessions.fenced_error("write layout")
+        self._written_manifests.add(mid)
         self._written[lid] = mid
         self._manifests.setdefault(mid, manifest_from_record(man, mid))
         return lid
@@ -235,7 +255,25 @@ class Versions:
     def _committed(self, step: int) -> None:
         s = self.sessions.require()
         log.info("namespace %s: committed step %d (epoch %d)", self.client.namespace, step, s.epoch)
+        with self._count_lock:
+            self._unlisted += 1
         self._retention.poke()
+
+    def _within_retention(self) -> bool:
+        """Whether the commits/ index surely holds at most ``retention`` steps without listing it:
+        the last listing's count plus this process's commits since, in the same single-rank
+        session (no other process commits in it; a count too high only lists sooner)."""
+        s = self.sessions.current
+        with self._count_lock:
+            n, self._unlisted = self._unlisted, 0
+            if s is None or s.world_size != 1 or self._listed is None or self._listed[0] != s.epoch:
+                self._listed = None
+                return False
+            count = self._listed[1] + n
+            if count > self.retention:
+                return False
+            self._listed = (s.epoch, count)
+            return True
 
     # ---- retention (background) ------------------------------------------------------------
 
@@ -243,11 +281,17 @@ class Versions:
         """Drop versions beyond ``retention`` (each with its readers and markers, one transaction
         per step; the ``commits/`` index keeps this O(retention), not O(ranks)); every
         ``_GC_EVERY`` drops, also the manifests no retained version names."""
+        if self._within_retention():
+            return
         c = self.client
+        s = self.sessions.current
         pre = c.key("commits") + "/"
         kvs = c.call("list commits", lambda: list(c.raw.get_prefix(pre, keys_only=True)))
         steps = sorted(self._committed_index(pre, kvs))
         drop = steps[: max(0, len(steps) - self.retention)]
+        if s is not None:
+            with self._count_lock:  # commits made while listing are counted on top (too high at worst)
+                self._listed = (s.epoch, len(steps) - len(drop))
         for old in drop:
             c.txn("retention", [], [tx.Delete(p, range_end(p)) for p in (c.key(f, pad20(old), "") for f in _PER_STEP)]
                   + [tx.Delete(pre + pad20(old))])
