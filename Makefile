@@ -26,9 +26,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
 
+# Every benchmark once, one after another (the machine is shared), then one table of every figure
+# against its target: benchmarks/results/report.md (benchmarks/report.py). Not part of `make test`.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/plan_scale.py
-	$(BIN)/python benchmarks/sync_bench.py
+	$(BIN)/python benchmarks/report.py --run
 
 # The peers of benchmarks/peers.py (NIXL, Mooncake TE) next to ours: torch stays pinned (a plain
 # `pip install nixl-cu12` pulls a multi-GB CUDA torch); Mooncake TE imports only with libibverbs1.

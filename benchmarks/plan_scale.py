@@ -15,7 +15,9 @@ own link. FP8 runs keep embeddings, norms and router in bf16 and add fp32 128x12
 
 Times: ``plan_seconds`` = pass 1 (balance + pre-pack decision) + pass 2 (final plan with the
 packed copies as sources, all reads counted exactly; reads are materialized per consumer on
-demand, ``materialize_seconds_one`` is one consumer's array). ``plan_cpu_seconds`` is the same
+demand, ``materialize_seconds_one`` is one consumer's array). Pass 2 reuses pass 1's stages up to
+balancing while pass 1's plan is alive (the planner memoizes them on the identity of its inputs),
+so it pays for matching the packed copies, their templates, merging and totals only. ``plan_cpu_seconds`` is the same
 span in this process's CPU time (what the wall time would be on an idle core; the machine is
 shared). ``--config`` picks one of the three configurations of issue 30.
 """

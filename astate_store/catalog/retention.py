@@ -5,6 +5,7 @@ retained version names."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Sequence
 
 from pyetcd import transactions as tx
@@ -20,6 +21,8 @@ from astate_store.errors import (
 )
 from astate_store.model import codec
 
+from astate_store.catalog.sessions import Sessions
+
 __all__ = ["Retention", "PER_STEP"]
 
 log = logging.getLogger("astate_store.catalog")
@@ -34,19 +37,52 @@ class Retention:
     """Keeps the newest ``retention`` committed versions of a namespace: run on a background
     thread after commits (``catalog.background``), never on a put's path."""
 
-    def __init__(self, client: EtcdClient, retention: int, skips: Skips):
-        self.client, self.retention, self.skips = client, retention, skips
+    def __init__(self, client: EtcdClient, sessions: Sessions, retention: int, skips: Skips):
+        self.client, self.sessions, self.retention, self.skips = client, sessions, retention, skips
         self._drops = 0  # versions dropped since manifests were last collected
+        # Steps in the commits/ index as of the last listing (epoch, count), and commits made here
+        # since: a single-rank session makes every commit of its epoch itself, so retention lists
+        # the index again only once it may hold more than ``retention`` steps (not per commit).
+        self._listed: tuple[int, int] | None = None
+        self._unlisted = 0
+        self._count_lock = threading.Lock()
+
+    def note_commit(self) -> None:
+        """This process committed a step (called on the put's path: a counter, no request)."""
+        with self._count_lock:
+            self._unlisted += 1
+
+    def _within_retention(self) -> bool:
+        """Whether the commits/ index surely holds at most ``retention`` steps without listing it:
+        the last listing's count plus this process's commits since, in the same single-rank
+        session (no other process commits in it; a count too high only lists sooner)."""
+        s = self.sessions.current
+        with self._count_lock:
+            n, self._unlisted = self._unlisted, 0
+            if s is None or s.world_size != 1 or self._listed is None or self._listed[0] != s.epoch:
+                self._listed = None
+                return False
+            count = self._listed[1] + n
+            if count > self.retention:
+                return False
+            self._listed = (s.epoch, count)
+            return True
 
     def apply(self) -> None:
         """Drop versions beyond ``retention`` (each with its readers and markers, one transaction
         per step; the ``commits/`` index keeps this O(retention), not O(ranks)); every
         ``_GC_EVERY`` drops, also the manifests no retained version names."""
+        if self._within_retention():
+            return
         c = self.client
+        s = self.sessions.current
         pre = c.key("commits") + "/"
         kvs = c.call("list commits", lambda: list(c.raw.get_prefix(pre, keys_only=True)))
         steps = sorted(self._committed_index(pre, kvs))
         drop = steps[: max(0, len(steps) - self.retention)]
+        if s is not None:
+            with self._count_lock:  # commits made while listing are counted on top (too high at worst)
+                self._listed = (s.epoch, len(steps) - len(drop))
         for old in drop:
             c.txn("retention", [], [tx.Delete(p, range_end(p)) for p in (c.key(f, pad20(old), "") for f in PER_STEP)]
                   + [tx.Delete(pre + pad20(old))])

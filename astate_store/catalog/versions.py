@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 from pyetcd import transactions as tx
 
 from astate_store.catalog.background import own_job
-from astate_store.catalog.blobs import blob_requests
+from astate_store.catalog.blobs import CHUNK_BYTES, blob_requests
 from astate_store.catalog.client import EtcdClient, range_end
 from astate_store.catalog.latest import LatestWatch
 from astate_store.catalog.records import (
@@ -72,8 +72,8 @@ class Versions:
         self._latest = LatestWatch(client, self.skips)
         # ``runner`` (name, fn) -> an object with poke / wait_idle / close: a thread shared by many
         # namespaces (hub.py); by default this namespace's own lazily started thread.
-        self._retention = (runner or own_job)(f"astate-retention-{client.namespace}",
-                                              Retention(client, retention, self.skips).apply)
+        self._retainer = Retention(client, sessions, retention, self.skips)
+        self._retention = (runner or own_job)(f"astate-retention-{client.namespace}", self._retainer.apply)
 
     @property
     def skipped_records(self) -> int:
@@ -105,9 +105,23 @@ class Versions:
         lid, mid = rec["layout_id"], man["manifest_id"]
         if lid in self._written:
             return lid
-        self._ensure_manifest(mid, man)
         key = self.client.key("layouts", pad20(s.epoch), pad20(s.rank), lid)
-        self._write_blob("write layout", key, codec.encode("layout", rec), s.lease_id)
+        blobs = [] if mid in self._written_manifests else \
+            [blob_requests(self.client.key("manifests", mid), codec.encode("manifest", man), None)]
+        blobs.append(blob_requests(key, codec.encode("layout", rec), s.lease_id))
+        # Chunks first, then both heads in one fenced transaction (a session's first put was two
+        # round trips here): the manifest's head is in before any layout names it.
+        for chunks, _ in blobs:
+            for ops in chunks:
+                self.client.txn("write layout chunk", [], ops)
+        heads = [head for _, head in blobs]
+        # two heads inlining up to CHUNK_BYTES each could pass etcd's request limit: apart then
+        groups = [heads] if sum(len(h.value) for h in heads) <= CHUNK_BYTES else [[h] for h in heads]
+        for group in groups:
+            ok, _ = self.client.txn("write layout", self.sessions.fence(), group)
+            if not ok:
+                raise self.sessions.fenced_error("write layout")
+        self._written_manifests.add(mid)
         self._written[lid] = mid
         self._manifests.setdefault(mid, manifest_from_record(man, mid))
         return lid
@@ -228,6 +242,7 @@ class Versions:
     def _committed(self, step: int) -> None:
         s = self.sessions.require()
         log.info("namespace %s: committed step %d (epoch %d)", self.client.namespace, step, s.epoch)
+        self._retainer.note_commit()
         self._retention.poke()
 
     # ---- reading --------------------------------------------------------------------------
