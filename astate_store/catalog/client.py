@@ -11,6 +11,7 @@ mismatch from an etcd that does not answer), ``leases`` (keep-alive threads), ``
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 import time
@@ -21,12 +22,11 @@ import grpc
 import pyetcd
 import pyetcd.etcdrpc as etcdrpc
 import pyetcd.exceptions as etcd_exc
-import pyetcd.watch as etcd_watch
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
 from astate_store.model import codec
 from astate_store.errors import CatalogAuthError, CatalogError, CatalogRejected, CatalogUnavailable
-from astate_store.catalog.config import EtcdConfig, option
+from astate_store.catalog.config import EtcdConfig
 from astate_store.catalog.failures import (
     RETRYABLE,
     WatchRefused,
@@ -36,9 +36,10 @@ from astate_store.catalog.failures import (
     refusal,
     token_rejected,
 )
-from astate_store.catalog.leases import KeepAlive
+from astate_store.catalog.auth import request_token
+from astate_store.catalog.leases import KeepAlive, revoke_lease
 from astate_store.catalog.tls_probe import HANDSHAKE_WORDS, tls_problem
-from astate_store.catalog.watches import Watcher, WatchStub, wait_for_event
+from astate_store.catalog.watches import new_watcher, wait_for_event
 
 __all__ = ["EtcdClient", "RETRYABLE", "range_end", "WatchRefused", "WatchStreamEnded"]
 
@@ -76,6 +77,16 @@ def _endpoints(config: EtcdConfig) -> list[Endpoint]:
                             time_retry=2.0 if several else 0.0,
                             opts=[("grpc.max_receive_message_length", 64 << 20)]))
     return eps
+
+
+def _txn_request(raw: MultiEndpointEtcd3Client, compare: list[Any], success: list[Any],
+                 failure: list[Any]) -> etcdrpc.TxnRequest:
+    """etcd's ``TxnRequest``; operations already ``RequestOp``s are kept, pyetcd's are translated."""
+    def ops(items: list[Any]) -> list[Any]:
+        return [op if isinstance(op, etcdrpc.RequestOp) else raw._ops_to_requests([op])[0] for op in items]
+
+    return etcdrpc.TxnRequest(compare=[c.build_message() for c in compare], success=ops(success),
+                              failure=ops(failure))
 
 
 class _Verdict(enum.Enum):
@@ -126,7 +137,7 @@ class EtcdClient:
         # to pyetcd: it would authenticate once, untyped and unretried, and never refresh the token.
         self.raw = MultiEndpointEtcd3Client(endpoints=_endpoints(self.config), timeout=op_timeout,
                                             failover=several)
-        self.raw.get_watcher = self._new_watcher  # type: ignore[method-assign]
+        self.raw.get_watcher = functools.partial(new_watcher, self.raw)  # type: ignore[method-assign]
         self._keepalives: list[KeepAlive] = []
         self._reader_lease: int | None = None
         self.rpcs = 0  # etcd requests (attempts) made on callers' paths, for the control-plane figures
@@ -152,34 +163,15 @@ class EtcdClient:
 
     # ---- authentication ----------------------------------------------------------------------
 
-    def _new_watcher(self) -> etcd_watch.Watcher:
-        """A watch stream for the endpoint in use, carrying the current token."""
-        return Watcher(WatchStub(self.raw.channel), timeout=self.raw.timeout,
-                        call_credentials=None, metadata=self.raw.metadata)
-
     def _authenticate(self) -> None:
         """Get a token for the configured user. ``_auth_lock`` held."""
-        user, password = self.config.user, self.config.password
-        assert user is not None and password is not None
-        req = etcdrpc.AuthenticateRequest(name=user, password=password)
-        try:
-            resp = self.raw.authstub.Authenticate(req, self.op_timeout)
-        except grpc.RpcError as exc:
-            code, details = grpc_status(exc)
-            if code == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in details:
-                log.warning("etcd at %s has authentication disabled; %s is not used", self.endpoint,
-                            option("etcd_user"))
-                self._auth_off = True
-                return
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                        grpc.StatusCode.PERMISSION_DENIED):
-                raise CatalogAuthError(
-                    f"etcd at {self.endpoint} refused to authenticate user {user!r} ({code.name}: {details}): "
-                    f"check {option('etcd_user')} and {option('etcd_password')}") from exc
-            self.raw._manage_grpc_errors(exc)  # marks a failed endpoint (failover), re-raises typed
+        token = request_token(self.raw, self.config, self.op_timeout, self.endpoint)
+        if token is None:
+            self._auth_off = True
+            return
         self.authentications += 1
-        self._token = str(resp.token)
-        self.raw.metadata = (("token", self._token),)
+        self._token = token
+        self.raw.metadata = (("token", token),)
         self.raw.call_credentials = None  # metadata works on plain and TLS channels alike
         # A watch stream keeps the token it was opened with: later watches open a new stream; the old
         # one is ended (its callbacks get the error and their owners re-watch).
@@ -383,12 +375,8 @@ class EtcdClient:
         """A transaction whose operations may include raw ``RequestOp``s (e.g. :meth:`count_op`);
         returns etcd's ``TxnResponse`` itself (pyetcd's parsed form drops counts and nested
         transaction results, which the commit path needs)."""
-        def ops(items: list[Any]) -> list[Any]:
-            return [op if isinstance(op, etcdrpc.RequestOp) else self.raw._ops_to_requests([op])[0] for op in items]
-
         def go() -> Any:
-            req = etcdrpc.TxnRequest(compare=[c.build_message() for c in compare], success=ops(success),
-                                     failure=ops(failure or []))
+            req = _txn_request(self.raw, compare, success, failure or [])
             try:
                 return self.raw.kvstub.Txn(req, self.raw.timeout, credentials=self.raw.call_credentials,
                                            metadata=self.raw.metadata)
@@ -422,14 +410,5 @@ class EtcdClient:
     def _revoke(self, lease_id: int) -> None:
         """One revoke attempt (errors ignored: the lease then expires on its own), and one more with a
         fresh token when etcd rejected the token (an idle client's token may have expired)."""
-        for attempt in range(2):
-            try:
-                self.raw.revoke_lease(lease_id)
-                return
-            except RETRYABLE as exc:
-                if attempt or self.config.user is None or not token_rejected(exc):
-                    return
-                try:
-                    self._reauthenticate(self._token)
-                except (CatalogError, *RETRYABLE):
-                    return
+        reauth = None if self.config.user is None else (lambda: self._reauthenticate(self._token))
+        revoke_lease(self.raw, lease_id, reauth)

@@ -9,9 +9,10 @@ from typing import Callable
 
 from pyetcd.client import MultiEndpointEtcd3Client
 
+from astate_store.errors import CatalogError
 from astate_store.catalog.failures import RETRYABLE, token_rejected
 
-__all__ = ["KeepAlive"]
+__all__ = ["KeepAlive", "revoke_lease"]
 
 log = logging.getLogger("astate_store.catalog")
 
@@ -55,3 +56,20 @@ class KeepAlive(threading.Thread):
                 if self.stop_event.is_set() or self.stop_event.wait(1.0):
                     return
                 raise
+
+
+def revoke_lease(raw: MultiEndpointEtcd3Client, lease_id: int, reauthenticate: Callable[[], None] | None) -> None:
+    """One revoke attempt (errors ignored: the lease then expires on its own), and one more after
+    ``reauthenticate()`` when etcd rejected the token (an idle client's token may have expired);
+    ``reauthenticate`` None: the client has no user, so no token to refresh."""
+    for attempt in range(2):
+        try:
+            raw.revoke_lease(lease_id)
+            return
+        except RETRYABLE as exc:
+            if attempt or reauthenticate is None or not token_rejected(exc):
+                return
+            try:
+                reauthenticate()
+            except (CatalogError, *RETRYABLE):
+                return

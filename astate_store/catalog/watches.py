@@ -18,7 +18,7 @@ import pyetcd.watch as etcd_watch
 from astate_store.errors import CatalogUnavailable
 from astate_store.catalog.failures import RETRYABLE, WatchRefused, WatchStreamEnded
 
-__all__ = ["WatchStub", "Watcher", "wait_for_event"]
+__all__ = ["WatchStub", "Watcher", "new_watcher", "wait_for_event"]
 
 
 class WatchStub:
@@ -61,6 +61,11 @@ class Watcher(etcd_watch.Watcher):
                     self._new_watch_cond.notify_all()
             return
         super()._handle_response(rs)
+
+
+def new_watcher(raw: Any) -> Watcher:
+    """A watch stream for the endpoint ``raw`` (a pyetcd client) uses now, carrying its current token."""
+    return Watcher(WatchStub(raw.channel), timeout=raw.timeout, call_credentials=None, metadata=raw.metadata)
 
 
 T = TypeVar("T")
