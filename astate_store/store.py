@@ -28,11 +28,11 @@ from astate_store.model.layout import TensorLike, check_step
 from astate_store.metrics import Stats
 from astate_store.model.progress import Progress
 from astate_store.put.publisher import Publisher
-from astate_store.recovery import Recovery
+from astate_store.recovery import Recovery, StoreRecovery
 from astate_store.put.registry import Registry
 from astate_store.put.serving import Serving
 from astate_store.model.state_dict import NonTensors, StateDictConverter, normalize
-from astate_store.transport.topology import AffinityChoice, AffinityConfig
+from astate_store.transport.topology import AffinityChoice
 from astate_store.model.usermeta import decode_meta, encode_meta
 from astate_store.transport import Transport
 
@@ -104,7 +104,7 @@ class StagingInfo:
     conversion_bytes: int
 
 
-class Store:
+class Store(StoreRecovery):
     """A namespace's versioned tensors: publish with :meth:`put`, pull with :meth:`get_into`.
 
     Args:
@@ -387,74 +387,6 @@ class Store:
         step, timeout = _check_wait(step, timeout, "get")
         return kv.get(self.catalog, lambda bufs, s, t, p: self.get_into(bufs, step=s, timeout=t, progress=p), names,
                       step=step, timeout=timeout, device=device, progress=progress)
-
-    # ---- checkpoints and recovery ---------------------------------------------------------
-
-    def checkpoint(self, step: int, uri: str, *, asynchronous: bool = False,
-                   progress: Progress | None = None, timeout: float = 60.0, keep_last: int | None = None,
-                   keep_every: int | None = None) -> Any:
-        """Write this rank's shards of version ``step`` to storage (any ``pyarrow.fs`` URI or local
-        path); the rank that completes the set commits it and records it in the catalog. Every
-        publisher rank calls it, right after its ``put(step)``: it first waits (up to ``timeout``)
-        for the other ranks' pieces to commit the step. Replicated shards are written by one rank only.
-
-        Args:
-            asynchronous: wait for the commit and snapshot the shards now, write in a background
-                thread; returns a ``concurrent.futures.Future`` of the same result.
-            progress: ``progress(done_bytes, total_bytes)`` as this rank's part is written
-                (:mod:`astate_store.model.progress`).
-            timeout: seconds to wait for ``step`` to commit.
-            keep_last: retention: once this checkpoint is complete, remove older complete
-                checkpoints under ``uri`` (storage and catalog) except the ``keep_last`` newest;
-                the newest, any a restore is reading, and incomplete ones are never removed
-                (docs/checkpoint.md "Retention"). None: keep everything.
-            keep_every: with ``keep_last``, also keep the oldest checkpoint of every window of
-                ``keep_every`` steps (the steps ``n * keep_every`` when checkpoints fall on them).
-
-        Returns:
-            True if the checkpoint is complete after this call (it is then in the catalog).
-
-        Raises:
-            CheckpointNotCommitted: ``step`` did not commit within ``timeout``, or never can (the
-                session was fenced, a newer step committed, a rank whose piece is missing is gone);
-                it names the ranks whose pieces are missing.
-            CheckpointError: this rank no longer holds the step, bad arguments, or a storage error.
-        """
-        return self._recovery.checkpoint(step, uri, asynchronous, progress, timeout, keep_last, keep_every)
-
-    def restore(self, buffers: Mapping[str, Any], *, uri: str | None = None, step: int | None = None,
-                progress: Progress | None = None, non_tensors: NonTensors = "error") -> int:
-        """Fill preallocated buffers of any layout from a checkpoint: ``uri`` (newest complete step
-        there, or ``step``), else the newest complete checkpoint the catalog knows. ``progress``:
-        ``progress(done_bytes, total_bytes)`` as bytes are copied (:mod:`astate_store.model.progress`).
-
-        Raises:
-            CheckpointNotFound: no complete checkpoint; CheckpointCorrupted: checksum or file errors;
-            LayoutError: a buffer that does not fit.
-        """
-        buffers = normalize(buffers, "restore(buffers)", non_tensors)
-        return self._recovery.restore(buffers, uri, step, progress)
-
-    def recover(self, tensors: Mapping[str, Any], *, timeout: float = 60.0, uri: str | None = None,
-                non_tensors: NonTensors = "error") -> int | None:
-        """For a (re)started publisher rank: fence the previous session, fill this rank's
-        preallocated ``tensors`` with the newest committed state — from live sources (surviving
-        replicas, consumers that re-serve it) or else the newest complete checkpoint — and
-        republish it in the new session so consumers carry on.
-
-        Every rank of the new session agrees on one step through etcd first (README "Session
-        model"). A checkpoint older than the newest committed step is restored but not
-        republished (it can never commit again); the next ``put`` must then use a step > ``latest()``.
-
-        Returns:
-            The recovered step, or None when nothing was ever committed or checkpointed.
-
-        Raises:
-            RecoveryError: no step every rank could fetch (naming the ranks and why), or a rank
-                did not report within ``timeout``.
-        """
-        tensors = normalize(tensors, "recover(tensors)", non_tensors)
-        return self._recovery.recover(tensors, timeout, uri)
 
     # ---- lifetime ------------------------------------------------------------------------
 

@@ -68,7 +68,7 @@ from sync_bench import measure_memcpy  # noqa: E402
 CTX = mp.get_context("spawn")
 TIMEOUT = 600.0
 
-# Peers that need CUDA (measured on this kind of machine; see the README): reported as null.
+# Peers that need CUDA (measured on this kind of machine; see docs/performance.md): reported as null.
 CUDA_ONLY = {
     "torchstore": "torchstore 0.1.2 pins a CUDA torch 2.9.0 and torchmonarch; its import fails without "
                   "libcuda.so.1 (no GPU here)",

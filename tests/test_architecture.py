@@ -179,3 +179,21 @@ def test_old_import_paths_still_work(old: str, new: str) -> None:
     import importlib
 
     assert importlib.import_module(f"astate_store.{old}") is importlib.import_module(f"astate_store.{new}")
+
+
+# Units small enough to read at once (issue 27's limits): lines of a module, a class, a function.
+LIMITS = {"module": 600, "class": 350, "function": 80}
+
+
+def test_units_stay_within_their_size_limits() -> None:
+    over = []
+    for mod, path in MODULES.items():
+        src = path.read_text()
+        if len(src.splitlines()) > LIMITS["module"]:
+            over.append(f"module {mod}: {len(src.splitlines())} lines")
+        for node in ast.walk(ast.parse(src)):
+            kind = "class" if isinstance(node, ast.ClassDef) else \
+                "function" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+            if kind and node.end_lineno - node.lineno + 1 > LIMITS[kind]:
+                over.append(f"{kind} {mod}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not over, over

@@ -11,7 +11,7 @@
     checkpoints  CheckpointIndex   the checkpoint index
     agreement    RecoveryAgreement the step a recovering session's ranks agree on
 
-Key layout under ``/astate/<namespace>/`` (see README "etcd key layout"):
+Key layout under ``/astate/<namespace>/`` (see docs/protocol.md, "etcd key layout"):
 
     epoch                               counter: the newest session's epoch (fencing token)
     session                             session record, on rank 0's lease

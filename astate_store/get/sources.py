@@ -20,7 +20,7 @@ import numpy as np
 
 from astate_store.catalog import Layout, Manifest, Version
 from astate_store.errors import LayoutError, NoLiveSource
-from astate_store.model.layout import Box, ShardColumns, ShardRecord, TensorLayout, group_layouts, itemsize, merge_tensor_layout
+from astate_store.model.layout import Box, ShardColumns, ShardRecord, TensorLayout, group_layouts, merge_tensor_layout
 from astate_store.model.validation import Entry, check_fit
 from astate_store.model.spans import span_runs
 

@@ -4,7 +4,7 @@ put: tensors -> layout (validated entries) -> memory peers will read (a snapshot
 tensors in place, or a stream of them) -> catalog (layout record once, then this step's piece;
 the rank whose piece completes the version commits it).
 
-Readers and publishers follow the retire protocol (README "Zero-copy publishing"): memory that
+Readers and publishers follow the retire protocol (docs/protocol.md, "Zero-copy publishing"): memory that
 a committed version points to is retired — no new readers, registered ones waited for (bounded)
 or marked torn — before it changes.
 """
@@ -37,7 +37,7 @@ log = logging.getLogger("astate_store")
 def default_staging_cap(device: torch.device) -> int:
     """The snapshot staging a store may hold when ``staging_cap_bytes`` is not given: a quarter
     of the device's memory (GPU memory for CUDA tensors, RAM for host tensors). Past it the pool
-    shrinks to one slot, then puts stream from the tensors (README "Options")."""
+    shrinks to one slot, then puts stream from the tensors (docs/api.md, "Options")."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory // 4
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4

@@ -107,31 +107,23 @@ def _mtype(tensor: Any) -> str:
 
 
 class UcxTransport(Transport):
-    """UCX one-sided transport. See the module docstring for what each mode sets.
+    """UCX one-sided transport (modes: module docstring): a coordinator over its roles (``regions``,
+    ``peers``, ``rows``, ``same_host``, ``ucx_get``) that owns the worker and their one lock.
 
-    A coordinator: the roles live in their own modules (``regions``: local
-    registrations; ``peers``: endpoints, rkeys and the snapshot ``get`` reads;
-    ``rows``: plan checks; ``same_host``: the ``process_vm_readv`` path; ``ucx_get``:
-    the batched UCX read). This class owns the worker and the one lock they share.
-
-    Parameters
-    ----------
-    mode: ``"shm"``, ``"tcp"`` or ``"auto"``.
-    progress_thread: run a background progress thread (default: on).
-    config: extra UCX settings (``{"TLS": ..., "NET_DEVICES": ...}``, with or without
-        the ``UCX_`` prefix); applied last, over the environment and the mode defaults.
-    window: most outstanding reads per ``get``.
-    connect_timeout: seconds ``connect`` waits for a new endpoint to come up (flush).
-    direct: same-host ``process_vm_readv`` fast path (default: on unless the environment
-        has ``ASTATE_SHM_DIRECT=0``).
-    copy_threads: threads of the fast path (None: every CPU this process may use, up to 8,
-        for mapped memfd regions, and one for ``process_vm_readv``, where a second thread
-        measured slower; a number: that many for both, cma only for plans over 64 MiB).
-    stream: streamed reads for peers reached over tcp (``stream.py``; default: on unless
-        ``ASTATE_STREAM=0``): this transport serves its host regions on a TCP port (in modes
-        ``tcp`` and ``auto``, from its first descriptor on) and reads such peers' rows that way.
-    stream_host: the IP address the stream server binds to and publishes (default:
-        ``ASTATE_STREAM_HOST``, else 127.0.0.1; a store sets the address it reaches etcd from).
+    Args:
+        mode: ``"shm"``, ``"tcp"`` or ``"auto"``.
+        progress_thread: run a background progress thread (default: on).
+        config: extra UCX settings (``{"TLS": ..., "NET_DEVICES": ...}``, ``UCX_`` prefix optional),
+            applied last, over the environment and the mode defaults.
+        window: most outstanding reads per ``get``.
+        connect_timeout: seconds ``connect`` waits for a new endpoint to come up (flush).
+        direct: same-host ``process_vm_readv`` fast path (default on; ``ASTATE_SHM_DIRECT=0``: off).
+        copy_threads: fast-path threads (None: up to 8 for mapped memfd regions, one for
+            ``process_vm_readv``; a number: that many for both, cma only for plans over 64 MiB).
+        stream: streamed reads for peers over tcp (``stream/``; ``ASTATE_STREAM=0``: off): host
+            regions served on a TCP port (modes ``tcp``, ``auto``), such peers' rows read that way.
+        stream_host: the IP address the stream server binds and publishes (default
+            ``ASTATE_STREAM_HOST``, else 127.0.0.1; a store sets the address it reaches etcd from).
     """
 
     kind = "ucx"
