@@ -9,7 +9,7 @@ from typing import Callable
 import pytest
 import torch
 
-from astate_store.errors import LayoutError
+from astate_store.errors import LayoutError, VersionNotFound
 from astate_store.store import Store
 
 from tests.support.data import value
@@ -95,4 +95,24 @@ def test_only_buffers_the_last_pull_filled_with_that_step_can_be_served(stores: 
     with pytest.raises(LayoutError, match="tensor 'x'"):
         server.serve(1, {**bufs, "x": torch.zeros(3)})
     assert late.catalog.versions.read_version(1).replicas == {}  # nothing was offered
+    assert server.stats.registrations == 0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Serving.serve acquires the buffers' registrations (registry holder 'serve') before "
+    "catalog.replicas.add; when add raises VersionNotFound (the step was dropped meanwhile) nothing is "
+    "offered, _offers stays empty, and the registrations are never released: the next get_into does not "
+    "withdraw (serving.active is False), so the buffers stay registered with the transport until "
+    "unserve() or close (least exposure: only what is published may be readable)"))
+def test_a_failed_offer_leaves_the_buffers_unregistered(stores: tuple[Store, Store, Store]) -> None:
+    pub, server, _late = stores
+    pub.put(1, _tensors(1))
+    bufs = _bufs()
+    assert server.get_into(bufs, timeout=30) == 1
+    pub.put(2, _tensors(2))
+    pub.delete(1)  # dropped between the pull and the offer
+    with pytest.raises(VersionNotFound):
+        server.serve(1, bufs)
+    assert server.get_into(bufs, step=2, timeout=30) == 2
+    assert server.transport.num_regions == 0  # type: ignore[attr-defined]
     assert server.stats.registrations == 0
