@@ -116,3 +116,26 @@ def test_a_failed_offer_leaves_the_buffers_unregistered(stores: tuple[Store, Sto
     assert server.get_into(bufs, step=2, timeout=30) == 2
     assert server.transport.num_regions == 0  # type: ignore[attr-defined]
     assert server.stats.registrations == 0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Serving.serve checks a buffer only by data_ptr() against what get_into filled: a view of the "
+    "filled buffer with the same first address but other strides (torch.as_strided(a, a.shape, (1, 12))) "
+    "is accepted and offered as a replica of the step, and a consumer reading from that replica gets "
+    "bytes that are not the step's tensor, reported as that step (it should be a LayoutError)"))
+def test_a_view_with_other_strides_is_not_served_as_the_filled_buffer(
+        stores: tuple[Store, Store, Store]) -> None:
+    pub, server, late = stores
+    w = value("w", (12, 5), "float32", 1)
+    pub.put(1, {"w": w})
+    filled = torch.zeros(12, 5)
+    assert server.get_into({"w": filled}, timeout=30) == 1
+    other = torch.as_strided(filled, (12, 5), (1, 12))  # same first byte, other element order
+    try:
+        server.serve(1, {"w": other})
+    except LayoutError:
+        return  # refused before anything was offered: what the contract says
+    pub.close()  # the replica is the only source now
+    out = torch.zeros(12, 5)
+    assert late.get_into({"w": out}, step=1, timeout=30) == 1
+    assert torch.equal(out, w), "a replica served bytes that are not step 1's tensor as step 1"
