@@ -4,7 +4,7 @@ failures contained, close bounded. Real threads; every wait is on an event with 
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 

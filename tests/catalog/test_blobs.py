@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import xxhash
@@ -42,8 +43,13 @@ def _head(c: EtcdClient, key: str) -> dict[str, Any]:
 
 
 def _put_head(c: EtcdClient, key: str, stored: bytes, **over: Any) -> None:
-    head = {"size": len(stored), "codec": "none", "digest": xxhash.xxh3_64_hexdigest(stored), "chunks": 0,
-            "data": stored}
+    head = {
+        "size": len(stored),
+        "codec": "none",
+        "digest": xxhash.xxh3_64_hexdigest(stored),
+        "chunks": 0,
+        "data": stored,
+    }
     head.update(over)
     c.raw.put(key, codec.encode("blob", head))
 

@@ -3,7 +3,7 @@ kept after their writers leave; records that are not what their key says are ski
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from astate_store.catalog import Catalog, CheckpointEntry
 from astate_store.catalog.records import pad20
@@ -23,7 +23,11 @@ def test_the_index_lists_oldest_first_and_a_step_is_replaced(catalog_factory: Fa
         cat.checkpoints.record(_entry(step))
     assert cat.checkpoints.list() == [_entry(9), _entry(10), _entry(100)]  # numeric, not lexical, order
     cat.checkpoints.record(_entry(10, "s3://bucket/ckpt-10"))
-    assert [e.uri for e in cat.checkpoints.list()] == ["file:///ckpt/9", "s3://bucket/ckpt-10", "file:///ckpt/100"]
+    assert [e.uri for e in cat.checkpoints.list()] == [
+        "file:///ckpt/9",
+        "s3://bucket/ckpt-10",
+        "file:///ckpt/100",
+    ]
 
 
 def test_the_index_outlives_its_writer(catalog_factory: Factory) -> None:
@@ -40,8 +44,13 @@ def test_bad_index_records_are_skipped_and_counted(catalog_factory: Factory) -> 
     c = cat.client
     c.raw.put(c.key("checkpoints", pad20(6)), b"\x00garbage")
     wrong = _entry(8)
-    c.raw.put(c.key("checkpoints", pad20(7)), codec.encode("checkpoint", {
-        "step": wrong.step, "uri": wrong.uri, "world_size": 4, "bytes": 1, "written_at": 1.0}))
+    c.raw.put(
+        c.key("checkpoints", pad20(7)),
+        codec.encode(
+            "checkpoint",
+            {"step": wrong.step, "uri": wrong.uri, "world_size": 4, "bytes": 1, "written_at": 1.0},
+        ),
+    )
     c.raw.put(c.key("checkpoints", "latest"), b"x")
     assert reader.checkpoints.list() == [_entry(5)]
     assert reader.checkpoints.skips.count == 3

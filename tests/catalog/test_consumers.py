@@ -4,7 +4,7 @@ watch that says when to re-read, and records that are not what their key says.""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from astate_store.catalog import Catalog
 from astate_store.model import codec
@@ -25,11 +25,15 @@ def _until(cond: Callable[[], bool]) -> bool:
 
 def test_pack_requests_are_per_rank_and_sorted(catalog_factory: Factory) -> None:
     pub, a, b = catalog_factory(), catalog_factory(), catalog_factory()
-    b.consumers.register("b", [(0, "w", Box((0, 0), (4, 4)), "bfloat16"), (1, "w", Box((4, 0), (4, 4)), None)])
+    b.consumers.register(
+        "b", [(0, "w", Box((0, 0), (4, 4)), "bfloat16"), (1, "w", Box((4, 0), (4, 4)), None)]
+    )
     a.consumers.register("a", [(0, "z", Box((0,), (2,)), None), (0, "w", Box((2, 0), (2, 4)), None)])
     assert pub.consumers.pack_requests(0) == (
-        ("a", "w", Box((2, 0), (2, 4)), None), ("a", "z", Box((0,), (2,)), None),
-        ("b", "w", Box((0, 0), (4, 4)), "bfloat16"))
+        ("a", "w", Box((2, 0), (2, 4)), None),
+        ("a", "z", Box((0,), (2,)), None),
+        ("b", "w", Box((0, 0), (4, 4)), "bfloat16"),
+    )
     assert pub.consumers.pack_requests(1) == (("b", "w", Box((4, 0), (4, 4)), None),)
     assert pub.consumers.pack_requests(2) == ()
     assert pub.consumers.ids() == {"a", "b"}

@@ -3,7 +3,7 @@ read, publishers retire and wait, and torn marks fail exactly the reads that use
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -27,7 +27,7 @@ def _publish(cat: Catalog, *steps: int) -> None:
 
 def _keys(cat: Catalog, family: str, step: int) -> set[str]:
     pre = cat.client.key(family, pad20(step)) + "/"
-    return {m.key.decode()[len(pre):] for _v, m in cat.client.raw.get_prefix(pre, keys_only=True)}
+    return {m.key.decode()[len(pre) :] for _v, m in cat.client.raw.get_prefix(pre, keys_only=True)}
 
 
 @pytest.fixture
@@ -66,7 +66,9 @@ def test_retire_without_a_session_is_refused(catalog_factory: Factory) -> None:
         catalog_factory().readers.retire(1)
 
 
-def test_giving_up_on_a_reader_marks_the_step_torn_for_this_rank(pub: Catalog, catalog_factory: Factory) -> None:
+def test_giving_up_on_a_reader_marks_the_step_torn_for_this_rank(
+    pub: Catalog, catalog_factory: Factory
+) -> None:
     cons = catalog_factory()
     cons.readers.begin_read(2, "slow")
     assert pub.readers.retire(2, timeout=0.0) == 1
@@ -89,7 +91,9 @@ def test_a_torn_mark_fails_only_reads_that_used_its_source(pub: Catalog, catalog
     assert cons.readers.end_read(1, "any", None) is False  # no sources named: every mark counts
 
 
-def test_past_sixteen_ranks_one_range_compare_covers_every_rank(pub: Catalog, catalog_factory: Factory) -> None:
+def test_past_sixteen_ranks_one_range_compare_covers_every_rank(
+    pub: Catalog, catalog_factory: Factory
+) -> None:
     cons = catalog_factory()
     cons.readers.begin_read(1, "few")
     cons.readers.begin_read(1, "many")
@@ -119,7 +123,8 @@ def test_a_version_dropped_during_the_read_fails_it(pub: Catalog, catalog_factor
 
 def test_a_corrupt_version_unregisters_its_reader(pub: Catalog, catalog_factory: Factory) -> None:
     c = pub.client
-    c.raw.delete(c.key("versions", pad20(2), "pieces", pad20(pub.session.epoch), pad20(0)))  # type: ignore[union-attr]
+    epoch = pub.session.epoch  # type: ignore[union-attr]
+    c.raw.delete(c.key("versions", pad20(2), "pieces", pad20(epoch), pad20(0)))
     cons = catalog_factory()
     with pytest.raises(CatalogCorrupted, match="missing or bad"):
         cons.readers.begin_read(2, "r")
@@ -129,8 +134,10 @@ def test_a_corrupt_version_unregisters_its_reader(pub: Catalog, catalog_factory:
 def test_records_that_are_not_readers_are_not_waited_for(pub: Catalog) -> None:
     c = pub.client
     c.raw.put(c.key("readers", pad20(2), "junk"), b"\x00not a reader")
-    c.raw.put(c.key("readers", pad20(2), "liar"), codec.encode("reader", {"step": 1, "reader_id": "liar",
-                                                                         "host": "h", "pid": 1}))
+    c.raw.put(
+        c.key("readers", pad20(2), "liar"),
+        codec.encode("reader", {"step": 1, "reader_id": "liar", "host": "h", "pid": 1}),
+    )
     before = pub.readers.skips.count
     assert pub.readers.retire(2, timeout=30.0) == 0  # returns at once: no real reader is there
     assert pub.readers.skips.count == before + 2

@@ -45,8 +45,10 @@ def _kv(key: str, value: bytes, rev: int = 1) -> tuple[bytes, _Meta]:
 
 
 def _shards(rank: int = 0) -> list[ShardRecord]:
-    return [ShardRecord("w", "float32", (8, 4), Box((4, 0), (4, 4)), (4, 1), rank, 2, 256),
-            ShardRecord("b", "bfloat16", (6,), Box((0,), (6,)), (1,), rank, 2, 0)]
+    return [
+        ShardRecord("w", "float32", (8, 4), Box((4, 0), (4, 4)), (4, 1), rank, 2, 256),
+        ShardRecord("b", "bfloat16", (6,), Box((0,), (6,)), (1,), rank, 2, 0),
+    ]
 
 
 class _Reported:
@@ -63,11 +65,19 @@ class _Reported:
 
 
 def test_pad20_orders_lexically_as_numbers_and_parses_only_its_own_form() -> None:
-    steps = [0, 7, 10, 99, 100, 2 ** 40]
+    steps = [0, 7, 10, 99, 100, 2**40]
     assert sorted(map(pad20, steps)) == [pad20(s) for s in sorted(steps)]
     assert all(parse_pad20(pad20(s)) == s for s in steps)
-    for bad in (" " + pad20(7)[1:], "+" + pad20(7)[1:], pad20(7)[:-1], pad20(7) + "0", "1_" + pad20(7)[2:], "",
-                "0" * 19 + "x", "٠" * 20):
+    for bad in (
+        " " + pad20(7)[1:],
+        "+" + pad20(7)[1:],
+        pad20(7)[:-1],
+        pad20(7) + "0",
+        "1_" + pad20(7)[2:],
+        "",
+        "0" * 19 + "x",
+        "٠" * 20,
+    ):
         assert parse_pad20(bad) is None, bad
 
 
@@ -96,9 +106,11 @@ def test_skips_count_every_time_and_log_each_key_and_revision_once(caplog: pytes
         skips("/k2", "other", 5)
     assert skips.count == 5
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == [f"namespace {NS}: skipping bad thing record /k1: garbage",
-                     f"namespace {NS}: skipping bad thing record /k1: garbage again",
-                     f"namespace {NS}: skipping bad thing record /k2: other"]
+    assert lines == [
+        f"namespace {NS}: skipping bad thing record /k1: garbage",
+        f"namespace {NS}: skipping bad thing record /k1: garbage again",
+        f"namespace {NS}: skipping bad thing record /k2: other",
+    ]
 
 
 def test_a_flood_of_bad_records_logs_a_bounded_burst(caplog: pytest.LogCaptureFixture) -> None:
@@ -112,9 +124,16 @@ def test_a_flood_of_bad_records_logs_a_bounded_burst(caplog: pytest.LogCaptureFi
 
 def test_numbered_records_yield_the_good_and_skip_the_rest() -> None:
     pre = "/astate/ns/members/"
-    member = lambda rank: codec.encode("member", {"epoch": 1, "rank": rank, "host": "h", "pid": 1})  # noqa: E731
-    kvs = [_kv(pre + pad20(0), member(0), 3), _kv(pre + "7", member(7)), _kv(pre + pad20(2), b"\x00junk"),
-           _kv(pre + pad20(1), member(9), 4)]
+
+    def member(rank: int) -> bytes:
+        return codec.encode("member", {"epoch": 1, "rank": rank, "host": "h", "pid": 1})
+
+    kvs = [
+        _kv(pre + pad20(0), member(0), 3),
+        _kv(pre + "7", member(7)),
+        _kv(pre + pad20(2), b"\x00junk"),
+        _kv(pre + pad20(1), member(9), 4),
+    ]
     skips = Skips(NS, "member")
     got = [(k, n, d["rank"], rev) for k, n, d, rev in numbered_records(kvs, pre, "member", skips, "member")]
     # The number is the key's; whether the record agrees with it is the caller's check.
@@ -132,8 +151,9 @@ def test_a_manifest_round_trips_and_is_checked_against_its_id() -> None:
     man = manifest_from_record(rec, mid)
     assert man.names == ("w", "b")
     # Boxes only: addresses come from a layout (contiguous at 0 without one).
-    assert man.records(3) == tuple(ShardRecord(s.name, s.dtype, s.global_shape, s.box, s.strides, 3, 0, 0)
-                                   for s in _shards())
+    assert man.records(3) == tuple(
+        ShardRecord(s.name, s.dtype, s.global_shape, s.box, s.strides, 3, 0, 0) for s in _shards()
+    )
     with pytest.raises(CodecError, match="content does not match its id"):
         manifest_from_record(rec, "f" * 24)
     forged = dict(rec, names=["w", "c"])  # different content under the honest id
@@ -160,8 +180,13 @@ def test_a_layout_round_trips_and_must_be_what_its_key_says() -> None:
     rec = codec.decode("layout", codec.encode("layout", layout_record(5, 1, man, shards, b"desc", packed)))
     lid = rec["layout_id"]
     lay = layout_from_record(rec, man, key_id=lid, epoch=5, rank=1)
-    assert (lay.layout_id, lay.epoch, lay.rank, lay.transport, lay.manifest_id) == (lid, 5, 1, b"desc",
-                                                                                   man.manifest_id)
+    assert (lay.layout_id, lay.epoch, lay.rank, lay.transport, lay.manifest_id) == (
+        lid,
+        5,
+        1,
+        b"desc",
+        man.manifest_id,
+    )
     assert list(lay.shards) == shards and lay.packed == tuple(packed)
     with pytest.raises(CodecError, match="content does not match its id"):
         layout_from_record(rec, man, key_id=LID)
@@ -184,15 +209,25 @@ def _vkey(step: int, *tail: str) -> str:
 
 
 def _commit(step: int, epoch: int, world: int) -> tuple[bytes, _Meta]:
-    return _kv(_vkey(step, "commit"), codec.encode("commit", {"step": step, "epoch": epoch, "world_size": world,
-                                                              "committed_at": 1.0}))
+    return _kv(
+        _vkey(step, "commit"),
+        codec.encode("commit", {"step": step, "epoch": epoch, "world_size": world, "committed_at": 1.0}),
+    )
 
 
-def _piece(step: int, epoch: int, rank: int, world: int, fields: dict[str, Any] | None = None
-           ) -> tuple[bytes, _Meta]:
+def _piece(
+    step: int, epoch: int, rank: int, world: int, fields: dict[str, Any] | None = None
+) -> tuple[bytes, _Meta]:
     """The piece record at its key; ``fields`` override what the record itself says."""
-    rec = {"step": step, "epoch": epoch, "rank": rank, "world_size": world, "layout_id": LID,
-           "base_offset": 256 * rank, "manifest_id": LID}
+    rec = {
+        "step": step,
+        "epoch": epoch,
+        "rank": rank,
+        "world_size": world,
+        "layout_id": LID,
+        "base_offset": 256 * rank,
+        "manifest_id": LID,
+    }
     rec.update(fields or {})
     return _kv(_vkey(step, "pieces", pad20(epoch), pad20(rank)), codec.encode("piece", rec))
 
@@ -204,14 +239,20 @@ def _replica(step: int, group: str, member: str, fields: dict[str, Any] | None =
 
 
 def test_a_version_is_its_commit_and_the_pieces_of_the_committing_epoch() -> None:
-    kvs = [_commit(3, 2, 2), _piece(3, 2, 0, 2), _piece(3, 2, 1, 2, {"slot_bases": [0, 4096]}),
-           _piece(3, 1, 0, 2, {"layout_id": "f" * 24}),  # a fenced session's leftover: not read, not reported
-           _replica(3, "g", "m1")]
+    kvs = [
+        _commit(3, 2, 2),
+        _piece(3, 2, 0, 2),
+        _piece(3, 2, 1, 2, {"slot_bases": [0, 4096]}),
+        _piece(3, 1, 0, 2, {"layout_id": "f" * 24}),  # a fenced session's leftover: not read, not reported
+        _replica(3, "g", "m1"),
+    ]
     rep = _Reported()
     v = version_from_kvs(NS, 3, kvs, rep)
     assert (v.step, v.epoch, v.world_size) == (3, 2, 2)
     assert {r: (p.layout_id, p.base_offset, p.slot_bases) for r, p in v.pieces.items()} == {
-        0: (LID, 0, ()), 1: (LID, 256, (0, 4096))}
+        0: (LID, 0, ()),
+        1: (LID, 256, (0, 4096)),
+    }
     assert set(v.replicas) == {"m1"} and v.replicas["m1"].group == "g"
     assert rep.keys == []
 
@@ -231,7 +272,7 @@ def test_records_a_version_can_do_without_are_skipped_and_reported() -> None:
     v = version_from_kvs(NS, 3, kvs, rep)
     assert set(v.pieces) == {0} and set(v.replicas) == {"m1"}
     assert rep.keys == [kv[1].key.decode() for kv, _ in bad]
-    for why, (_kv_, want) in zip(rep.why, bad):
+    for why, (_pair, want) in zip(rep.why, bad):
         assert want in why, (why, want)
 
 
@@ -243,13 +284,15 @@ def test_records_a_version_needs_are_typed_errors() -> None:
     with pytest.raises(CatalogCorrupted, match="is of step 4"):
         version_from_kvs(NS, 3, [_kv(_vkey(3, "commit"), _commit(4, 1, 1)[0]), _piece(3, 1, 0, 1)])
     # A committed piece missing, undecodable, or naming another step / rank: the version is not whole.
-    for pieces in ([_piece(3, 1, 0, 2)],
-                   [_piece(3, 1, 0, 2), _kv(_vkey(3, "pieces", pad20(1), pad20(1)), b"\x00")],
-                   [_piece(3, 1, 0, 2), _piece(3, 1, 1, 2, {"step": 9})],
-                   [_piece(3, 1, 0, 2), _piece(3, 1, 1, 2, {"layout_id": "not-an-id"})]):
+    for pieces in (
+        [_piece(3, 1, 0, 2)],
+        [_piece(3, 1, 0, 2), _kv(_vkey(3, "pieces", pad20(1), pad20(1)), b"\x00")],
+        [_piece(3, 1, 0, 2), _piece(3, 1, 1, 2, {"step": 9})],
+        [_piece(3, 1, 0, 2), _piece(3, 1, 1, 2, {"layout_id": "not-an-id"})],
+    ):
         rep = _Reported()
         with pytest.raises(CatalogCorrupted, match=r"pieces of ranks \[1\] are missing or bad"):
             version_from_kvs(NS, 3, [_commit(3, 1, 2), *pieces], rep)
     # A world size no piece can fill is reported without enumerating it.
     with pytest.raises(CatalogCorrupted, match=r"ranks \[1, 2, 3, 4, 5, 6, 7, 8\] \.\.\."):
-        version_from_kvs(NS, 3, [_commit(3, 1, 10 ** 15), _piece(3, 1, 0, 10 ** 15)])
+        version_from_kvs(NS, 3, [_commit(3, 1, 10**15), _piece(3, 1, 0, 10**15)])

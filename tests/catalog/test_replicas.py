@@ -4,7 +4,7 @@ buffers, counting replica servers, waiting for them, and withdrawing an offer.""
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -28,7 +28,7 @@ def _committed(cat: Catalog, *steps: int) -> None:
 
 def _under(cat: Catalog, *parts: str) -> set[str]:
     pre = cat.client.key(*parts) + "/"
-    return {m.key.decode()[len(pre):] for _v, m in cat.client.raw.get_prefix(pre, keys_only=True)}
+    return {m.key.decode()[len(pre) :] for _v, m in cat.client.raw.get_prefix(pre, keys_only=True)}
 
 
 @pytest.fixture
@@ -70,9 +70,19 @@ def test_only_replica_servers_with_good_records_count(pub: Catalog, catalog_fact
     solo.replicas.add(1, "solo-x", "mx", SHARDS, b"t")  # a consumer, not a server
     c = pub.client
     c.raw.put(c.key("versions", pad20(1), "replicas", server_group("bad"), "m"), b"\x00junk")
-    c.raw.put(c.key("versions", pad20(1), "replicas", server_group("liar"), "m"),
-              codec.encode("replica", {"step": 2, "group": server_group("liar"), "member": "m",
-                                       "layout_id": "0" * 24, "manifest_id": "0" * 24}))
+    c.raw.put(
+        c.key("versions", pad20(1), "replicas", server_group("liar"), "m"),
+        codec.encode(
+            "replica",
+            {
+                "step": 2,
+                "group": server_group("liar"),
+                "member": "m",
+                "layout_id": "0" * 24,
+                "manifest_id": "0" * 24,
+            },
+        ),
+    )
     held, rev = pub.replicas.servers_holding(1)
     assert held == {"server-a", "server-b"} and rev > 0
     assert pub.replicas.servers_holding(2)[0] == set()
@@ -92,7 +102,9 @@ def test_waiting_for_servers_wakes_on_an_offer_or_times_out(pub: Catalog, catalo
     assert (info.value.step, info.value.held) == (2, 1)
 
 
-def test_remove_waits_for_readers_then_marks_its_own_source_torn(pub: Catalog, catalog_factory: Factory) -> None:
+def test_remove_waits_for_readers_then_marks_its_own_source_torn(
+    pub: Catalog, catalog_factory: Factory
+) -> None:
     rep, cons = catalog_factory(), catalog_factory()
     lid = rep.replicas.add(1, "grp", "m1", SHARDS, b"t")
     cons.readers.begin_read(1, "reader")

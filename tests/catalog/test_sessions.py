@@ -4,7 +4,7 @@ carries, joining, live ranks, and records that are not what their key says."""
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from pyetcd import transactions as tx
@@ -88,8 +88,11 @@ def test_joining_needs_the_newest_matching_session(catalog_factory: Factory) -> 
 def test_a_rank_joins_a_session_started_while_it_waits(catalog_factory: Factory) -> None:
     r0, r1 = catalog_factory(), catalog_factory()
     joined: list[object] = []
-    t = threading.Thread(target=lambda: joined.append(r1.sessions.open(rank=1, world_size=2, session_id="late",
-                                                                       join_timeout=60)))
+    t = threading.Thread(
+        target=lambda: joined.append(
+            r1.sessions.open(rank=1, world_size=2, session_id="late", join_timeout=60)
+        )
+    )
     t.start()
     s0 = r0.sessions.open(rank=0, world_size=2, session_id="late")
     t.join(60)
@@ -114,8 +117,15 @@ def test_bad_member_records_are_skipped_and_counted(catalog_factory: Factory) ->
     cat, reader = catalog_factory(), catalog_factory()
     s = cat.sessions.open(rank=0, world_size=4)
     c = cat.client
-    member = lambda epoch, rank: codec.encode("member", {"epoch": epoch, "rank": rank, "host": "h",  # noqa: E731
-                                                         "pid": 1})
+    member = lambda epoch, rank: codec.encode(
+        "member",
+        {
+            "epoch": epoch,
+            "rank": rank,
+            "host": "h",  # noqa: E731
+            "pid": 1,
+        },
+    )
     c.raw.put(c.key("members", pad20(s.epoch), pad20(1)), b"\x00not a member")
     c.raw.put(c.key("members", pad20(s.epoch), pad20(2)), member(s.epoch, 3))  # says rank 3
     c.raw.put(c.key("members", pad20(s.epoch), pad20(3)), member(s.epoch + 1, 3))  # says another epoch

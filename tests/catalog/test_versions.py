@@ -4,7 +4,7 @@ last one, ``latest`` and waiting for it, retention, and deleting a step."""
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -28,7 +28,7 @@ def _rank(cat: Catalog, rank: int, world: int, sid: str = "s") -> str:
 
 def _keys(cat: Catalog, *parts: str) -> list[str]:
     pre = cat.client.key(*parts) + "/"
-    return sorted(m.key.decode()[len(pre):] for _v, m in cat.client.raw.get_prefix(pre, keys_only=True))
+    return sorted(m.key.decode()[len(pre) :] for _v, m in cat.client.raw.get_prefix(pre, keys_only=True))
 
 
 def test_a_layout_is_written_once_per_content(catalog_factory: Factory) -> None:
@@ -54,7 +54,9 @@ def test_the_last_piece_commits_with_its_offsets(catalog_factory: Factory) -> No
     assert reader.versions.latest() == 3 and reader.versions.committed_steps() == [3]
     v = reader.versions.read_version(3)
     assert {r: (p.layout_id, p.base_offset, p.slot_bases) for r, p in v.pieces.items()} == {
-        0: (l0, 4096, (0, 4096)), 1: (l1, 0, ())}
+        0: (l0, 4096, (0, 4096)),
+        1: (l1, 0, ()),
+    }
     full = reader.versions.layouts_of(v)
     assert not full.missing and [full.layouts[r].transport for r in (0, 1)] == [b"rank0", b"rank1"]
 
@@ -66,7 +68,7 @@ def test_latest_only_moves_forward_and_an_older_step_is_stale(catalog_factory: F
     with pytest.raises(StaleStepError):
         cat.versions.put_piece(4, lid)
     assert cat.versions.latest() == 5
-    for bad in (-1, 10 ** 19, "7"):
+    for bad in (-1, 10**19, "7"):
         with pytest.raises(CatalogError):
             cat.versions.put_piece(bad, lid)  # type: ignore[arg-type]
 

@@ -4,7 +4,8 @@ typed error that leaves the buffers as they were."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,6 @@ import torch
 from astate_store import Shard
 from astate_store.errors import LayoutError, PeerUnreachable, WaitTimeout
 from astate_store.store import Store
-
 from tests.support.data import value
 
 Factory = Callable[..., Store]
@@ -54,7 +54,9 @@ def test_a_pull_reshards_rows_into_columns(store_factory: Factory) -> None:
     ranks[1].put(5, {"w": Shard(whole[7:], (7, 0), (16, 12))})
     cons = store_factory(**OPTIONS)
     left, right = torch.zeros(16, 5), torch.zeros(16, 7)
-    assert cons.get_into({"w": [Shard(left, (0, 0), (16, 12)), Shard(right, (0, 5), (16, 12))]}, timeout=30) == 5
+    assert (
+        cons.get_into({"w": [Shard(left, (0, 0), (16, 12)), Shard(right, (0, 5), (16, 12))]}, timeout=30) == 5
+    )
     assert torch.equal(left, whole[:, :5]) and torch.equal(right, whole[:, 5:])
     # A float buffer of another dtype is converted during the pull.
     half = torch.zeros(16, 12, dtype=torch.bfloat16)
@@ -87,9 +89,11 @@ def test_bad_buffers_are_refused_before_any_byte_moves(store_factory: Factory) -
     pub, cons = store_factory(**OPTIONS), store_factory(**OPTIONS)
     pub.put(1, _tensors(1))
     bufs = _bufs()
-    for bad, why in (({**bufs, "nope": torch.zeros(2)}, "nope"),
-                     ({"w": torch.zeros(16, 11), "h": bufs["h"]}, "'w'"),
-                     ({"w": bufs["w"], "h": torch.zeros(9, dtype=torch.int32)}, "'h'")):
+    for bad, why in (
+        ({**bufs, "nope": torch.zeros(2)}, "nope"),
+        ({"w": torch.zeros(16, 11), "h": bufs["h"]}, "'w'"),
+        ({"w": bufs["w"], "h": torch.zeros(9, dtype=torch.int32)}, "'h'"),
+    ):
         with pytest.raises(LayoutError, match=why):
             cons.get_into(bad, timeout=30)
     assert all(bool((b == 7).all()) for b in bufs.values())  # untouched

@@ -8,7 +8,8 @@ between ``get``'s listing and its pull (``get_into`` is the hook kv.get calls th
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,6 @@ from astate_store.errors import LayoutError, VersionNotFound, WaitTimeout
 from astate_store.get import kv
 from astate_store.get.kv import KeyInfo
 from astate_store.store import Store
-
 from tests.support.data import value
 
 SPEC = {"a.w": ((4, 6), "float32"), "b": ((10,), "bfloat16"), "c": ((3, 2, 2), "int64")}
@@ -45,8 +45,11 @@ def test_keys_list_the_newest_or_a_named_version(pub: Store, cons: Store) -> Non
     assert cons.keys() == {}
     pub.put(1, _tensors(1))
     pub.put(2, _tensors(2, {**SPEC, "d": ((5,), "float16")}))
-    want = {"a.w": KeyInfo((4, 6), "float32", 96), "b": KeyInfo((10,), "bfloat16", 20),
-            "c": KeyInfo((3, 2, 2), "int64", 96)}
+    want = {
+        "a.w": KeyInfo((4, 6), "float32", 96),
+        "b": KeyInfo((10,), "bfloat16", 20),
+        "c": KeyInfo((3, 2, 2), "int64", 96),
+    }
     assert cons.keys(1) == want
     newest = cons.keys()
     assert list(newest) == ["a.w", "b", "c", "d"]  # sorted by name
@@ -57,8 +60,9 @@ def test_keys_list_the_newest_or_a_named_version(pub: Store, cons: Store) -> Non
         cons.keys(-1)
 
 
-def test_keys_merge_the_ranks_shards_and_outlive_the_writers(store_factory: Callable[..., Store],
-                                                              cons: Store) -> None:
+def test_keys_merge_the_ranks_shards_and_outlive_the_writers(
+    store_factory: Callable[..., Store], cons: Store
+) -> None:
     whole = value("w", (8, 3), "float32", 4)
     r0 = store_factory(rank=0, world_size=2, session_id="kv", **OPTIONS)
     r1 = store_factory(rank=1, world_size=2, session_id="kv", **OPTIONS)
@@ -87,7 +91,9 @@ def test_get_allocates_whole_tensors_of_one_step(pub: Store, cons: Store) -> Non
 
 def test_get_names_what_it_cannot_fetch(pub: Store, cons: Store) -> None:
     pub.put(1, _tensors(1))
-    with pytest.raises(LayoutError, match=r"tensors \['x', 'y'\] are not in step 1's published tensors \(a.w, b, c\)"):
+    with pytest.raises(
+        LayoutError, match=r"tensors \['x', 'y'\] are not in step 1's published tensors \(a.w, b, c\)"
+    ):
         cons.get(["a.w", "x", "y"], timeout=30)
     with pytest.raises(LayoutError, match="must be None, a name or names, got int"):
         cons.get(5, timeout=30)  # type: ignore[arg-type]

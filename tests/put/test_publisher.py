@@ -4,7 +4,8 @@ still holds, retiring, and the staging it reports."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,6 @@ import torch
 from astate_store.catalog.records import pad20
 from astate_store.errors import CheckpointError, VersionNotFound
 from astate_store.store import Store
-
 from tests.support.data import value
 
 SPEC = {"emb": ((16, 8), "float32"), "norm": ((8,), "bfloat16"), "count": ((3,), "int64")}
@@ -39,7 +39,7 @@ def _pull(store: Store, step: int | None = None) -> tuple[int, dict[str, torch.T
 def _retired(store: Store, step: int) -> set[str]:
     c = store.catalog.client
     pre = c.key("retired", pad20(step)) + "/"
-    return {m.key.decode()[len(pre):] for _v, m in c.raw.get_prefix(pre, keys_only=True)}
+    return {m.key.decode()[len(pre) :] for _v, m in c.raw.get_prefix(pre, keys_only=True)}
 
 
 @pytest.fixture
@@ -59,7 +59,9 @@ def test_a_snapshot_put_publishes_a_copy_the_caller_may_change(store_factory: Fa
         for n, t in got.items():
             assert torch.equal(t, value(n, *SPEC[n], 1)), n
         st = pub.staging
-        assert (st.snapshot_slots, st.device) == (2, "cpu") and st.snapshot_bytes >= 2 * (16 * 8 * 4 + 16 + 24)
+        assert (st.snapshot_slots, st.device) == (2, "cpu") and st.snapshot_bytes >= 2 * (
+            16 * 8 * 4 + 16 + 24
+        )
         stats = pub.stats
         assert (stats.puts, stats.commits, stats.layouts_published) == (1, 1, 1)
         assert stats.put_bytes == 16 * 8 * 4 + 8 * 2 + 3 * 8
@@ -96,14 +98,16 @@ def test_held_gives_the_slot_contents_until_the_slot_is_reused(store_factory: Fa
         pub.put(3, _tensors(3))  # into step 1's slot
         with pytest.raises(CheckpointError, match="rank 0 no longer holds step 1"):
             pub._publisher.held(1)
-        assert {r.name: bool(torch.equal(t, value(r.name, *SPEC[r.name], 2))) for r, t in pub._publisher.held(2)} \
-            == {n: True for n in SPEC}
+        assert {
+            r.name: bool(torch.equal(t, value(r.name, *SPEC[r.name], 2))) for r, t in pub._publisher.held(2)
+        } == {n: True for n in SPEC}
         with pytest.raises(CheckpointError):
             pub._publisher.held(99)
 
 
-def test_tied_weights_are_staged_once_and_published_under_each_name(store_factory: Factory,
-                                                                    cons: Store) -> None:
+def test_tied_weights_are_staged_once_and_published_under_each_name(
+    store_factory: Factory, cons: Store
+) -> None:
     with _open(store_factory) as pub:
         w = value("tied", (6, 4), "float32", 2)
         pub.put(2, {"embed.weight": w, "lm_head.weight": w})
@@ -115,8 +119,9 @@ def test_tied_weights_are_staged_once_and_published_under_each_name(store_factor
         assert torch.equal(out, w)
 
 
-def test_an_in_place_put_publishes_the_callers_memory_until_retired(store_factory: Factory,
-                                                                    cons: Store) -> None:
+def test_an_in_place_put_publishes_the_callers_memory_until_retired(
+    store_factory: Factory, cons: Store
+) -> None:
     with _open(store_factory) as pub:
         tensors = _tensors(5)
         assert pub.put(5, tensors, copy=False) is True
@@ -168,5 +173,5 @@ def test_closing_the_publisher_marks_its_steps_torn_for_its_rank(store_factory: 
     c = cons.catalog.client
     for step in (1, 2):
         pre = c.key("torn", pad20(step)) + "/"
-        assert [m.key.decode()[len(pre):] for _v, m in c.raw.get_prefix(pre, keys_only=True)] == [pad20(0)]
+        assert [m.key.decode()[len(pre) :] for _v, m in c.raw.get_prefix(pre, keys_only=True)] == [pad20(0)]
     assert cons.keys(2)  # the version stays listed (manifests are leaseless), its source is gone

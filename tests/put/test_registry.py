@@ -6,7 +6,7 @@ the transport itself (``region``, ``num_regions``).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -51,10 +51,11 @@ def test_storage_span_covers_first_to_last_element() -> None:
     assert storage_span(empty) == (empty.data_ptr(), 0)  # no bytes (torch gives empty views no address)
 
 
-def test_a_view_is_registered_by_its_pages_not_its_whole_storage(registry: Registry,
-                                                                 transport: UcxTransport) -> None:
+def test_a_view_is_registered_by_its_pages_not_its_whole_storage(
+    registry: Registry, transport: UcxTransport
+) -> None:
     storage = torch.zeros(64 * PAGE // 4)  # 64 pages of float32
-    view = storage[20 * PAGE // 4 + 5: 23 * PAGE // 4 + 7]
+    view = storage[20 * PAGE // 4 + 5 : 23 * PAGE // 4 + 7]
     (rec,) = registry.acquire("put", _entries(w=view), rank=3)
     info = transport.region(rec.region)
     lo, hi = _pages(view)
@@ -66,13 +67,14 @@ def test_a_view_is_registered_by_its_pages_not_its_whole_storage(registry: Regis
     assert registry.count == 1 and transport.num_regions == 1
 
 
-def test_views_of_one_storage_share_a_registration_only_when_their_pages_meet(registry: Registry,
-                                                                              transport: UcxTransport) -> None:
+def test_views_of_one_storage_share_a_registration_only_when_their_pages_meet(
+    registry: Registry, transport: UcxTransport
+) -> None:
     storage = torch.zeros(64 * PAGE // 4)
     per_page = PAGE // 4
-    near_a = storage[per_page * 2: per_page * 3 + 10]  # pages 2-3
-    near_b = storage[per_page * 3 + 20: per_page * 5]  # pages 3-4: overlaps near_a's last page
-    far = storage[per_page * 40: per_page * 41]  # page 40
+    near_a = storage[per_page * 2 : per_page * 3 + 10]  # pages 2-3
+    near_b = storage[per_page * 3 + 20 : per_page * 5]  # pages 3-4: overlaps near_a's last page
+    far = storage[per_page * 40 : per_page * 41]  # page 40
     recs = {r.name: r for r in registry.acquire("put", _entries(a=near_a, b=near_b, c=far), rank=0)}
     assert recs["a"].region == recs["b"].region != recs["c"].region
     shared = transport.region(recs["a"].region)
@@ -125,7 +127,9 @@ def test_release_keeps_the_newest_acquires(registry: Registry) -> None:
     assert registry.release("put") == [] and registry.release("nobody") == []
 
 
-def test_sweep_of_named_regions_spares_those_acquired_again(registry: Registry, transport: UcxTransport) -> None:
+def test_sweep_of_named_regions_spares_those_acquired_again(
+    registry: Registry, transport: UcxTransport
+) -> None:
     t = torch.zeros(PAGE)
     entries = _entries(w=t)
     registry.acquire("put", entries, rank=0)
@@ -145,8 +149,9 @@ def test_a_holder_that_never_releases_is_folded_and_released_whole(registry: Reg
     assert registry.release("put") == [region]
 
 
-def test_an_empty_view_and_a_strided_view_are_published_correctly(registry: Registry,
-                                                                  transport: UcxTransport) -> None:
+def test_an_empty_view_and_a_strided_view_are_published_correctly(
+    registry: Registry, transport: UcxTransport
+) -> None:
     base = torch.zeros(8, PAGE // 8)
     col = base[:, 5]  # strided: spans the whole storage
     empty = torch.zeros(0)

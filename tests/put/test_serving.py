@@ -4,14 +4,13 @@ gone, and the offer is withdrawn (and its registrations released) at unserve or 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from astate_store.errors import LayoutError, VersionNotFound
 from astate_store.store import Store
-
 from tests.support.data import value
 
 SPEC = {"w": ((12, 5), "float32"), "b": ((7,), "bfloat16")}
@@ -32,7 +31,9 @@ def stores(store_factory: Callable[..., Store]) -> tuple[Store, Store, Store]:
     return pub, server, late
 
 
-def test_an_offer_is_a_replica_others_read_after_the_publisher_left(stores: tuple[Store, Store, Store]) -> None:
+def test_an_offer_is_a_replica_others_read_after_the_publisher_left(
+    stores: tuple[Store, Store, Store],
+) -> None:
     pub, server, late = stores
     pub.put(1, _tensors(1))
     bufs = _bufs()
@@ -58,7 +59,9 @@ def test_the_default_group_is_the_consumers_own(stores: tuple[Store, Store, Stor
     assert rep.group == f"solo-{server.consumer_id}"
 
 
-def test_unserve_withdraws_the_offer_and_releases_its_registrations(stores: tuple[Store, Store, Store]) -> None:
+def test_unserve_withdraws_the_offer_and_releases_its_registrations(
+    stores: tuple[Store, Store, Store],
+) -> None:
     pub, server, late = stores
     pub.put(1, _tensors(1))
     bufs = _bufs()
@@ -83,7 +86,9 @@ def test_the_next_pull_withdraws_the_offer_before_writing(stores: tuple[Store, S
     assert all(torch.equal(bufs[n], value(n, *SPEC[n], 2)) for n in SPEC)
 
 
-def test_only_buffers_the_last_pull_filled_with_that_step_can_be_served(stores: tuple[Store, Store, Store]) -> None:
+def test_only_buffers_the_last_pull_filled_with_that_step_can_be_served(
+    stores: tuple[Store, Store, Store],
+) -> None:
     pub, server, late = stores
     pub.put(1, _tensors(1))
     with pytest.raises(LayoutError, match="serve\\(\\) of step 1 needs buffers that get_into filled"):
@@ -98,12 +103,16 @@ def test_only_buffers_the_last_pull_filled_with_that_step_can_be_served(stores: 
     assert server.stats.registrations == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Serving.serve acquires the buffers' registrations (registry holder 'serve') before "
-    "catalog.replicas.add; when add raises VersionNotFound (the step was dropped meanwhile) nothing is "
-    "offered, _offers stays empty, and the registrations are never released: the next get_into does not "
-    "withdraw (serving.active is False), so the buffers stay registered with the transport until "
-    "unserve() or close (least exposure: only what is published may be readable)"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "Serving.serve acquires the buffers' registrations (registry holder 'serve') before "
+        "catalog.replicas.add; when add raises VersionNotFound (the step was dropped meanwhile) nothing is "
+        "offered, _offers stays empty, and the registrations are never released: the next get_into does not "
+        "withdraw (serving.active is False), so the buffers stay registered with the transport until "
+        "unserve() or close (least exposure: only what is published may be readable)"
+    ),
+)
 def test_a_failed_offer_leaves_the_buffers_unregistered(stores: tuple[Store, Store, Store]) -> None:
     pub, server, _late = stores
     pub.put(1, _tensors(1))
@@ -118,13 +127,18 @@ def test_a_failed_offer_leaves_the_buffers_unregistered(stores: tuple[Store, Sto
     assert server.stats.registrations == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Serving.serve checks a buffer only by data_ptr() against what get_into filled: a view of the "
-    "filled buffer with the same first address but other strides (torch.as_strided(a, a.shape, (1, 12))) "
-    "is accepted and offered as a replica of the step, and a consumer reading from that replica gets "
-    "bytes that are not the step's tensor, reported as that step (it should be a LayoutError)"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "Serving.serve checks a buffer only by data_ptr() against what get_into filled: a view of the "
+        "filled buffer with the same first address but other strides (torch.as_strided(a, a.shape, (1, 12))) "
+        "is accepted and offered as a replica of the step, and a consumer reading from that replica gets "
+        "bytes that are not the step's tensor, reported as that step (it should be a LayoutError)"
+    ),
+)
 def test_a_view_with_other_strides_is_not_served_as_the_filled_buffer(
-        stores: tuple[Store, Store, Store]) -> None:
+    stores: tuple[Store, Store, Store],
+) -> None:
     pub, server, late = stores
     w = value("w", (12, 5), "float32", 1)
     pub.put(1, {"w": w})

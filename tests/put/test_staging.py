@@ -7,7 +7,8 @@ transport, so a test can say which copy path (native rows or torch) a fill took.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,6 @@ from astate_store.errors import LayoutError
 from astate_store.model.layout import Box
 from astate_store.put.staging import ALIGN, SnapshotPool, StagingCapExceeded
 from astate_store.transport import UcxTransport
-
 from tests.support.data import value
 
 
@@ -55,7 +55,9 @@ def _alloc(n: int) -> torch.Tensor:
     return torch.full((n,), 0xA5, dtype=torch.uint8)
 
 
-def _whole(name: str, shape: tuple[int, ...], dtype: str = "float32") -> tuple[str, str, tuple[int, ...], Box]:
+def _whole(
+    name: str, shape: tuple[int, ...], dtype: str = "float32"
+) -> tuple[str, str, tuple[int, ...], Box]:
     return name, dtype, shape, Box((0,) * len(shape), shape)
 
 
@@ -68,7 +70,7 @@ def _slot_bytes(pool: SnapshotPool, k: int, i: int) -> torch.Tensor:
     assert pool.buffer is not None
     e = pool.entries[i]
     base = k * pool.slot_size + e.offset
-    return pool.buffer[base: base + e.nbytes]
+    return pool.buffer[base : base + e.nbytes]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,10 @@ def test_entries_are_aligned_back_to_back_and_the_slots_registered_once(transpor
     assert [e.offset for e in pool.entries] == want_offsets
     assert [e.nbytes for e in pool.entries] == sizes
     assert [(e.name, e.dtype, e.global_shape, e.source) for e in pool.entries] == [
-        ("a", "float32", (3, 5), -1), ("b", "int64", (100,), -1), ("c", "bfloat16", (7,), -1)]
+        ("a", "float32", (3, 5), -1),
+        ("b", "int64", (100,), -1),
+        ("c", "bfloat16", (7,), -1),
+    ]
     assert pool.slot_size == sum(map(_round, sizes)) and pool.slot_size % ALIGN == 0
     assert pool.depth == 3 and pool.nbytes == 3 * pool.slot_size
     assert pool.slot_step == [None, None, None] and pool.next_slot() == (0, None)
@@ -99,7 +104,9 @@ def test_entries_are_aligned_back_to_back_and_the_slots_registered_once(transpor
     assert transport.num_regions == 1 and transport.prepared == [pool.nbytes]
     assert int(pool.buffer.max()) == 0  # written whole at configure (zeroed), not left dirty
     # A record of an entry is the contiguous shard at the byte offset it is given.
-    rec = pool.entries[0].record(rank=2, region=pool.region, byte_offset=pool.slot_size + pool.entries[0].offset)
+    rec = pool.entries[0].record(
+        rank=2, region=pool.region, byte_offset=pool.slot_size + pool.entries[0].offset
+    )
     assert (rec.name, rec.rank, rec.region, rec.byte_offset) == ("a", 2, pool.region, pool.slot_size)
     assert rec.strides == (5, 1) and rec.box == Box((0, 0), (3, 5))
 
@@ -131,8 +138,12 @@ def test_depth_below_one_is_refused() -> None:
 # ---- the cap --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("cap_slots", "want", "depth"), [(10.0, 4, 4), (4.0, 4, 4), (2.5, 4, 2), (1.0, 3, 1)])
-def test_depth_shrinks_to_what_the_cap_holds(transport: _Counting, cap_slots: float, want: int, depth: int) -> None:
+@pytest.mark.parametrize(
+    ("cap_slots", "want", "depth"), [(10.0, 4, 4), (4.0, 4, 4), (2.5, 4, 2), (1.0, 3, 1)]
+)
+def test_depth_shrinks_to_what_the_cap_holds(
+    transport: _Counting, cap_slots: float, want: int, depth: int
+) -> None:
     items = [_whole("w", (1000,))]  # 4000 bytes: a slot of 4096
     slot = _round(4000)
     pool = SnapshotPool(want, int(cap_slots * slot), _alloc, transport)
@@ -160,7 +171,12 @@ def test_a_slot_over_the_cap_is_refused_with_both_sizes(transport: _Counting) ->
 
 
 def test_fill_copies_exact_bytes_by_the_native_loop_and_rotates_slots(transport: _Counting) -> None:
-    shapes = {"a": ((17, 3), "float32"), "b": ((5,), "int64"), "c": ((9, 2), "bfloat16"), "d": ((33,), "bool")}
+    shapes = {
+        "a": ((17, 3), "float32"),
+        "b": ((5,), "int64"),
+        "c": ((9, 2), "bfloat16"),
+        "d": ((33,), "bool"),
+    }
     items = [_whole(n, s, dt) for n, (s, dt) in shapes.items()]
     pool = SnapshotPool(2, None, _alloc, transport)
     pool.configure(items)
@@ -206,7 +222,9 @@ def test_a_cached_copy_plan_copies_the_new_contents_of_the_same_tensors(transpor
         k, _ = pool.next_slot()
         pool.fill(k, tensors, step, key=key)
         for i, t in enumerate(tensors):
-            assert torch.equal(_slot_bytes(pool, k, i), _as_bytes(value(list(shapes)[i], t.shape, "float32", step)))
+            assert torch.equal(
+                _slot_bytes(pool, k, i), _as_bytes(value(list(shapes)[i], t.shape, "float32", step))
+            )
     # Other tensors under another key: the plan is rebuilt, not reused with stale addresses.
     fresh = [value(n, s, "float32", 99) for n, s in shapes.items()]
     k, _ = pool.next_slot()
@@ -223,7 +241,9 @@ def test_pre_packed_copies_are_cut_from_the_shards(transport: _Counting) -> None
     pool = SnapshotPool(2, None, _alloc, transport)
     pool.configure([shard], packs)
     assert [(e.source, e.dtype, e.box) for e in pool.entries[1:]] == [
-        (0, "float32", Box((4, 2), (8, 3))), (0, "bfloat16", Box((6, 0), (3, 6)))]
+        (0, "float32", Box((4, 2), (8, 3))),
+        (0, "bfloat16", Box((6, 0), (3, 6))),
+    ]
     assert pool.entries[1].offset == _round(8 * 6 * 4)
     assert pool.entries[2].offset == pool.entries[1].offset + _round(8 * 3 * 4)
     whole = value("w", (16, 6), "float32", 3)
