@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -45,6 +45,26 @@ def catalog_factory(etcd: EmbeddedEtcd, namespace: str) -> Iterator[Callable[...
     yield make
     for c in made:
         c.close()
+
+
+@pytest.fixture
+def store_factory(etcd: EmbeddedEtcd, namespace: str) -> Iterator[Callable[..., Any]]:
+    """``make(ns=None, **options)``: a ``Store`` of this test's namespace (or ``ns``) on the test
+    etcd, over shared memory unless ``transport=`` says otherwise; closed after the test, newest
+    first (a consumer before the publisher it reads)."""
+    from astate_store.store import Store  # lazily: most tests of the suite need no store
+
+    made: list[Any] = []
+
+    def make(ns: str | None = None, **options: Any) -> Any:
+        options.setdefault("transport", "shm")
+        s = Store(ns or namespace, endpoint=etcd.endpoint, **options)
+        made.append(s)
+        return s
+
+    yield make
+    for s in reversed(made):
+        s.close()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -1,0 +1,142 @@
+"""The key-value surface (get/kv.py): ``keys`` lists a committed version from its manifests and
+``get`` allocates whole tensors and fills them with one ``get_into``.
+
+One process, real etcd, real stores: a publisher store puts, a consumer store reads. The
+shape-change retries are driven by the publisher putting a new version at the exact moment
+between ``get``'s listing and its pull (``get_into`` is the hook kv.get calls there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from astate_store import Shard
+from astate_store.errors import LayoutError, VersionNotFound, WaitTimeout
+from astate_store.get import kv
+from astate_store.get.kv import KeyInfo
+from astate_store.store import Store
+from tests.support.data import value
+
+SPEC = {"a.w": ((4, 6), "float32"), "b": ((10,), "bfloat16"), "c": ((3, 2, 2), "int64")}
+
+
+def _tensors(step: int, spec: Mapping[str, tuple[tuple[int, ...], str]] = SPEC) -> dict[str, torch.Tensor]:
+    return {n: value(n, s, dt, step) for n, (s, dt) in spec.items()}
+
+
+OPTIONS = {"retire_timeout": 5.0, "read_timeout": 60.0}
+
+
+@pytest.fixture
+def pub(store_factory: Callable[..., Store]) -> Store:
+    return store_factory(**OPTIONS)
+
+
+@pytest.fixture
+def cons(store_factory: Callable[..., Store], pub: Store) -> Store:
+    return store_factory(**OPTIONS)
+
+
+def test_keys_list_the_newest_or_a_named_version(pub: Store, cons: Store) -> None:
+    assert cons.keys() == {}
+    pub.put(1, _tensors(1))
+    pub.put(2, _tensors(2, {**SPEC, "d": ((5,), "float16")}))
+    want = {
+        "a.w": KeyInfo((4, 6), "float32", 96),
+        "b": KeyInfo((10,), "bfloat16", 20),
+        "c": KeyInfo((3, 2, 2), "int64", 96),
+    }
+    assert cons.keys(1) == want
+    newest = cons.keys()
+    assert list(newest) == ["a.w", "b", "c", "d"]  # sorted by name
+    assert newest == {**want, "d": KeyInfo((5,), "float16", 10)}
+    with pytest.raises(VersionNotFound):
+        cons.keys(7)
+    with pytest.raises(LayoutError):
+        cons.keys(-1)
+
+
+def test_keys_merge_the_ranks_shards_and_outlive_the_writers(
+    store_factory: Callable[..., Store], cons: Store
+) -> None:
+    whole = value("w", (8, 3), "float32", 4)
+    r0 = store_factory(rank=0, world_size=2, session_id="kv", **OPTIONS)
+    r1 = store_factory(rank=1, world_size=2, session_id="kv", **OPTIONS)
+    assert r0.put(4, {"w": Shard(whole[:5], (0, 0), (8, 3))}) is False
+    assert r1.put(4, {"w": Shard(whole[5:], (5, 0), (8, 3))}) is True
+    assert cons.keys() == {"w": KeyInfo((8, 3), "float32", 96)}
+    r1.close()
+    r0.close()
+    # Both writers are gone: the manifests still describe the version.
+    assert cons.keys(4) == {"w": KeyInfo((8, 3), "float32", 96)}
+
+
+def test_get_allocates_whole_tensors_of_one_step(pub: Store, cons: Store) -> None:
+    pub.put(3, _tensors(3))
+    step, got = cons.get(timeout=30)
+    assert step == 3 and list(got) == ["a.w", "b", "c"]
+    for n, t in got.items():
+        assert t.device.type == "cpu"
+        assert t.dtype == getattr(torch, SPEC[n][1]) and torch.equal(t, value(n, *SPEC[n], 3)), n
+    step, one = cons.get("b", timeout=30)
+    assert step == 3 and list(one) == ["b"] and torch.equal(one["b"], value("b", *SPEC["b"], 3))
+    step, two = cons.get(["c", "a.w", "c"], timeout=30)  # duplicates collapse; the order given is kept
+    assert list(two) == ["c", "a.w"]
+    assert torch.equal(two["a.w"], value("a.w", *SPEC["a.w"], 3))
+
+
+def test_get_names_what_it_cannot_fetch(pub: Store, cons: Store) -> None:
+    pub.put(1, _tensors(1))
+    with pytest.raises(
+        LayoutError, match=r"tensors \['x', 'y'\] are not in step 1's published tensors \(a.w, b, c\)"
+    ):
+        cons.get(["a.w", "x", "y"], timeout=30)
+    with pytest.raises(LayoutError, match="must be None, a name or names, got int"):
+        cons.get(5, timeout=30)  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match="names are strings"):
+        cons.get(["a.w", 3], timeout=30)  # type: ignore[list-item]
+    with pytest.raises(WaitTimeout):
+        cons.get(step=2, timeout=0.5)
+
+
+def test_get_lists_again_when_the_shapes_change_under_it(pub: Store, cons: Store) -> None:
+    pub.put(1, _tensors(1))
+    grown = {"a.w": ((6, 6), "float32"), "b": ((10,), "bfloat16")}
+    pulls: list[int] = []
+
+    def get_into(bufs: Mapping[str, torch.Tensor], step: int, timeout: float | None, progress: Any) -> int:
+        pulls.append(step)
+        if len(pulls) == 1:
+            pub.put(2, _tensors(2, grown))  # after the listing of step 1, before its pull
+        return cons.get_into(bufs, step=step, timeout=timeout)
+
+    step, got = kv.get(cons.catalog, get_into, timeout=30)
+    # The pull of step 1's shapes found step 2 newest and refused; get listed step 2 and pulled it.
+    assert pulls == [1, 2] and step == 2
+    assert list(got) == ["a.w", "b"] and got["a.w"].shape == (6, 6)
+    for n, t in got.items():
+        assert torch.equal(t, value(n, *grown[n], 2)), n
+
+
+def test_get_allocates_again_when_a_newer_version_changed_dtypes(pub: Store, cons: Store) -> None:
+    pub.put(1, _tensors(1))
+    recast = {"a.w": ((4, 6), "bfloat16"), "b": ((10,), "bfloat16"), "c": ((3, 2, 2), "int64")}
+    pulls: list[int] = []
+
+    def get_into(bufs: Mapping[str, torch.Tensor], step: int, timeout: float | None, progress: Any) -> int:
+        pulls.append(step)
+        if len(pulls) == 1:
+            pub.put(2, _tensors(2, recast))  # same shapes, a.w now bfloat16
+        return cons.get_into(bufs, step=step, timeout=timeout)
+
+    step, got = kv.get(cons.catalog, get_into, timeout=30)
+    # The first pull converted step 2 into float32 buffers; get does not return converted
+    # tensors as the published ones: it allocates bfloat16 and pulls again.
+    assert step == 2 and pulls == [1, 2]
+    assert got["a.w"].dtype == torch.bfloat16
+    for n, t in got.items():
+        assert torch.equal(t, value(n, *recast[n], 2)), n
