@@ -111,6 +111,15 @@ class Registry:
             return []
         cut = max(0, len(holds) - keep_last)
         drop, self._holds[holder] = holds[:cut], holds[cut:]
+        return self._drop(drop)
+
+    def release_newest(self, holder: Hashable) -> list[int]:
+        """Undo ``holder``'s newest acquire (what it was for failed: nothing was published);
+        returns the regions that became idle."""
+        holds = self._holds.get(holder)
+        return self._drop([holds.pop()]) if holds else []
+
+    def _drop(self, drop: Sequence[Counter[int]]) -> list[int]:
         now_idle = []
         for held in drop:
             for r, n in held.items():

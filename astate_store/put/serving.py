@@ -45,17 +45,24 @@ class Serving:
         """
         entries = validate_tensors(buffers, "serve(buffers)")
         got, filled = self._delivered()
-        delivered = {e.tensor.data_ptr() for e in filled} if step == got else set()
+        # The very views get_into filled, under the same names: a view of the same first byte with
+        # other strides or another box would offer other bytes as this step's.
+        delivered = {e.name: _identity(e) for e in filled} if step == got else {}
         for e in entries:
-            if e.tensor.data_ptr() not in delivered:
+            if delivered.get(e.name) != _identity(e):
                 raise LayoutError(f"tensor {e.name!r}: serve() of step {step} needs buffers that get_into "
-                                  "filled with that step")
+                                  "filled with that step (the same names and views)")
         # Rank 0: a group's members are numbered by the consumer when it plans against them.
         shards = with_aliases(entries, self.registry.acquire(_HOLDER, entries, 0))  # tied weights: every name
-        self.ctx.stats.registrations = self.registry.count
-        desc = codec.encode("ucx_descriptor", self.ctx.transport.descriptor())
         grp = group or f"solo-{self.ctx.reader_id}"
-        lid = self.ctx.catalog.replicas.add(step, grp, self.ctx.reader_id, shards, desc)
+        try:
+            desc = codec.encode("ucx_descriptor", self.ctx.transport.descriptor())
+            lid = self.ctx.catalog.replicas.add(step, grp, self.ctx.reader_id, shards, desc)
+        except BaseException:  # nothing offered (e.g. the step was dropped meanwhile): expose nothing
+            self.registry.sweep(self.registry.release_newest(_HOLDER))
+            raise
+        finally:
+            self.ctx.stats.registrations = self.registry.count
         self._offers.append((step, grp, lid))
         log.info("re-serving step %d as %s/%s (%d tensors)", step, grp, self.ctx.reader_id, len(shards))
 
@@ -70,3 +77,9 @@ class Serving:
         self.registry.sweep(self.registry.release(_HOLDER))
         self.ctx.stats.registrations = self.registry.count
         return left
+
+
+def _identity(e: Entry) -> tuple[object, ...]:
+    """What makes a buffer the one get_into filled: its memory, its view of it, its box."""
+    t = e.tensor
+    return t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, e.box, e.global_shape

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from astate_store.model.layout import Entry, validate_tensors
+from astate_store.model.validation import Entry, validate_tensors
 from astate_store.put.registry import PAGE, Registry, storage_span
 from astate_store.transport import UcxTransport
 

@@ -103,16 +103,6 @@ def test_only_buffers_the_last_pull_filled_with_that_step_can_be_served(
     assert server.stats.registrations == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Serving.serve acquires the buffers' registrations (registry holder 'serve') before "
-        "catalog.replicas.add; when add raises VersionNotFound (the step was dropped meanwhile) nothing is "
-        "offered, _offers stays empty, and the registrations are never released: the next get_into does not "
-        "withdraw (serving.active is False), so the buffers stay registered with the transport until "
-        "unserve() or close (least exposure: only what is published may be readable)"
-    ),
-)
 def test_a_failed_offer_leaves_the_buffers_unregistered(stores: tuple[Store, Store, Store]) -> None:
     pub, server, _late = stores
     pub.put(1, _tensors(1))
@@ -127,15 +117,6 @@ def test_a_failed_offer_leaves_the_buffers_unregistered(stores: tuple[Store, Sto
     assert server.stats.registrations == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Serving.serve checks a buffer only by data_ptr() against what get_into filled: a view of the "
-        "filled buffer with the same first address but other strides (torch.as_strided(a, a.shape, (1, 12))) "
-        "is accepted and offered as a replica of the step, and a consumer reading from that replica gets "
-        "bytes that are not the step's tensor, reported as that step (it should be a LayoutError)"
-    ),
-)
 def test_a_view_with_other_strides_is_not_served_as_the_filled_buffer(
     stores: tuple[Store, Store, Store],
 ) -> None:
