@@ -28,7 +28,6 @@ from astate_store.model.layout import (
     TensorLayout,
     check_fit,
     group_layouts,
-    itemsize,
     merge_tensor_layout,
 )
 from astate_store.model.spans import span_runs
