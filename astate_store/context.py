@@ -37,17 +37,64 @@ log = logging.getLogger("astate_store")
 
 @dataclass(frozen=True)
 class StoreOptions:
-    """The tunables of a store; see :class:`astate_store.Store` for what each one means."""
+    """The tunables of a store, one frozen record (``connect(ns, **fields)`` / ``Store(ns, **fields)``
+    build it; ``Store(ns, options=StoreOptions(...))`` passes it whole)."""
 
+    # the data path: "auto" (shared memory + cma on one host), "shm", or "tcp" (several hosts)
     transport: str = "auto"
+    # committed versions whose metadata etcd keeps
+    retention: int = 4
+    # seconds after which a silent process counts as dead
+    lease_ttl: float = 10.0
+    # snapshot slots (versions live at once) of the publisher's pool
     staging_depth: int = 2
+    # the most staging memory (snapshots, and dtype conversion on pull, pipelined through it); a
+    # snapshot larger than the cap is streamed from the tensors themselves, and put then returns
+    # once the live consumers have pulled it. None: a default from the device's memory.
     staging_cap_bytes: int | None = None
+    # seconds one batched pull may take before PeerUnreachable
     read_timeout: float = 120.0
+    # seconds a publisher waits for readers before reusing memory
     retire_timeout: float = 30.0
+    # outstanding UCX requests per pull
     window: int = 256
+    # NUMA/NIC affinity (AffinityConfig); None reads ASTATE_AFFINITY / ASTATE_NUMA_NODE; False: off
+    affinity: AffinityConfig | bool | None = None
+    # consumers ask publishers for contiguous copies of pieces they would read as many small runs
+    # (the planner's cost model decides); publishers build them in their snapshot slots
     prepack: bool = True
-    replicas: int = 0  # replica servers that must hold a version before put returns
+    # serve this process's Prometheus /metrics on this port (0: any free one); None: no server
+    metrics_port: int | None = None
+    # the address the metrics server binds (loopback unless told otherwise)
+    metrics_addr: str = "127.0.0.1"
+    # replica servers (docs/replicas.md) that must hold a version before put returns (0: none)
+    replicas: int = 0
+    # seconds a put waits for `replicas` servers before ReplicationTimeout (the step stays committed)
     replica_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        """ValueError for a ``replicas`` that is not an int >= 0 or a ``replica_timeout`` that is
+        not a number of seconds > 0 (before anything is created)."""
+        r, t = self.replicas, self.replica_timeout
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"replicas must be an int >= 0 (replica servers to wait for), got {r!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"replica_timeout must be a number of seconds > 0, got {t!r}")
+        object.__setattr__(self, "replica_timeout", float(t))
+
+    @classmethod
+    def of(cls, fields: dict[str, object]) -> "StoreOptions":
+        """From keyword arguments; an unknown name is a TypeError that lists the known ones."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise TypeError(f"unknown store option(s) {unknown}; the options are {sorted(known)}")
+        return cls(**fields)  # type: ignore[arg-type]
+
+    def affinity_config(self) -> AffinityConfig:
+        if self.affinity is False:
+            return AffinityConfig(enabled=False)
+        return self.affinity if isinstance(self.affinity, AffinityConfig) else AffinityConfig.from_env()
 
 
 TransportFactory = Callable[[str, int], Transport]

@@ -24,6 +24,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFound",
     "CheckpointCorrupted",
+    "CheckpointNotCommitted",
+    "CheckpointInUse",
     "RecoveryError",
     "ReplicationTimeout",
 ]
@@ -147,6 +149,28 @@ class CheckpointNotFound(CheckpointError):
 
 class CheckpointCorrupted(CheckpointError):
     """A shard file is missing, short, or fails its checksum."""
+
+
+class CheckpointNotCommitted(CheckpointError):
+    """``checkpoint(step)`` waited for ``step`` to commit and it did not: the session was fenced,
+    a newer step committed first (the step is stale), a rank whose piece is missing left the
+    session, or the timeout passed. ``step``; ``missing``: the ranks whose pieces of the step are
+    not in the catalog; ``reason``: ``"fenced"``, ``"stale"``, ``"rank_gone"`` or ``"timeout"``."""
+
+    def __init__(self, message: str, *, step: int | None = None, missing: list[int] | None = None,
+                 reason: str = ""):
+        super().__init__(message)
+        self.step = step
+        self.missing = list(missing or [])
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep the fields across processes (pickle)
+        return (type(self), self.args, {"step": self.step, "missing": self.missing, "reason": self.reason})
+
+
+class CheckpointInUse(CheckpointError):
+    """A checkpoint cannot be removed: it is the newest complete one, a restore holds a live reader
+    lease on it, or it is not complete (another session may still be writing it)."""
 
 
 class RecoveryError(AStateError):

@@ -466,7 +466,10 @@ def _check_options(options: Mapping[str, Any], store_cls: Any) -> None:
     fixed = [k for k in options if k in _SHARED_OPTIONS or k in ("catalog", "transport_factory", "endpoint", "etcd")]
     if fixed:
         raise TypeError(f"SessionHub fixes {fixed} for all its stores: give them to SessionHub(...)")
-    known = set(inspect.signature(store_cls.__init__).parameters) - {"self", "namespace"}
+    from astate_store.context import StoreOptions
+
+    known = (set(inspect.signature(store_cls.__init__).parameters) | set(StoreOptions.__dataclass_fields__)) \
+        - {"self", "namespace", "fields"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"unknown Store options {unknown}")

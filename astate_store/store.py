@@ -113,74 +113,49 @@ class Store:
             no credentials, nothing read from the environment), or an :class:`EtcdConfig`.
         etcd: an :class:`EtcdConfig` (endpoints, TLS, credentials), e.g. ``EtcdConfig.from_env()``;
             give this or ``endpoint``.
-        transport: ``"auto"`` (shared memory + cma on one host), ``"shm"`` or ``"tcp"`` (several hosts).
         session_id: id shared by the ranks of one publisher group (default ``$ASTATE_SESSION_ID``, or
             torchrun's run id and restart count; ranks > 0 otherwise join the live session).
-        retention: committed versions whose metadata etcd keeps.
-        lease_ttl: seconds after which a silent process counts as dead.
-        staging_depth: snapshot slots (versions live at once) of the publisher's pool.
-        staging_cap_bytes: the most staging memory this store may use, for snapshots and for
-            dtype conversion on pull (chunks are pipelined through it). A snapshot larger than the
-            cap is streamed from the tensors themselves: ``put`` then returns once the live
-            consumers have pulled it.
-        read_timeout: seconds one batched pull may take before ``PeerUnreachable``.
-        retire_timeout: seconds a publisher waits for readers before reusing memory.
-        window: outstanding UCX requests per pull.
-        affinity: NUMA/NIC affinity (:class:`~astate_store.transport.topology.AffinityConfig`); None reads
-            ``ASTATE_AFFINITY`` / ``ASTATE_NUMA_NODE``; False turns it off.
-        prepack: consumers ask publishers for contiguous copies of pieces they would otherwise read
-            as many small runs (the planner's cost model decides), and publishers build them in
-            their snapshot slots.
-        metrics_port: serve this process's Prometheus metrics (every store's, labelled
-            ``namespace`` and ``rank``) at ``/metrics`` on this port (0: any free one); None: no
-            server (nothing read from the environment here; :func:`connect` reads it).
-        metrics_addr: the address the metrics server binds (loopback unless told otherwise).
-        replicas: replica servers (``astate serve``, docs/replicas.md) that must hold a version
-            before :meth:`put` returns (0: do not wait). Every rank's put waits (bounded by
-            ``replica_timeout``) until that many servers offer the committed step.
-        replica_timeout: seconds a put waits for ``replicas`` servers before
-            :class:`~astate_store.errors.ReplicationTimeout` (the version stays committed).
+        options: the tunables, one frozen :class:`~astate_store.context.StoreOptions`; or give its
+            fields as keywords (``transport="tcp"``, ``retention=8``, ``staging_depth=3``,
+            ``replicas=1``, ...: each field is documented there).
         catalog, transport_factory: injected by :class:`~astate_store.SessionHub`, whose stores
             share one etcd connection, lease, retention thread and UCX worker; leave them None.
+
+    Raises:
+        TypeError: an unknown option, or not exactly one of ``endpoint`` and ``etcd``.
+        ValueError: a bad ``replicas`` or ``replica_timeout``.
     """
 
     def __init__(self, namespace: str, *, endpoint: str | EtcdConfig | None = None, etcd: EtcdConfig | None = None,
-                 rank: int = 0, world_size: int = 1,
-                 transport: str = "auto", session_id: str | None = None, retention: int = 4,
-                 lease_ttl: float = 10.0, staging_depth: int = 2, staging_cap_bytes: int | None = None,
-                 read_timeout: float = 120.0, retire_timeout: float = 30.0, window: int = 256,
-                 affinity: AffinityConfig | bool | None = None, prepack: bool = True,
-                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", replicas: int = 0,
-                 replica_timeout: float = 60.0, catalog: Catalog | None = None,
-                 transport_factory: TransportFactory | None = None):
+                 rank: int = 0, world_size: int = 1, session_id: str | None = None,
+                 options: StoreOptions | None = None, catalog: Catalog | None = None,
+                 transport_factory: TransportFactory | None = None, **fields: Any):
         self.namespace, self.rank, self.world_size = namespace, rank, world_size
-        _check_replicas(replicas, replica_timeout)
+        if options is not None and fields:
+            raise TypeError(f"give options= or option keywords ({sorted(fields)}), not both")
+        opts = options if options is not None else StoreOptions.of(fields)
         # catalog / transport_factory: parts shared by many stores of one process (SessionHub,
-        # sessions_hub.py); a store given a catalog needs no endpoint.
+        # hub.py); a store given a catalog needs no endpoint.
         if catalog is None and (endpoint is None) == (etcd is None):
             raise TypeError("Store needs exactly one of endpoint= (a string or EtcdConfig) and etcd= (an EtcdConfig)")
         # The process's metrics server first: a taken port fails before anything is created.
         self.metrics_port: int | None = None
         """The port this process serves ``/metrics`` on (None: this store did not ask for it)."""
-        if metrics_port is not None:
+        if opts.metrics_port is not None:
             try:
-                self.metrics_port = metrics.serve(metrics_port, metrics_addr)
+                self.metrics_port = metrics.serve(opts.metrics_port, opts.metrics_addr)
             except OSError as exc:  # observability must not stop a trainer: say so, and go on
                 log.warning("namespace %s: cannot serve metrics on %s:%s (%s); no /metrics from this process "
-                            "(give each process on a host its own port, or 0)", namespace, metrics_addr,
-                            metrics_port, exc)
+                            "(give each process on a host its own port, or 0)", namespace, opts.metrics_addr,
+                            opts.metrics_port, exc)
         if catalog is None:
             config = EtcdConfig.parse(etcd if etcd is not None else endpoint)  # type: ignore[arg-type]
-            catalog = Catalog(config, namespace, retention=retention, lease_ttl=lease_ttl)
+            catalog = Catalog(config, namespace, retention=opts.retention, lease_ttl=opts.lease_ttl)
         self.catalog = catalog
-        options = StoreOptions(transport, staging_depth, staging_cap_bytes, read_timeout, retire_timeout, window,
-                               prepack, replicas=replicas, replica_timeout=float(replica_timeout))
-        if affinity is False:
-            affinity = AffinityConfig(enabled=False)
         self._ctx = StoreContext(
-            namespace, self.catalog, options, rank=rank, world_size=world_size,
+            namespace, self.catalog, opts, rank=rank, world_size=world_size,
             session_id=session_id or os.environ.get("ASTATE_SESSION_ID") or _torchrun_session(),
-            affinity=affinity if isinstance(affinity, AffinityConfig) else AffinityConfig.from_env(),
+            affinity=opts.affinity_config(),
             **({} if transport_factory is None else {"transport_factory": transport_factory}))
         registry = Registry(lambda: self._ctx.transport)
         self._publisher = Publisher(self._ctx, registry)
@@ -305,10 +280,7 @@ class Store:
         """
         encoded = encode_meta(meta)  # checked before anything is published
         tensors = self._put_sd.convert(tensors, non_tensors)
-        entries = self._publisher.begin(tensors, "put(tensors)", every_step=True)
-        committed = self._publisher.put(step, entries, copy=copy, meta=encoded)
-        self._publisher.wait_replicated(step)  # replicas=K: K replica servers hold it (docs/replicas.md)
-        return committed
+        return self._publisher.publish(step, tensors, copy=copy, meta=encoded)
 
     def delete(self, step: int) -> None:
         """Drop committed version ``step`` from the catalog now (as retention would later):
@@ -419,24 +391,36 @@ class Store:
     # ---- checkpoints and recovery ---------------------------------------------------------
 
     def checkpoint(self, step: int, uri: str, *, asynchronous: bool = False,
-                   progress: Progress | None = None) -> Any:
-        """Write this rank's shards of committed version ``step`` to storage (any ``pyarrow.fs``
-        URI or local path); the rank that completes the set commits it and records it in the
-        catalog. Every publisher rank calls it. Replicated shards are written by one rank only.
+                   progress: Progress | None = None, timeout: float = 60.0, keep_last: int | None = None,
+                   keep_every: int | None = None) -> Any:
+        """Write this rank's shards of version ``step`` to storage (any ``pyarrow.fs`` URI or local
+        path); the rank that completes the set commits it and records it in the catalog. Every
+        publisher rank calls it, right after its ``put(step)``: it first waits (up to ``timeout``)
+        for the other ranks' pieces to commit the step. Replicated shards are written by one rank only.
 
         Args:
-            asynchronous: snapshot the shards and write in a background thread; returns a
-                ``concurrent.futures.Future`` of the same result instead of waiting.
+            asynchronous: wait for the commit and snapshot the shards now, write in a background
+                thread; returns a ``concurrent.futures.Future`` of the same result.
             progress: ``progress(done_bytes, total_bytes)`` as this rank's part is written
                 (:mod:`astate_store.model.progress`).
+            timeout: seconds to wait for ``step`` to commit.
+            keep_last: retention: once this checkpoint is complete, remove older complete
+                checkpoints under ``uri`` (storage and catalog) except the ``keep_last`` newest;
+                the newest, any a restore is reading, and incomplete ones are never removed
+                (docs/checkpoint.md "Retention"). None: keep everything.
+            keep_every: with ``keep_last``, also keep the oldest checkpoint of every window of
+                ``keep_every`` steps (the steps ``n * keep_every`` when checkpoints fall on them).
 
         Returns:
             True if the checkpoint is complete after this call (it is then in the catalog).
 
         Raises:
-            CheckpointError: the step is not committed, or this rank no longer holds it.
+            CheckpointNotCommitted: ``step`` did not commit within ``timeout``, or never can (the
+                session was fenced, a newer step committed, a rank whose piece is missing is gone);
+                it names the ranks whose pieces are missing.
+            CheckpointError: this rank no longer holds the step, bad arguments, or a storage error.
         """
-        return self._recovery.checkpoint(step, uri, asynchronous, progress)
+        return self._recovery.checkpoint(step, uri, asynchronous, progress, timeout, keep_last, keep_every)
 
     def restore(self, buffers: Mapping[str, Any], *, uri: str | None = None, step: int | None = None,
                 progress: Progress | None = None, non_tensors: NonTensors = "error") -> int:
@@ -518,6 +502,9 @@ class Store:
                 log.warning("close(): could not withdraw %s: %s", what, exc)
         self._recovery.close()
         self._converter.close()
+        self._consumer.close()
+        # the converters keep the last call's tensors: drop them with the store (see Publisher.close)
+        self._put_sd, self._get_sd = StateDictConverter("put(tensors)"), StateDictConverter("get_into(buffers)")
         self.catalog.close()
         self._ctx.close_transport()
         self._publisher.close()
@@ -545,15 +532,6 @@ def _check_wait(step: object, timeout: object, what: str) -> tuple[int | None, f
             raise LayoutError(f"{what}(timeout=...) must be None or a number of seconds >= 0, got {timeout!r}")
         timeout = float(timeout)
     return step, timeout  # type: ignore[return-value]
-
-
-def _check_replicas(replicas: object, timeout: object) -> None:
-    """Raises ValueError for a ``replicas`` that is not an int >= 0 or a ``replica_timeout``
-    that is not a number of seconds > 0 (before anything is created)."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-        raise ValueError(f"replicas must be an int >= 0 (replica servers to wait for), got {replicas!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"replica_timeout must be a number of seconds > 0, got {timeout!r}")
 
 
 def _torchrun_session() -> str | None:

@@ -25,8 +25,10 @@ UCX registrations must stay flat (slopes per 100 steps, least squares).
 
     python benchmarks/fault_suite.py [--trials 3] [--only NAME[,NAME]] [--soak-steps 1000]
 
-Processes: every store lives in an actor process (``_fault_workers.py``); nothing here waits
-without a timeout, and every process started is ended by PID.
+Processes: every store lives in an actor process (``tests/support/fault_workers.py``); nothing here waits
+without a timeout, and every process started is ended by PID. Actors and the etcd servers they or
+the driver start get SIGTERM when their starter dies (``tied_to_caller``), and ``orphans`` lists any
+process this run started that still ran at its end (then ended by PID; must be empty).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ if _HERE not in sys.path:
 if os.path.dirname(_HERE) not in sys.path:
     sys.path.insert(1, os.path.dirname(_HERE))
 
-import _fault_workers as W  # noqa: E402
-from _fault_workers import Actor, Died, Hang, Pool, SetupError  # noqa: E402
+import tests.support.fault_workers as W  # noqa: E402
+from tests.support.fault_workers import Actor, Died, Hang, Pool, SetupError  # noqa: E402
 
 FIELDS = ("trials", "completed_correct", "typed_errors", "wrong_bytes", "hangs", "lost_versions", "crashes",
           "violations", "harness_errors")
@@ -1017,6 +1019,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         ap.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    from tests.support import orphans
+
+    orphans.tag_children()  # every process started from here on carries the tag (the orphan check)
     t0 = time.monotonic()
     suite = Suite(endpoint=args.etcd, trials=args.trials, soak_steps=args.soak_steps,
                   fuzz_examples=args.fuzz_examples or 100 * args.trials, churn_steps=args.churn_steps, seed=args.seed)
@@ -1028,11 +1033,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               if cases[-1].get(k) is not None}), file=sys.stderr, flush=True)
     finally:
         suite.close()
+    # Nothing this run started may outlive it (issue 29): etcds in netns hosts, actors, clusters.
+    left = orphans.leftovers(wait=20.0)
+    orphans.end_leftovers(left)
     out = {"suite": "fault_suite", "trials": args.trials, "soak_steps": args.soak_steps, "seed": suite.seed,
-           "seconds": round(time.monotonic() - t0, 1), "cases": cases, "totals": totals(cases)}
+           "seconds": round(time.monotonic() - t0, 1), "cases": cases, "totals": totals(cases), "orphans": left}
     print(json.dumps(out))
     t = out["totals"]
-    return 0 if all(t[f] == 0 for f in ("wrong_bytes", "hangs", "lost_versions", "crashes")) else 1
+    return 0 if all(t[f] == 0 for f in ("wrong_bytes", "hangs", "lost_versions", "crashes")) and not left else 1
 
 
 if __name__ == "__main__":

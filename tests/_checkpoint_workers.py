@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from tests._store_workers import split, whole  # noqa: F401  (shared split helpers)
+from tests.support.data import value
 
 BoxT = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -33,20 +34,6 @@ SPEC: dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[int, int], BoxT], 
              lambda c, n: split((10, 3), 0, n, c)),
     "empty": ((0, 5), torch.float32, lambda r, n: whole((0, 5)), lambda c, n: whole((0, 5))),
 }
-
-
-def value(name: str, shape: Sequence[int], dtype: torch.dtype, step: int) -> torch.Tensor:
-    shape = tuple(shape)
-    numel = 1
-    for s in shape:
-        numel *= s
-    seed = sum(map(ord, name)) % 97
-    base = torch.arange(numel, dtype=torch.float64).reshape(shape)
-    if dtype == torch.bool:
-        return ((base + seed + step) % 3 == 0)
-    if dtype.is_floating_point:
-        return ((base * 0.013 + seed) % 17 + step + 0.25).to(dtype)
-    return (base + seed * 1000 + step).to(dtype)
 
 
 def expected(name: str, step: int) -> torch.Tensor:

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from tests.support.data import value
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -54,17 +56,6 @@ SPECS: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[int, in
         "w": ((2048, 16384), torch.float32, lambda r, n: split((2048, 16384), 0, n, r)),
     },
 }
-
-
-def value(name: str, shape: tuple[int, ...], dtype: torch.dtype, step: int) -> torch.Tensor:
-    numel = 1
-    for s in shape:
-        numel *= s
-    seed = sum(map(ord, name)) % 97
-    base = torch.arange(numel, dtype=torch.float64).reshape(shape)
-    if dtype.is_floating_point:
-        return ((base * 0.013 + seed) % 17 + step).to(dtype)
-    return (base + seed * 1000 + step).to(dtype)
 
 
 # Pipeline stages of the "mixed" model: stage r of n holds the whole tensors whose index is r mod n.

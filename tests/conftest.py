@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from typing import Callable, Iterator
 
@@ -10,6 +11,11 @@ import pytest
 
 from astate_store.catalog import Catalog
 from astate_store.etcd.embedded import EmbeddedEtcd
+from tests.support import orphans
+
+# Every process the tests start (and what those start) carries this run's tag in its environment,
+# so the session's end can tell which of them outlived it (issue 29: no orphans after make test).
+orphans.tag_children()
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +45,22 @@ def catalog_factory(etcd: EmbeddedEtcd, namespace: str) -> Iterator[Callable[...
     yield make
     for c in made:
         c.close()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when a process the tests started (an etcd, a replica server, a worker) still
+    runs after the session fixtures are torn down; end those (they carry this run's tag), so they
+    do not run for hours. A shared etcd's supervisor may take its idle grace (5 s) to go."""
+    left = orphans.leftovers(wait=20.0)
+    if not left:
+        return
+    lines = "\n".join(f"  pid {p['pid']} (parent {p['ppid']}): {p['cmd']}" for p in left)
+    msg = f"ORPHANS: {len(left)} process(es) started by the tests outlived them; ending them by pid:\n{lines}"
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", "processes left running", red=True, bold=True)
+        reporter.write_line(msg)
+    else:
+        print(msg, file=sys.stderr)
+    orphans.end_leftovers(left)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -2,252 +2,49 @@
 
 Everything else in the catalog goes through :class:`EtcdClient`; it knows nothing of sessions,
 versions or readers, only how to talk to etcd without hanging and without leaking leases.
+
+Its parts, by role: ``failures`` (what an etcd error means), ``tls_probe`` (telling a TLS
+mismatch from an etcd that does not answer), ``leases`` (keep-alive threads), ``watches``
+(watch streams that raise when refused and end when closed).
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import logging
-import socket
-import ssl
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import grpc
 import pyetcd
 import pyetcd.etcdrpc as etcdrpc
 import pyetcd.exceptions as etcd_exc
-import pyetcd.watch as etcd_watch
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
 from astate_store.model import codec
 from astate_store.errors import CatalogAuthError, CatalogError, CatalogRejected, CatalogUnavailable
-from astate_store.catalog.config import EtcdConfig, option
+from astate_store.catalog.config import EtcdConfig
+from astate_store.catalog.failures import (
+    RETRYABLE,
+    WatchRefused,
+    WatchStreamEnded,
+    auth_problem,
+    grpc_status,
+    refusal,
+    token_rejected,
+)
+from astate_store.catalog.auth import request_token
+from astate_store.catalog.leases import KeepAlive, revoke_lease
+from astate_store.catalog.tls_probe import HANDSHAKE_WORDS, tls_problem
+from astate_store.catalog.watches import new_watcher, wait_for_event
 
-__all__ = ["EtcdClient", "RETRYABLE", "range_end"]
+__all__ = ["EtcdClient", "RETRYABLE", "range_end", "WatchRefused", "WatchStreamEnded"]
 
 log = logging.getLogger("astate_store.catalog")
 T = TypeVar("T")
-
-# Errors that mean "etcd did not answer" (as opposed to "etcd said no"): worth retrying.
-RETRYABLE: tuple[type[BaseException], ...] = (
-    etcd_exc.ConnectionFailedError,
-    etcd_exc.ConnectionTimeoutError,
-    etcd_exc.InternalServerError,
-    etcd_exc.NoServerAvailableError,
-    grpc.RpcError,
-)
-
-
-# gRPC answers that come from etcd itself (or the client's own limits) and will not change on a retry.
-_REFUSALS = {
-    grpc.StatusCode.INVALID_ARGUMENT: "invalid request (for etcd, 'request is too large' past --max-request-bytes)",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "message over a size limit",
-    grpc.StatusCode.PERMISSION_DENIED: "permission denied",
-    grpc.StatusCode.UNAUTHENTICATED: "not authenticated",
-    grpc.StatusCode.OUT_OF_RANGE: "out of range",
-    grpc.StatusCode.UNIMPLEMENTED: "not implemented by this etcd",
-    grpc.StatusCode.NOT_FOUND: "not found",
-    grpc.StatusCode.ALREADY_EXISTS: "already exists",
-}
-
-
-def _refusal(exc: BaseException) -> str | None:
-    """What etcd refused, when ``exc`` is a refusal rather than a failure to answer."""
-    code = getattr(exc, "code", None)
-    if not isinstance(exc, grpc.RpcError) or not callable(code):
-        return None
-    try:
-        status = code()
-    except Exception:  # a grpc error object without a status: treat as unreachable
-        return None
-    why = _REFUSALS.get(status)
-    if why is None:
-        return None
-    details = getattr(exc, "details", None)
-    text = details() if callable(details) else ""
-    return f"{status.name}: {why}" + (f" ({text})" if text else "")
-
-
-def _grpc_error(exc: BaseException | None) -> grpc.RpcError | None:
-    """The gRPC error behind ``exc`` (pyetcd re-raises UNAVAILABLE and friends as its own types)."""
-    seen = 0
-    while exc is not None and seen < 4:
-        if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return None
-
-
-def _status(exc: BaseException | None) -> tuple[grpc.StatusCode | None, str]:
-    """(gRPC status code, details) of the error behind ``exc``; (None, "") when there is none."""
-    g = _grpc_error(exc)
-    if g is None:
-        return None, ""
-    try:
-        code = g.code()
-        details = g.details() if callable(getattr(g, "details", None)) else ""
-    except Exception:  # a grpc error object without a status
-        return None, ""
-    return code, details or ""
-
-
-def _token_rejected(exc: BaseException) -> bool:
-    """etcd did not accept this client's auth token (expired, server restarted, auth store changed):
-    what a fresh token fixes (etcd's own client refreshes its token on the same answers)."""
-    code, details = _status(exc)
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return True
-    return code == grpc.StatusCode.INVALID_ARGUMENT and ("auth store is old" in details
-                                                          or "user name is empty" in details)
-
-
-class WatchRefused(etcd_exc.Etcd3Exception):
-    """etcd created and at once cancelled a watch: no read permission on the key (or no valid token;
-    etcd 3.5 gives no reason then), or another reason it names."""
-
-    @property
-    def denied(self) -> bool:
-        reason = str(self)
-        return not reason or "permission denied" in reason
-
-
-class WatchStreamEnded(etcd_exc.Etcd3Exception):
-    """Given to watch callbacks when their stream ended without an error (closed, re-authenticated)."""
-
-
-class _WatchStub:
-    """etcd's Watch stub, remembering the stream it opened (so :meth:`_Watcher.close` can end it)."""
-
-    def __init__(self, channel: Any):
-        self._stub = etcdrpc.WatchStub(channel)
-        self.call: Any = None
-
-    def Watch(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (the gRPC method's name)
-        self.call = self._stub.Watch(*args, **kwargs)
-        return self.call
-
-
-class _Watcher(etcd_watch.Watcher):
-    """pyetcd's watcher, plus: a watch etcd refuses (``created`` and ``canceled`` in one answer, what
-    etcd does without read permission) raises :class:`WatchRefused` instead of looking created and
-    never firing; :meth:`close` ends the stream (etcd keeps a stream open after the client stops
-    sending, so pyetcd's close alone leaves it and its watches behind), and its callbacks get an
-    exception (never None), so their owners re-watch on a new stream."""
-
-    def close(self) -> None:
-        super().close()
-        call = getattr(self._watch_stub, "call", None)
-        if call is not None:
-            call.cancel()
-
-    def add_callback(self, key: Any, callback: Callable[[Any], None], **kwargs: Any) -> Any:
-        def cb(resp: Any) -> None:
-            callback(WatchStreamEnded("watch stream ended") if resp is None else resp)
-
-        return super().add_callback(key, cb, **kwargs)
-
-    def _handle_response(self, rs: Any) -> None:
-        if rs.created and rs.canceled and not rs.compact_revision:
-            with self._lock:
-                pending = self._new_watch
-                if pending is not None and pending.id is None:
-                    pending.err = WatchRefused(rs.cancel_reason)
-                    self._new_watch_cond.notify_all()
-            return
-        super()._handle_response(rs)
-
-
-# ---- telling a TLS mismatch from an etcd that does not answer -----------------------------------
-
-_PROBE_TIMEOUT = 3.0  # a busy etcd (or host) can take over a second to answer the probe's request
-_PROBE_INTERVAL = 0.5  # at most one probe per endpoint per this many seconds
-# gRPC's words for a failed TLS handshake (what the probe cannot explain is trusted after a few tries)
-_HANDSHAKE_WORDS = ("handshake", "ssl", "tls", "certificate")
-_HANDSHAKE_TRIES = 3
-
-
-def _split_host(netloc: str) -> tuple[str, int]:
-    host, _, port = netloc.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _speaks_plain_http(host: str, port: int) -> bool:
-    """Whether ``host:port`` answers a plain HTTP/1.1 request (etcd's client port without TLS does)."""
-    try:
-        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT) as s:
-            s.settimeout(_PROBE_TIMEOUT)
-            s.sendall(f"GET /version HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-            return s.recv(16).startswith(b"HTTP/1.")
-    except OSError:
-        return False
-
-
-def _plain_port(netloc: str, reason: str) -> str:
-    return (f"etcd at {netloc} does not speak TLS (its client port is plain http), but this client uses "
-            f"TLS (an https:// endpoint or {option('etcd_ca')}): use http://{netloc}, or start etcd with "
-            f"--cert-file/--key-file and https:// client URLs ({reason})")
-
-
-def _probe_tls(config: EtcdConfig, netloc: str) -> str | None:
-    """Why this client's TLS settings cannot talk to the etcd at ``netloc``, when a direct probe
-    (one TCP connection, one TLS handshake, bounded by 3 s each) shows it; None when it cannot tell
-    (nothing listens, no answer in time, or the handshake works)."""
-    host, port = _split_host(netloc)
-    try:
-        raw = socket.create_connection((host, port), timeout=_PROBE_TIMEOUT)
-    except OSError:
-        return None  # nothing listens (yet): etcd is down, not misconfigured
-    with raw:
-        raw.settimeout(_PROBE_TIMEOUT)
-        if not config.tls:
-            ctx = ssl.create_default_context()
-            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-            try:
-                with ctx.wrap_socket(raw, server_hostname=host):
-                    pass
-            except (OSError, ValueError):
-                return None  # not TLS either: some other failure
-            return (f"etcd at {netloc} speaks TLS, but this client connects in plain text (an http:// or "
-                    f"scheme-less endpoint and no CA): use https://{netloc} in {option('etcd')} and set "
-                    f"{option('etcd_ca')} to the CA that signed etcd's --cert-file")
-        try:
-            ctx = ssl.create_default_context(cafile=config.ca)
-            if config.cert and config.key:
-                ctx.load_cert_chain(config.cert, config.key)
-        except (OSError, ValueError) as exc:
-            return (f"the TLS files do not load ({exc}): check {option('etcd_ca')}, {option('etcd_cert')} "
-                    f"and {option('etcd_key')} (PEM; the key must match the certificate)")
-        try:
-            with ctx.wrap_socket(raw, server_hostname=host) as tls:
-                # A server that requires a client certificate may say so only after the handshake
-                # (TLS 1.3): send one small request and read the first bytes of the answer.
-                tls.sendall(f"GET /version HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-                tls.recv(16)
-        except ssl.SSLCertVerificationError as exc:
-            which = f"{option('etcd_ca')} = {config.ca}" if config.ca else \
-                f"the system's CAs (no {option('etcd_ca')} given)"
-            return (f"etcd at https://{netloc} presents a certificate this client does not trust "
-                    f"({exc.verify_message}; checked against {which}): set {option('etcd_ca')} to the CA "
-                    "that signed etcd's --cert-file, and connect by a host name or address that certificate "
-                    "names")
-        except ssl.SSLError as exc:
-            reason = str(getattr(exc, "reason", "") or exc)
-            if "CERTIFICATE_REQUIRED" in reason or "BAD_CERTIFICATE" in reason or "UNKNOWN_CA" in reason:
-                what = "a client certificate" if not config.cert else \
-                    f"a client certificate signed by a CA it trusts (not {config.cert})"
-                return (f"etcd at https://{netloc} requires {what} (it runs with --client-cert-auth): set "
-                        f"{option('etcd_cert')} and {option('etcd_key')} ({reason})")
-            return _plain_port(netloc, reason) if _speaks_plain_http(host, port) else None
-        except (OSError, ValueError) as exc:
-            # A plain etcd may simply close the connection on a ClientHello (a reset, not an SSL
-            # alert): it is still a plain port when it answers plain HTTP.
-            if _speaks_plain_http(host, port):
-                return _plain_port(netloc, repr(exc))
-            return None  # reset or silent mid-handshake, and not plain http: cannot tell
-    return None
-
 
 _RETRY_LOG_EVERY = 10.0  # seconds between WARNING lines about etcd not answering (per client)
 
@@ -265,45 +62,51 @@ def range_end(prefix: str) -> bytes:
     return pyetcd.utils.prefix_range_end(prefix.encode())
 
 
-class _KeepAlive(threading.Thread):
-    """Refreshes a lease every ttl/3; after a refresh gap longer than the ttl the lease is lost.
+def _endpoints(config: EtcdConfig) -> list[Endpoint]:
+    """pyetcd endpoints for every member of ``config``, with its TLS settings."""
+    several = len(config.endpoints) > 1
+    creds = config.channel_credentials() if config.tls else None
+    eps = []
+    for item in config.endpoints:
+        host, _, port = item.rpartition(":")
+        # pyetcd skips an endpoint for time_retry seconds after a request to it failed (while all
+        # are skipped it raises NoServerAvailableError, which call() retries). One endpoint: 0
+        # (pyetcd's default would refuse it for 5 min after one failure). Several: a short hold, so
+        # the retry in call() goes to another member (with 0 the client stays on a dead member).
+        eps.append(Endpoint(host or "127.0.0.1", int(port), secure=config.tls, creds=creds,
+                            time_retry=2.0 if several else 0.0,
+                            opts=[("grpc.max_receive_message_length", 64 << 20)]))
+    return eps
 
-    A failed refresh is retried soon (another member may answer at once), not a whole ttl/3 later.
-    """
 
-    def __init__(self, raw: MultiEndpointEtcd3Client, lease_id: int, ttl: float,
-                 reauth: Callable[[BaseException], None] | None = None):
-        super().__init__(name=f"astate-lease-{lease_id:x}", daemon=True)
-        self.raw, self.lease_id, self.ttl = raw, lease_id, ttl
-        self.reauth = reauth  # called when etcd rejected the auth token: fetch a fresh one
-        self.stop_event = threading.Event()
-        self.lost = False
+def _txn_request(raw: MultiEndpointEtcd3Client, compare: list[Any], success: list[Any],
+                 failure: list[Any]) -> etcdrpc.TxnRequest:
+    """etcd's ``TxnRequest``; operations already ``RequestOp``s are kept, pyetcd's are translated."""
+    def ops(items: list[Any]) -> list[Any]:
+        return [op if isinstance(op, etcdrpc.RequestOp) else raw._ops_to_requests([op])[0] for op in items]
 
-    def run(self) -> None:
-        last_ok = time.monotonic()
-        interval = self.ttl / 3
-        while not self.stop_event.wait(interval):
-            interval = self.ttl / 3
-            try:
-                resp = list(self.raw.refresh_lease(self.lease_id))
-                if resp and resp[0].TTL <= 0:
-                    self.lost = True
-                    log.error("lease %x expired", self.lease_id)
-                    return
-                last_ok = time.monotonic()
-            except RETRYABLE as exc:
-                interval = min(self.ttl / 3, 0.25)
-                if self.reauth is not None and _token_rejected(exc):
-                    self.reauth(exc)  # the next refresh carries a fresh token
-                # One failed refresh is not fatal: etcd keeps the lease for the whole ttl.
-                if time.monotonic() - last_ok > self.ttl:
-                    self.lost = True
-                    log.error("lease %x lost: etcd unreachable for %.1fs (%s)", self.lease_id, self.ttl, exc)
-                    return
-            except ValueError:  # grpc's "Channel closed": the client closed while this refresh was starting
-                if self.stop_event.is_set() or self.stop_event.wait(1.0):
-                    return
-                raise
+    return etcdrpc.TxnRequest(compare=[c.build_message() for c in compare], success=ops(success),
+                              failure=ops(failure))
+
+
+class _Verdict(enum.Enum):
+    """What a failed etcd request means for :meth:`EtcdClient.call`."""
+
+    RETRY = "retry"  # etcd did not answer: again after a backoff
+    REAUTHENTICATE = "reauthenticate"  # etcd rejected the token: again at once, with a fresh one
+    REFUSED = "refused"  # etcd (or the TLS handshake) said no: raise at once
+    UNAVAILABLE = "unavailable"  # no answer within the retry budget: raise
+
+
+@dataclass
+class _Attempts:
+    """The state of one :meth:`EtcdClient.call`'s retry loop."""
+
+    deadline: float  # time.monotonic() after which no backoff is started
+    delay: float = 0.05  # the next backoff, doubling up to 1 s
+    reauthenticated: bool = False  # a fresh token was tried already (once per call)
+    handshake_failures: int = 0  # gRPC named a failed TLS handshake this many times
+    retried: int = 0  # attempts retried after a backoff
 
 
 class EtcdClient:
@@ -329,24 +132,13 @@ class EtcdClient:
         self.endpoint, self.namespace = self.config.url, namespace
         self.lease_ttl, self.op_timeout, self.retry_deadline = lease_ttl, op_timeout, retry_deadline
         self.prefix = f"/astate/{namespace}/"
-        items = list(self.config.endpoints)
-        several = len(items) > 1
-        creds = self.config.channel_credentials() if self.config.tls else None
-        eps = []
-        for item in items:
-            host, _, port = item.rpartition(":")
-            # pyetcd skips an endpoint for time_retry seconds after a request to it failed (while all
-            # are skipped it raises NoServerAvailableError, which call() retries). One endpoint: 0
-            # (pyetcd's default would refuse it for 5 min after one failure). Several: a short hold, so
-            # the retry in call() goes to another member (with 0 the client stays on a dead member).
-            eps.append(Endpoint(host or "127.0.0.1", int(port), secure=self.config.tls, creds=creds,
-                                time_retry=2.0 if several else 0.0,
-                                opts=[("grpc.max_receive_message_length", 64 << 20)]))
+        several = len(self.config.endpoints) > 1
         # pyetcd starts on a random member: clients spread over the cluster. Credentials are not given
         # to pyetcd: it would authenticate once, untyped and unretried, and never refresh the token.
-        self.raw = MultiEndpointEtcd3Client(endpoints=eps, timeout=op_timeout, failover=several)
-        self.raw.get_watcher = self._new_watcher  # type: ignore[method-assign]
-        self._keepalives: list[_KeepAlive] = []
+        self.raw = MultiEndpointEtcd3Client(endpoints=_endpoints(self.config), timeout=op_timeout,
+                                            failover=several)
+        self.raw.get_watcher = functools.partial(new_watcher, self.raw)  # type: ignore[method-assign]
+        self._keepalives: list[KeepAlive] = []
         self._reader_lease: int | None = None
         self.rpcs = 0  # etcd requests (attempts) made on callers' paths, for the control-plane figures
         self.background_rpcs = 0  # ... and by background work (retention)
@@ -371,34 +163,15 @@ class EtcdClient:
 
     # ---- authentication ----------------------------------------------------------------------
 
-    def _new_watcher(self) -> etcd_watch.Watcher:
-        """A watch stream for the endpoint in use, carrying the current token."""
-        return _Watcher(_WatchStub(self.raw.channel), timeout=self.raw.timeout,
-                        call_credentials=None, metadata=self.raw.metadata)
-
     def _authenticate(self) -> None:
         """Get a token for the configured user. ``_auth_lock`` held."""
-        user, password = self.config.user, self.config.password
-        assert user is not None and password is not None
-        req = etcdrpc.AuthenticateRequest(name=user, password=password)
-        try:
-            resp = self.raw.authstub.Authenticate(req, self.op_timeout)
-        except grpc.RpcError as exc:
-            code, details = _status(exc)
-            if code == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in details:
-                log.warning("etcd at %s has authentication disabled; %s is not used", self.endpoint,
-                            option("etcd_user"))
-                self._auth_off = True
-                return
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                        grpc.StatusCode.PERMISSION_DENIED):
-                raise CatalogAuthError(
-                    f"etcd at {self.endpoint} refused to authenticate user {user!r} ({code.name}: {details}): "
-                    f"check {option('etcd_user')} and {option('etcd_password')}") from exc
-            self.raw._manage_grpc_errors(exc)  # marks a failed endpoint (failover), re-raises typed
+        token = request_token(self.raw, self.config, self.op_timeout, self.endpoint)
+        if token is None:
+            self._auth_off = True
+            return
         self.authentications += 1
-        self._token = str(resp.token)
-        self.raw.metadata = (("token", self._token),)
+        self._token = token
+        self.raw.metadata = (("token", token),)
         self.raw.call_credentials = None  # metadata works on plain and TLS channels alike
         # A watch stream keeps the token it was opened with: later watches open a new stream; the old
         # one is ended (its callbacks get the error and their owners re-watch).
@@ -431,58 +204,19 @@ class EtcdClient:
         except (CatalogError, *RETRYABLE) as err:
             log.warning("re-authenticating to etcd at %s failed: %s", self.endpoint, err)
 
-    def _auth_problem(self, what: str, exc: BaseException) -> str | None:
-        """What is wrong with this client's credentials or permissions, when etcd's answer says so."""
-        code, details = _status(exc)
-        user = self.config.user
-        creds = f"{option('etcd_user')} and {option('etcd_password')}"
-        if (isinstance(exc, WatchRefused) and exc.denied) or code == grpc.StatusCode.PERMISSION_DENIED:
-            kind = "watch" if isinstance(exc, WatchRefused) else "request"
-            if user is None:
-                return (f"etcd at {self.endpoint} denied {what} ({kind}: permission denied) to a client "
-                        f"without credentials: set {creds}")
-            return (f"etcd at {self.endpoint} denied {what} to user {user!r} ({kind}: permission denied): its "
-                    f"roles do not grant {'read' if kind == 'watch' else 'this'} access to {self.prefix}; an "
-                    f"admin can run astate_store.etcd.security.grant_namespace(admin, {self.namespace!r}, {user!r}, "
-                    f"password) (read_only=True for a consumer), or use {option('etcd_user')} of a user "
-                    "who has such a role")
-        if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.INVALID_ARGUMENT and (
-                "user name is empty" in details or "auth" in details)):
-            if user is None:
-                return (f"etcd at {self.endpoint} requires authentication and this client has no "
-                        f"credentials ({code.name}: {details}): set {creds}")
-            return (f"etcd at {self.endpoint} did not accept the credentials of user {user!r} during {what}, "
-                    f"even with a fresh token ({code.name}: {details}): check {creds}")
-        return None
-
-    def _tls_problem(self, exc: BaseException, handshake_failures: int) -> str | None:
-        """Why this client's TLS settings cannot talk to the endpoint that just failed, when it is a
-        TLS mismatch (not etcd being down): probed directly (bounded), or, when the probe cannot tell
-        but gRPC keeps reporting a failed handshake, gRPC's own words."""
-        code, details = _status(exc)
-        if code != grpc.StatusCode.UNAVAILABLE:
-            return None
-        netloc = getattr(self.raw, "_current_ep_label", None)
-        if netloc is None or netloc in self._verified:
-            return None
-        now = time.monotonic()
-        # The last try before gRPC's words probes again whatever the interval: the first probe may
-        # have met a busy etcd.
-        if now - self._probed.get(netloc, -1e9) >= _PROBE_INTERVAL or handshake_failures >= _HANDSHAKE_TRIES:
-            self._probed[netloc] = now
-            why = _probe_tls(self.config, netloc)
-            if why is not None:
-                return f"{why} [gRPC: {details}]"
-        if handshake_failures >= _HANDSHAKE_TRIES:
-            return (f"etcd at {netloc}: the TLS handshake keeps failing ({details}); check the endpoint's "
-                    f"scheme (http:// or https://) in {option('etcd')}, {option('etcd_ca')}, "
-                    f"{option('etcd_cert')} and {option('etcd_key')}")
-        return None
-
     # ---- requests ----------------------------------------------------------------------------
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()``, retried with backoff while etcd does not answer, for at most ``retry_deadline``.
+
+        Each attempt:
+
+        1. counts the request (callers' paths apart from background work);
+        2. authenticates first when the client has a user and no token yet;
+        3. runs ``fn``; on success, notes that etcd answers again (:meth:`_answered`);
+        4. on failure, :meth:`_classify` says what to do: raise a typed error at once, retry at
+           once with a fresh token (once per call), or retry after a backoff (0.05 s doubling
+           up to 1 s).
 
         Raises:
             CatalogUnavailable: etcd did not answer within the retry budget.
@@ -490,11 +224,7 @@ class EtcdClient:
                 (a rejected token is first replaced once).
             CatalogRejected: etcd answered with a refusal (size, permission, invalid argument): at once.
         """
-        deadline = time.monotonic() + self.retry_deadline
-        delay = 0.05
-        reauthenticated = False
-        handshake_failures = 0
-        retried = 0
+        attempts = _Attempts(deadline=time.monotonic() + self.retry_deadline)
         while True:
             if getattr(_BACKGROUND, "active", False):
                 self.background_rpcs += 1
@@ -505,54 +235,80 @@ class EtcdClient:
                 self._ensure_token()
                 token = self._token  # the token this attempt carries
                 result = fn()
-                if retried and self._outage:
-                    self._outage = False  # once per outage, not once per caller that waited it out
-                    log.info("etcd at %s answers again (%s after %d retries)", self.endpoint, what, retried)
-                if len(self._verified) < len(self.config.endpoints):
-                    label = getattr(self.raw, "_current_ep_label", None)
-                    if label is not None:
-                        self._verified.add(label)
-                return result
-            except (WatchRefused, *RETRYABLE) as exc:  # type: ignore[misc]
-                if self.config.user is not None and not reauthenticated and (
-                        (isinstance(exc, WatchRefused) and exc.denied) or _token_rejected(exc)):
-                    reauthenticated = True  # an expired or stale token: once with a fresh one
+            except (WatchRefused, etcd_exc.WatchTimedOut, *RETRYABLE) as exc:  # type: ignore[misc]
+                verdict, error = self._classify(what, exc, attempts)
+                if error is not None:
+                    raise error from exc
+                if verdict is _Verdict.REAUTHENTICATE:
+                    attempts.reauthenticated = True
                     self._reauthenticate(token)  # (a no-op when another thread already replaced it)
                     continue
-                auth = self._auth_problem(what, exc)
-                if auth is not None:
-                    raise CatalogAuthError(auth) from exc
-                if isinstance(exc, WatchRefused):
-                    raise CatalogRejected(f"etcd at {self.endpoint} refused {what}: {exc}") from exc
-                refused = _refusal(exc)
-                if refused is not None:
-                    raise CatalogRejected(f"etcd at {self.endpoint} refused {what}: {refused}") from exc
-                _, details = _status(exc)
-                low = details.lower()
-                if self.config.tls and any(w in low for w in _HANDSHAKE_WORDS):
-                    handshake_failures += 1
-                tls = self._tls_problem(exc, handshake_failures)
-                if tls is not None:
-                    raise CatalogAuthError(tls) from exc
-                if time.monotonic() + delay > deadline:
-                    raise CatalogUnavailable(
-                        f"etcd at {self.endpoint} unreachable for {self.retry_deadline:.0f}s during {what}: "
-                        f"{type(exc).__name__}: {exc}" + (f" ({details})" if details else "")
-                    ) from exc
-                retried += 1
-                self._retrying(what, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            except etcd_exc.WatchTimedOut as exc:
-                # No answer to a watch request (etcd slow or down), or its stream was closed under it
-                # (a re-authentication replaced the stream): again, while a whole wait fits the budget.
-                if time.monotonic() + delay + self.op_timeout > deadline:
-                    raise CatalogUnavailable(f"etcd at {self.endpoint}: watch for {what} not created within "
-                                             f"{self.retry_deadline:.0f}s: {exc!r}") from exc
-                retried += 1
-                self._retrying(what, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                attempts.retried += 1
+                self._retrying(what, exc, attempts.delay)
+                time.sleep(attempts.delay)
+                attempts.delay = min(attempts.delay * 2, 1.0)
+                continue
+            self._answered(what, attempts.retried)
+            return result
+
+    def _classify(
+        self, what: str, exc: BaseException, attempts: _Attempts
+    ) -> tuple[_Verdict, CatalogError | None]:
+        """What a failed attempt means: (verdict, the error to raise when the verdict is final).
+
+        In order:
+
+        1. a watch etcd did not create in time: retry while a whole wait fits the budget;
+        2. a rejected or stale token, the first time in this call: re-authenticate, retry at once;
+        3. credentials or permissions etcd names: refused (:class:`CatalogAuthError`);
+        4. a refusal etcd would repeat (size, permission, invalid argument): refused
+           (:class:`CatalogRejected`);
+        5. a TLS mismatch, probed directly: refused (:class:`CatalogAuthError`);
+        6. otherwise etcd did not answer: retry while the backoff fits the budget, else
+           unavailable (:class:`CatalogUnavailable`).
+        """
+        if isinstance(exc, etcd_exc.WatchTimedOut):
+            # No answer to a watch request (etcd slow or down), or its stream was closed under it
+            # (a re-authentication replaced the stream): again, while a whole wait fits the budget.
+            if time.monotonic() + attempts.delay + self.op_timeout > attempts.deadline:
+                return _Verdict.UNAVAILABLE, CatalogUnavailable(
+                    f"etcd at {self.endpoint}: watch for {what} not created within "
+                    f"{self.retry_deadline:.0f}s: {exc!r}")
+            return _Verdict.RETRY, None
+        if self.config.user is not None and not attempts.reauthenticated and (
+                (isinstance(exc, WatchRefused) and exc.denied) or token_rejected(exc)):
+            return _Verdict.REAUTHENTICATE, None  # an expired or stale token: once with a fresh one
+        auth = auth_problem(exc, what, user=self.config.user, endpoint=self.endpoint, prefix=self.prefix,
+                            namespace=self.namespace)
+        if auth is not None:
+            return _Verdict.REFUSED, CatalogAuthError(auth)
+        refused = str(exc) if isinstance(exc, WatchRefused) else refusal(exc)
+        if refused is not None:
+            return _Verdict.REFUSED, CatalogRejected(f"etcd at {self.endpoint} refused {what}: {refused}")
+        _, details = grpc_status(exc)
+        if self.config.tls and any(w in details.lower() for w in HANDSHAKE_WORDS):
+            attempts.handshake_failures += 1
+        netloc = getattr(self.raw, "_current_ep_label", None)
+        # An endpoint that answered before has working TLS settings: no probing it.
+        tls = None if netloc is None or netloc in self._verified else \
+            tls_problem(self.config, netloc, self._probed, exc, attempts.handshake_failures)
+        if tls is not None:
+            return _Verdict.REFUSED, CatalogAuthError(tls)
+        if time.monotonic() + attempts.delay > attempts.deadline:
+            return _Verdict.UNAVAILABLE, CatalogUnavailable(
+                f"etcd at {self.endpoint} unreachable for {self.retry_deadline:.0f}s during {what}: "
+                f"{type(exc).__name__}: {exc}" + (f" ({details})" if details else ""))
+        return _Verdict.RETRY, None
+
+    def _answered(self, what: str, retried: int) -> None:
+        """etcd answered: end a logged outage, and stop probing this endpoint's TLS settings."""
+        if retried and self._outage:
+            self._outage = False  # once per outage, not once per caller that waited it out
+            log.info("etcd at %s answers again (%s after %d retries)", self.endpoint, what, retried)
+        if len(self._verified) < len(self.config.endpoints):
+            label = getattr(self.raw, "_current_ep_label", None)
+            if label is not None:
+                self._verified.add(label)
 
     def _retrying(self, what: str, exc: BaseException, delay: float) -> None:
         """Count a retry; an outage is logged at WARNING at most every ``_RETRY_LOG_EVERY`` seconds
@@ -576,7 +332,7 @@ class EtcdClient:
     def new_lease(self) -> int:
         """A fresh lease of ``lease_ttl`` seconds, kept alive by a thread until :meth:`close`."""
         lease = self.call("lease grant", lambda: self.raw.lease(max(1, int(round(self.lease_ttl)))))
-        ka = _KeepAlive(self.raw, lease.id, self.lease_ttl, reauth=self._reauth_quietly)
+        ka = KeepAlive(self.raw, lease.id, self.lease_ttl, reauth=self._reauth_quietly)
         ka.start()
         self._keepalives.append(ka)
         return int(lease.id)
@@ -612,39 +368,15 @@ class EtcdClient:
 
         Returns early (after at most 5 s) even without an event: callers re-read and call again.
         """
-        event = threading.Event()
-
-        def cb(resp: Any) -> None:
-            event.set()
-
-        kwargs: dict[str, Any] = {}
-        if prefix:
-            kwargs["range_end"] = range_end(key)
-        if start_revision is not None:
-            kwargs["start_revision"] = start_revision
-        try:
-            wid = self.call(f"watch {key}", lambda: self.raw.add_watch_callback(key, cb, **kwargs))
-        except etcd_exc.WatchTimedOut as exc:
-            raise CatalogUnavailable(f"etcd watch on {key} could not be created: {exc}") from exc
-        try:
-            # Bounded so a lost watch stream (etcd restart) is re-established rather than waited on forever.
-            event.wait(min(timeout, 5.0) if timeout is not None else 5.0)
-        finally:
-            try:
-                self.raw.cancel_watch(wid)
-            except RETRYABLE:
-                pass
+        end = range_end(key) if prefix else None
+        wait_for_event(self.call, self.raw, key, timeout, range_end=end, start_revision=start_revision)
 
     def txn_raw(self, what: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> Any:
         """A transaction whose operations may include raw ``RequestOp``s (e.g. :meth:`count_op`);
         returns etcd's ``TxnResponse`` itself (pyetcd's parsed form drops counts and nested
         transaction results, which the commit path needs)."""
-        def ops(items: list[Any]) -> list[Any]:
-            return [op if isinstance(op, etcdrpc.RequestOp) else self.raw._ops_to_requests([op])[0] for op in items]
-
         def go() -> Any:
-            req = etcdrpc.TxnRequest(compare=[c.build_message() for c in compare], success=ops(success),
-                                     failure=ops(failure or []))
+            req = _txn_request(self.raw, compare, success, failure or [])
             try:
                 return self.raw.kvstub.Txn(req, self.raw.timeout, credentials=self.raw.call_credentials,
                                            metadata=self.raw.metadata)
@@ -678,14 +410,5 @@ class EtcdClient:
     def _revoke(self, lease_id: int) -> None:
         """One revoke attempt (errors ignored: the lease then expires on its own), and one more with a
         fresh token when etcd rejected the token (an idle client's token may have expired)."""
-        for attempt in range(2):
-            try:
-                self.raw.revoke_lease(lease_id)
-                return
-            except RETRYABLE as exc:
-                if attempt or self.config.user is None or not _token_rejected(exc):
-                    return
-                try:
-                    self._reauthenticate(self._token)
-                except (CatalogError, *RETRYABLE):
-                    return
+        reauth = None if self.config.user is None else (lambda: self._reauthenticate(self._token))
+        revoke_lease(self.raw, lease_id, reauth)

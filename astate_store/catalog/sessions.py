@@ -40,6 +40,16 @@ def read_counter(client: EtcdClient, name: str) -> tuple[int | None, int]:
                                key=key) from None
 
 
+def _counter_of(client: EtcdClient, kvs: list[Any]) -> int | None:
+    """The ``epoch`` counter from a transaction's range response (as :func:`read_counter`)."""
+    try:
+        return codec.decode_counter(kvs[0][0]) if kvs else None
+    except CodecError as exc:
+        key = client.key("epoch")
+        raise CatalogCorrupted(f"namespace {client.namespace!r}: the counter {key} is corrupted: {exc}",
+                               key=key) from None
+
+
 class Sessions:
     """This process's publisher session (at most one) in the namespace of ``client``."""
 
@@ -76,13 +86,15 @@ class Sessions:
     def _start(self, world_size: int, sid: str, lease: int) -> Session:
         c = self.client
         host, pid = socket.gethostname(), os.getpid()
+        # First as if the namespace were new (no epoch yet): one round trip for a fresh one; a
+        # failed compare reads the epoch back in the same transaction for the next try.
+        old: int | None = None
         while True:
-            old, _rev = read_counter(c, "epoch")
             new = (old or 0) + 1
             # Compare-and-set on the epoch: of two rank-0s starting at once, one retries with the next epoch.
             cmp = (tx.Version(c.key("epoch")) == 0) if old is None else (
                 tx.Value(c.key("epoch")) == codec.encode_counter(old))
-            ok, _ = c.txn("open session", [cmp], [
+            ok, resp = c.txn("open session", [cmp], [
                 tx.Put(c.key("epoch"), codec.encode_counter(new)),
                 tx.Put(c.key("session"), codec.encode("session", {
                     "epoch": new, "session_id": sid, "world_size": world_size, "host": host,
@@ -91,11 +103,12 @@ class Sessions:
                        codec.encode("member", {"epoch": new, "rank": 0, "host": host, "pid": pid}), lease=lease),
                 # An empty 'latest' lets the commit transaction compare values from the first step on.
                 tx.Txn([tx.Version(c.key("latest")) == 0], [tx.Put(c.key("latest"), b"")], []),
-            ])
+            ], [tx.Get(c.key("epoch"))])
             if ok:
                 log.info("namespace %s: session %s opened with epoch %d (world size %d)",
                          c.namespace, sid, new, world_size)
                 return Session(new, sid, 0, world_size, lease)
+            old = _counter_of(c, resp[0])
 
     def _join(self, rank: int, world_size: int, session_id: str | None, join_timeout: float,
               lease: int) -> Session:

@@ -22,7 +22,8 @@ package by default when it is installed, else ``zlib.crc32``). A restore verifie
 blocks it reads.
 
 Modules: ``format`` (names, manifest schema), ``storage`` (URIs, atomic writes, the crash-test hook),
-``checksum``, ``writer`` (``write_part``), ``async_writer`` (``AsyncCheckpointer``), ``commit``
+``checksum``, ``writer`` (``write_part``), ``retention`` (the keep_last / keep_every policy, pure),
+``leases`` (reader leases, the ``REMOVING`` tombstone, ``apply_retention``, ``remove_checkpoint``), ``async_writer`` (``AsyncCheckpointer``), ``commit``
 (``try_commit``), ``index`` (what is committed), ``restore`` and ``reads`` (its read side), ``verify``
 (every block checked without restoring).
 """
@@ -42,7 +43,17 @@ from astate_store.checkpoint.index import (
     read_manifest,
     read_meta,
 )
+from astate_store.checkpoint.leases import (
+    LEASE_TTL,
+    ReaderLease,
+    RetentionResult,
+    apply_retention,
+    live_readers,
+    policy_view,
+    remove_checkpoint,
+)
 from astate_store.checkpoint.restore import restore
+from astate_store.checkpoint.retention import RetentionPolicy, keep_reasons
 from astate_store.checkpoint.storage import URI  # noqa: F401  (the uri type, importable as before)
 from astate_store.checkpoint.verify import VerifyResult, verify
 from astate_store.checkpoint.writer import PartInfo, local_shards, owned_shards, write_part
@@ -68,6 +79,15 @@ __all__ = [
     "restore",
     "verify",
     "VerifyResult",
+    "LEASE_TTL",
+    "ReaderLease",
+    "RetentionPolicy",
+    "RetentionResult",
+    "keep_reasons",
+    "apply_retention",
+    "policy_view",
+    "live_readers",
+    "remove_checkpoint",
 ]
 
 #: Crash-test hook: tests set this in a child process to pause or die at a named point

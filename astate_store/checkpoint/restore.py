@@ -14,20 +14,15 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import torch
 
-from astate_store.errors import CheckpointCorrupted, LayoutError, PlanError
-from astate_store.model.layout import (
-    Entry,
-    TensorLayout,
-    TensorLike,
-    check_fit,
-    group_layouts,
-    validate_tensors,
-)
+from astate_store.errors import CheckpointCorrupted, CheckpointError, LayoutError, PlanError
+from astate_store.model.layout import TensorLayout, TensorLike, check_step, group_layouts
+from astate_store.model.validation import Entry, check_fit, validate_tensors
 from astate_store.plan import plan_consumer
 from astate_store.model.progress import Progress, ProgressCounter
 from astate_store.checkpoint.checksum import CHECKSUMS, Checksum, Crc32
 from astate_store.checkpoint.format import manifest_records
 from astate_store.checkpoint.index import load_manifest, load_marker
+from astate_store.checkpoint.leases import LEASE_TTL, ReaderLease
 from astate_store.checkpoint.reads import (
     CopyItem,
     DataFile,
@@ -46,7 +41,8 @@ ITEM_BYTES = 32 << 20
 
 
 def restore(uri: URI, buffers: Mapping[str, TensorLike], *, step: Optional[int] = None, verify: bool = True,
-            threads: Optional[int] = None, progress: Optional[Progress] = None) -> int:
+            threads: Optional[int] = None, progress: Optional[Progress] = None,
+            lease_ttl: float = LEASE_TTL) -> int:
     """Fill preallocated buffers, in place, from the newest complete checkpoint under ``uri`` (or ``step``).
 
     Buffers may have any layout (resharding): each reads only the byte ranges of its box, from
@@ -65,6 +61,8 @@ def restore(uri: URI, buffers: Mapping[str, TensorLike], *, step: Optional[int] 
         threads: worker threads (default: up to 4, at most the CPU count).
         progress: called with (bytes copied, bytes to copy), from the worker threads
             (:mod:`astate_store.model.progress`).
+        lease_ttl: seconds the reader lease that keeps retention off this step lasts without
+            renewal (renewed every third of it while reading; see ``leases``).
 
     Returns:
         The restored step.
@@ -78,6 +76,13 @@ def restore(uri: URI, buffers: Mapping[str, TensorLike], *, step: Optional[int] 
     """
     entries = validate_tensors(buffers, "restore(buffers)")
     loc = resolve(uri)
+    step = load_marker(loc, None)[0] if step is None else check_step(step, CheckpointError)
+    with ReaderLease(loc, step, lease_ttl):  # retention leaves the step alone while this reads
+        return _restore(loc, entries, step, verify, threads, progress)
+
+
+def _restore(loc: Location, entries: Sequence[Entry], step: int, verify: bool, threads: Optional[int],
+             progress: Optional[Progress]) -> int:
     step, marker = load_marker(loc, step)
     table = _rows_for(load_manifest(loc, step, marker), entries, step)
     file_names = sorted(set(table.column("file").to_pylist()))

@@ -14,12 +14,14 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from astate_store.errors import CheckpointCorrupted
+from astate_store.errors import CheckpointCorrupted, CheckpointError
+from astate_store.model.layout import check_step
 from astate_store.model.progress import Progress, ProgressCounter
 from astate_store.checkpoint.checksum import CHECKSUMS
 from astate_store.checkpoint.index import load_manifest, load_marker
+from astate_store.checkpoint.leases import ReaderLease
 from astate_store.checkpoint.restore import _checksum_arrays
-from astate_store.checkpoint.storage import URI, resolve
+from astate_store.checkpoint.storage import URI, Location, resolve
 
 __all__ = ["VerifyResult", "verify"]
 
@@ -51,6 +53,12 @@ def verify(uri: URI, step: Optional[int] = None, *, progress: Optional[Progress]
             (nothing else can be checked then).
     """
     loc = resolve(uri)
+    step = load_marker(loc, None)[0] if step is None else check_step(step, CheckpointError)
+    with ReaderLease(loc, step):  # retention leaves the step alone while it is read
+        return _verify(loc, step, progress)
+
+
+def _verify(loc: Location, step: int, progress: Optional[Progress]) -> VerifyResult:
     step, marker = load_marker(loc, step)
     table = load_manifest(loc, step, marker)
     if marker["checksum"] not in CHECKSUMS:

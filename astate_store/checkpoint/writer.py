@@ -17,18 +17,8 @@ import torch
 
 from astate_store.errors import CheckpointError, LayoutError
 from astate_store.model.progress import Progress, ProgressCounter
-from astate_store.model.layout import (
-    DTYPES,
-    ShardRecord,
-    TensorLayout,
-    TensorLike,
-    check_step,
-    contiguous_strides,
-    dtype_name,
-    validate_name,
-    validate_tensors,
-    with_aliases,
-)
+from astate_store.model.layout import DTYPES, ShardRecord, TensorLayout, TensorLike, check_step, contiguous_strides, dtype_name, validate_name
+from astate_store.model.validation import validate_tensors, with_aliases
 from astate_store.checkpoint.checksum import BlockSums, Checksum, check_block_size, checksum_algo
 from astate_store.checkpoint.format import (
     BLOCK_SIZE,

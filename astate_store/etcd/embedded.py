@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # the supervisor imports this module alone: nothing above err
     from astate_store.catalog.config import EtcdConfig
     from astate_store.etcd.security import CertPaths
 
-__all__ = ["EmbeddedEtcd", "find_etcd_binary", "ENV_ENDPOINT", "ENV_BINARY"]
+__all__ = ["EmbeddedEtcd", "find_etcd_binary", "tied_to_caller", "ENV_ENDPOINT", "ENV_BINARY"]
 
 log = logging.getLogger("astate_store.etcd")
 
@@ -102,6 +103,31 @@ def _etcd_command(binary: str, name: str, data_dir: str, client_url: str, peer_u
     return cmd
 
 
+# Run in the child between fork and exec of the real command: ask the kernel for SIGTERM when the
+# process that started it dies (PR_SET_PDEATHSIG survives execve), then become the command (same pid).
+_TIE = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(1, 15, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(0)\n"  # the starter died before prctl took effect
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def tied_to_caller(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` so that it gets SIGTERM when this process dies, however it dies (SIGKILL included),
+    on Linux; unchanged elsewhere, and when called off the main thread (the kernel ties the child
+    to the starting *thread*, and a worker thread may end long before the process).
+
+    Why: a server started in its own session (so a Ctrl-C to the caller's group is not what stops
+    it) outlives a caller that is killed before its ``stop()`` or ``atexit`` runs (issue 29: etcd
+    servers left by SIGKILLed fault-suite actors and by test runs ended by ``timeout``). The
+    command runs under a tiny Python that sets ``PR_SET_PDEATHSIG`` and execs it, so its pid is
+    the Popen's and no ``preexec_fn`` runs in a forked child of a threaded process."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return list(cmd)
+    return [sys.executable, "-I", "-S", "-c", _TIE, str(os.getpid()), *cmd]
+
+
 def _stop_process(proc: subprocess.Popen[bytes] | None, grace: float = 5.0) -> None:
     """SIGTERM a child we started, SIGKILL after ``grace`` seconds; reaps it."""
     if proc is None or proc.poll() is not None:
@@ -166,8 +192,10 @@ class EmbeddedEtcd:
         self.endpoint = ""
 
     def _spawn(self, cmd: list[str], logf: Any) -> subprocess.Popen[bytes]:
-        # Own process group: a Ctrl-C to the caller's group is not what stops etcd.
-        return subprocess.Popen(cmd, stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, start_new_session=True)
+        # Own process group: a Ctrl-C to the caller's group is not what stops etcd; tied to this
+        # process, so it does not outlive a caller killed before stop() (tied_to_caller).
+        return subprocess.Popen(tied_to_caller(cmd), stdout=logf, stderr=logf, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
 
     def _tls_flags(self) -> list[str]:
         t = self.tls
@@ -253,6 +281,7 @@ class EmbeddedEtcd:
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its temporary data dir."""
+        atexit.unregister(self.stop)  # registered at each start; would keep this object to exit
         self._kill()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)

@@ -46,7 +46,8 @@ from astate_store.get.sources import (
     source_groups,
     to_transport_ops,
 )
-from astate_store.model.layout import DTYPE_CODES, Box, Entry, ShardRecord
+from astate_store.model.layout import DTYPE_CODES, Box, ShardRecord
+from astate_store.model.validation import Entry
 from astate_store.model.validated import ValidatedTensors
 from astate_store.plan.columns import whole_buffer_reads
 from astate_store.plan.prepack import consumer_requests

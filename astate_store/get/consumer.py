@@ -34,7 +34,8 @@ from astate_store.get.conversion import Converter
 from astate_store.get.links import Links
 from astate_store.get.sources import PUBLISHERS, SourceGroup
 from astate_store.metrics import PullTimes
-from astate_store.model.layout import Entry, GCPaused, TensorLike
+from astate_store.model.layout import GCPaused, TensorLike
+from astate_store.model.validation import Entry
 from astate_store.model.progress import Progress, ProgressCounter
 from astate_store.model.validated import ValidatedTensors
 
@@ -60,6 +61,16 @@ class Consumer:
         self.batches = Batches(ctx, converter, self.links, self.buffers)
         self._registered = False
         self._last: Work | None = None  # the batch the last good attempt ran
+
+    def close(self) -> None:
+        """Drop the caches that refer to the caller's buffers (entries, batches, plans): a closed
+        store is freed by the cycle collector, which may come ~100 stores later, and must not keep
+        those buffers alive until then."""
+        self.buffers = ValidatedTensors("get_into(buffers)")
+        self.delivered_step = None
+        self.links = Links(self.ctx)
+        self.batches = Batches(self.ctx, self.converter, self.links, self.buffers)
+        self._last = None
 
     def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
                  progress: Progress | None = None) -> int:

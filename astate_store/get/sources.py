@@ -20,16 +20,8 @@ import numpy as np
 
 from astate_store.catalog import Layout, Manifest, Version
 from astate_store.errors import LayoutError, NoLiveSource
-from astate_store.model.layout import (
-    Box,
-    Entry,
-    ShardColumns,
-    ShardRecord,
-    TensorLayout,
-    check_fit,
-    group_layouts,
-    merge_tensor_layout,
-)
+from astate_store.model.layout import Box, ShardColumns, ShardRecord, TensorLayout, group_layouts, merge_tensor_layout
+from astate_store.model.validation import Entry, check_fit
 from astate_store.model.spans import span_runs
 
 __all__ = ["PUBLISHERS", "SourceGroup", "source_groups", "assign", "failover_order", "bases", "dest_records",
@@ -283,66 +275,94 @@ def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wan
     is left out. A superset of what a plan reads, without the other consumers' copies or the
     shard bytes next to the piece. ``columns``: the same shards column-wise (``Layout.columns``):
     a shard a whole-tensor buffer wants takes its byte range from them, and no record is built
-    unless some buffer wants part of a shard."""
+    unless some buffer wants part of a shard.
+
+    1. the wanted tensors' pre-packed copies are gathered by name;
+    2. a shard that one whole-tensor buffer wants, and no copy of, is taken whole: its span comes
+       from :class:`_ShardIndex` (from the columns when they are usable, else its record);
+    3. any other wanted shard adds each buffer's piece of it, unless a copy holds that piece;
+    4. each copy adds its piece for each buffer, when of the buffer's or the shard's dtype;
+    5. all of it is merged into runs.
+    """
     copies: dict[str, list[ShardRecord]] = {}
     for r in packed:
         if r.name in wanted:
             copies.setdefault(r.name, []).append(r)
-    spans = None if columns is None else columns.spans
-    region: list[int] = []
-    lo: list[int] = []
-    hi: list[int] = []
-    whole: list[int] = []  # shards a whole-tensor buffer takes whole (from ``spans``)
-    shapes = _GlobalShapes(columns) if spans is not None else None
-    for i, name in enumerate(columns.names if shapes is not None else map(_NAME, shards)):  # type: ignore[union-attr]
+    index = _ShardIndex(shards, columns)
+    pieces = _Pieces()
+    whole: list[int] = []  # shards a whole-tensor buffer takes whole
+    for i, name in enumerate(index.names):
         boxes = wanted.get(name, ())
         if not boxes:
             continue
-        if len(boxes) == 1 and name not in copies and \
-                boxes[0][0].sizes == (shards[i].global_shape if shapes is None else shapes[i]):
-            if spans is None:
-                _add_piece(shards[i], shards[i].box, region, lo, hi)
-            else:
-                whole.append(i)
+        if len(boxes) == 1 and name not in copies and boxes[0][0].sizes == index.global_shape(i):
+            whole.append(i)
             continue
         r = shards[i]
         for box, dtype in boxes:
             piece = r.box.intersect(box)
             if piece is not None and not any(c.box == piece and c.dtype in (dtype, r.dtype)
                                              for c in copies.get(r.name, ())):
-                _add_piece(r, piece, region, lo, hi)
+                pieces.add(r, piece)
     published = {r.name: r.dtype for r in shards if r.name in copies} if copies else {}
     for name, recs in copies.items():
         for r in recs:
             for box, dtype in wanted[name]:
                 piece = r.box.intersect(box)
                 if piece is not None and r.dtype in (dtype, published.get(name)):
-                    _add_piece(r, piece, region, lo, hi)
-    rows = np.array([region, lo, hi], dtype=np.int64).reshape(3, -1)
-    if whole:
-        rows = np.concatenate([rows, spans[whole].T], axis=1)  # type: ignore[index]
+                    pieces.add(r, piece)
+    rows = np.concatenate([pieces.rows(), index.whole_spans(whole)], axis=1)
     return span_runs(rows[0], rows[1], rows[2])
 
 
-class _GlobalShapes:
-    """Shard i's global shape as a tuple, from the columns (no record needed)."""
+class _ShardIndex:
+    """What :func:`byte_spans` reads of one source's shards by index: names, global shapes, and
+    the byte spans of shards taken whole. From the columns when they give spans (then no record
+    is built for those), else from the records; the caller sees one form either way."""
 
-    def __init__(self, columns: ShardColumns) -> None:
-        self.flat, self.starts = columns.global_shapes.tolist(), columns.starts.tolist()
+    def __init__(self, shards: Sequence[ShardRecord], columns: ShardColumns | None) -> None:
+        self._shards = shards
+        # None: no columns, or numbers a hostile record could overflow int64 with (records decide)
+        self._spans = None if columns is None else columns.spans
+        if self._spans is not None:
+            assert columns is not None
+            self.names: Sequence[str] = columns.names
+            self._flat, self._starts = columns.global_shapes.tolist(), columns.starts.tolist()
+        else:
+            self.names = [r.name for r in shards]
 
-    def __getitem__(self, i: int) -> tuple[int, ...]:
-        return tuple(self.flat[self.starts[i]:self.starts[i + 1]])
+    def global_shape(self, i: int) -> tuple[int, ...]:
+        if self._spans is None:
+            return self._shards[i].global_shape
+        return tuple(self._flat[self._starts[i]:self._starts[i + 1]])
+
+    def whole_spans(self, idx: list[int]) -> np.ndarray:
+        """``(3, len(idx))`` rows (region, lo, hi): the byte spans of the shards ``idx`` whole."""
+        if self._spans is not None:
+            return self._spans[idx].T
+        pieces = _Pieces()
+        for i in idx:
+            pieces.add(self._shards[i], self._shards[i].box)
+        return pieces.rows()
 
 
-_NAME = attrgetter("name")
+class _Pieces:
+    """(region, lo, hi) rows of the byte ranges of pieces of shards, empty ranges left out."""
 
+    def __init__(self) -> None:
+        self.region: list[int] = []
+        self.lo: list[int] = []
+        self.hi: list[int] = []
 
-def _add_piece(r: ShardRecord, piece: Box, region: list[int], lo: list[int], hi: list[int]) -> None:
-    a, b = r.byte_range(piece)
-    if a < b:
-        region.append(r.region)
-        lo.append(a)
-        hi.append(b)
+    def add(self, r: ShardRecord, piece: Box) -> None:
+        a, b = r.byte_range(piece)
+        if a < b:
+            self.region.append(r.region)
+            self.lo.append(a)
+            self.hi.append(b)
+
+    def rows(self) -> np.ndarray:
+        return np.array([self.region, self.lo, self.hi], dtype=np.int64).reshape(3, -1)
 
 
 def read_spans(ops: np.ndarray) -> dict[int, list[tuple[int, int, int]]]:

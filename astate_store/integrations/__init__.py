@@ -1,0 +1,1 @@
+"""Integrations with other systems: inference engines (vLLM), model formats."""

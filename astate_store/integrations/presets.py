@@ -340,6 +340,15 @@ def _qwen3(plan: _Plan, cfg: _Config) -> None:
     _llama_like(plan, cfg, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
 
 
+def _expert_params(plan: _Plan, experts: str) -> tuple[str, str]:
+    """The FusedMoE ``w13`` / ``w2`` names the engine uses: vLLM >= 0.32 holds them in a ``routed_experts``
+    child (``mlp.experts.routed_experts.w13_weight``), older engines on the layer itself."""
+    for base in (experts, f"{experts}.routed_experts"):
+        if f"{base}.w13_weight" in plan.names:
+            return f"{base}.w13_weight", f"{base}.w2_weight"
+    return f"{experts}.w13_weight", f"{experts}.w2_weight"
+
+
 def _qwen3_moe(plan: _Plan, cfg: _Config) -> None:
     h = cfg.num("hidden_size")
     num_experts, step = cfg.num("num_experts"), max(cfg.num("decoder_sparse_step", 1), 1)
@@ -351,8 +360,8 @@ def _qwen3_moe(plan: _Plan, cfg: _Config) -> None:
         _attention(plan, cfg, p, qkv_bias=bias, o_bias=bias, qk_norm=True)
         if i not in dense_only and num_experts > 0 and (i + 1) % step == 0:  # Qwen3MoeDecoderLayer's rule
             replicated(plan, f"{p}.mlp.gate.weight", f"{p}.mlp.gate.weight", (num_experts, h))
-            experts(plan, f"{p}.mlp.experts", f"{p}.mlp.experts.w13_weight",
-                    f"{p}.mlp.experts.w2_weight", num_experts, cfg.num("moe_intermediate_size"), h)
+            e = _expert_params(plan, f"{p}.mlp.experts")
+            experts(plan, f"{p}.mlp.experts", *e, num_experts, cfg.num("moe_intermediate_size"), h)
         else:
             _dense_mlp(plan, f"{p}.mlp", f"{p}.mlp", cfg.num("intermediate_size"), h)
         _norms(plan, p, h)
@@ -392,8 +401,7 @@ def _deepseek_v3(plan: _Plan, cfg: _Config) -> None:
                            (n_routed,))
             if shared:
                 _dense_mlp(plan, f"{p}.mlp.shared_experts", f"{p}.mlp.shared_experts", moe_inter * shared, h)
-            experts(plan, f"{p}.mlp.experts", f"{p}.mlp.experts.w13_weight",
-                    f"{p}.mlp.experts.w2_weight", n_routed, moe_inter, h)
+            experts(plan, f"{p}.mlp.experts", *_expert_params(plan, f"{p}.mlp.experts"), n_routed, moe_inter, h)
         else:
             _dense_mlp(plan, f"{p}.mlp", f"{p}.mlp", cfg.num("intermediate_size"), h)
         _norms(plan, p, h)

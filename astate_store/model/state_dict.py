@@ -3,7 +3,7 @@
 Users hand over ``model.state_dict()``-like mappings: nested dicts, DTensors (FSDP2, tensor
 parallel, 2-D meshes), plain tensors, ``Shard``s, lists of ``Shard``s (several boxes of one
 name) and sometimes non-tensor entries. :class:`StateDictConverter` turns them into the flat
-``{name: Tensor | Shard | list[Shard]}`` mapping that ``layout.validate_tensors`` checks:
+``{name: Tensor | Shard | list[Shard]}`` mapping that ``validation.validate_tensors`` checks:
 
 - nested mappings are flattened the way torch DCP's ``flatten_state_dict`` names them
   (``{"a": {"b": t}}`` -> ``"a.b"``; lists holding tensors or mappings -> ``"a.0"``, ...);
@@ -25,7 +25,7 @@ import logging
 import operator
 import sys
 from collections.abc import Mapping
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Iterable, Iterator, Literal, Sequence
 
 import torch
 
@@ -58,6 +58,23 @@ _DTENSOR: Any = None
 
 
 # ---- flattening (DCP's naming) -----------------------------------------------------------------
+
+def _is_dtensor_of(value: object, dt_type: type | None) -> bool:
+    """Whether ``value`` is a DTensor (``dt_type``, None when torch.distributed has none)."""
+    return dt_type is not None and type(value) is not torch.Tensor and isinstance(value, dt_type)
+
+
+def _items(key: Any, value: object) -> tuple[Iterable[tuple[str, object]], bool]:
+    """The (name, leaf) pairs of one top-level entry, and whether it was nested.
+
+    A tensor, a Shard, a list of Shards, anything under a non-string key, and anything that is
+    not a mapping or list is one leaf under its own name; the rest is walked (:func:`_walk`).
+    """
+    if isinstance(value, (torch.Tensor, Shard)) or type(key) is not str or \
+            not isinstance(value, (Mapping, list, tuple)) or _is_shard_list(value):
+        return ((key if type(key) is str else str(key), value),), False
+    return _walk(str(key), value), True
+
 
 def _is_shard_list(value: object) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, Shard) for v in value)
@@ -223,6 +240,16 @@ class StateDictConverter:
     def convert(self, tensors: Mapping[Any, object], non_tensors: NonTensors = "error") -> dict[str, Value]:
         """``tensors`` in the store's form: ``{name: Tensor | Shard | list[Shard]}``.
 
+        1. the arguments are checked; the very same flat input as last call returns last call's
+           output at once (:meth:`_same_input`);
+        2. each top-level entry is flattened into (name, leaf) pairs (:func:`_items`: nested
+           mappings and lists get dotted names);
+        3. each leaf is converted (:meth:`_leaf`): a DTensor to its Shards, a plain tensor kept
+           (last call's object when it views the same memory), Shards as they are, anything else
+           skipped or refused;
+        4. a flat input is remembered for step 1 of the next call (:meth:`_remember`), and last
+           call's output object is returned when nothing changed (:meth:`_reuse`).
+
         Raises:
             LayoutError: not a mapping, a bad ``non_tensors``, a non-tensor entry (with
                 ``non_tensors="error"``), a ``Partial`` DTensor, or two paths flattening to one name.
@@ -234,38 +261,52 @@ class StateDictConverter:
         if self._last_out is not None and self._same_input(tensors):
             return self._last_out  # the very same values as last call (a dict of live parameters)
         dt_type = _dtensor_type()
-        old_dt, old_plain = self._dt, self._plain
+        old = (self._dt, self._plain)  # last call's conversions, reused where still valid
         self._dt, self._plain = {}, {}
         out: dict[str, Value] = {}
         flat = True
         for k, v in tensors.items():
-            if isinstance(v, torch.Tensor) or isinstance(v, Shard) or type(k) is not str or \
-                    not isinstance(v, (Mapping, list, tuple)) or _is_shard_list(v):
-                items: Any = ((k if type(k) is str else str(k), v),)
-            else:
-                items, flat = _walk(str(k), v), False
+            items, nested = _items(k, v)
+            flat = flat and not nested
             for name, leaf in items:
                 if name in out:
                     raise LayoutError(f"{self.what}: two entries flatten to the name {name!r}")
-                if isinstance(leaf, torch.Tensor):
-                    out[name] = self._dtensor(name, leaf, old_dt) if dt_type is not None and \
-                        type(leaf) is not torch.Tensor and isinstance(leaf, dt_type) else self._tensor(leaf, old_plain)
-                elif isinstance(leaf, Shard) or _is_shard_list(leaf):
-                    out[name] = leaf
-                elif non_tensors == "skip":
-                    log.debug("%s: skipping non-tensor entry %r (%s)", self.what, name, type(leaf).__name__)
-                else:
-                    raise LayoutError(f"{self.what}: entry {name!r} is a {type(leaf).__name__}, not a tensor; pass "
-                                      "non_tensors='skip' to leave such entries out")
-        if flat:
-            self._last_names, self._last_in = list(tensors), list(tensors.values())
-            self._last_locals = [(i, v._local_tensor) for i, v in enumerate(self._last_in)  # type: ignore[attr-defined]
-                                 if dt_type is not None and type(v) is not torch.Tensor and isinstance(v, dt_type)]
-        else:
-            self._last_names, self._last_in, self._last_locals = [], [], []
+                value = self._leaf(name, leaf, dt_type, old, non_tensors)
+                if value is not None:
+                    out[name] = value
+        self._remember(tensors, flat, dt_type)
         out = self._reuse(out)
         self._last_out = out
         return out
+
+    def _leaf(self, name: str, leaf: object, dt_type: type | None, old: tuple[dict, dict],
+              non_tensors: NonTensors) -> Value | None:
+        """One leaf in the store's form; None for a non-tensor that ``non_tensors`` skips.
+
+        Raises:
+            LayoutError: a non-tensor with ``non_tensors="error"``, or a ``Partial`` DTensor.
+        """
+        if isinstance(leaf, torch.Tensor):
+            if _is_dtensor_of(leaf, dt_type):
+                return self._dtensor(name, leaf, old[0])
+            return self._tensor(leaf, old[1])
+        if isinstance(leaf, Shard) or _is_shard_list(leaf):
+            return leaf  # type: ignore[return-value]
+        if non_tensors == "skip":
+            log.debug("%s: skipping non-tensor entry %r (%s)", self.what, name, type(leaf).__name__)
+            return None
+        raise LayoutError(f"{self.what}: entry {name!r} is a {type(leaf).__name__}, not a tensor; pass "
+                          "non_tensors='skip' to leave such entries out")
+
+    def _remember(self, tensors: Mapping[Any, object], flat: bool, dt_type: type | None) -> None:
+        """Note a flat input (its names, values, and each DTensor's local tensor) so the very same
+        input next call is answered at once; a nested one is not remembered."""
+        if not flat:
+            self._last_names, self._last_in, self._last_locals = [], [], []
+            return
+        self._last_names, self._last_in = list(tensors), list(tensors.values())
+        self._last_locals = [(i, v._local_tensor)  # type: ignore[attr-defined]
+                             for i, v in enumerate(self._last_in) if _is_dtensor_of(v, dt_type)]
 
     def _reuse(self, out: dict[str, Value]) -> dict[str, Value]:
         """The last output object itself when nothing changed (cheaper checks downstream)."""

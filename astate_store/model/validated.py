@@ -13,7 +13,8 @@ from typing import Mapping
 
 import torch
 
-from astate_store.model.layout import Entry, Shard, TensorLike, validate_tensors
+from astate_store.model.layout import Shard, TensorLike
+from astate_store.model.validation import Entry, validate_tensors
 
 __all__ = ["ValidatedTensors", "Fingerprint"]
 
@@ -84,7 +85,7 @@ class ValidatedTensors:
         """The mapping's entries (the cached list object itself when nothing changed).
 
         Raises:
-            LayoutError: see :func:`astate_store.model.layout.validate_tensors`.
+            LayoutError: see :func:`astate_store.model.validation.validate_tensors`.
         """
         if self._same(tensors):
             return self.entries

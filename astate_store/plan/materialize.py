@@ -7,14 +7,10 @@ Runs on demand per consumer (a fleet plan never materializes every consumer's re
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from astate_store.plan.contracts import READ_DTYPE
-
-if TYPE_CHECKING:
-    from astate_store.plan.result import GlobalPlan
+from astate_store.plan.tables import PlanTables
 
 
 def _link_order(link: np.ndarray, src_off: np.ndarray, src_region: np.ndarray, src_rank: np.ndarray,
@@ -37,51 +33,51 @@ def _link_order(link: np.ndarray, src_off: np.ndarray, src_region: np.ndarray, s
     return o1[o2]
 
 
-def _materialize(plan: "GlobalPlan", c: int) -> np.ndarray:
+def _materialize(plan: PlanTables, c: int) -> np.ndarray:
     """Reads of consumer index ``c`` in link-interleaved order."""
-    s, e = plan._cstart[c], plan._cstart[c + 1]
-    pis = plan._perm[s:e]
+    s, e = plan.cstart[c], plan.cstart[c + 1]
+    pis = plan.perm[s:e]
     # merged-away tails and empty pieces produce no read
-    pis = pis[~plan._pi_tail[pis]]
-    tm = plan._pi_tm[pis]
-    n = plan._T_n[tm]
+    pis = pis[~plan.pi_tail[pis]]
+    tm = plan.pi_tm[pis]
+    n = plan.T_n[tm]
     pis = pis[n > 0]
     tm = tm[n > 0]
     n = n[n > 0]
-    P = plan._pi_P[pis]
-    src = plan._pi_src[pis]
-    row = plan._P_row[P]
+    P = plan.pi_P[pis]
+    src = plan.pi_src[pis]
+    row = plan.P_row[P]
     cnt = int(n.sum())
     out = np.empty(cnt, READ_DTYPE)
     if cnt == 0:
         return out
     rep = np.repeat(np.arange(len(pis)), n)
-    src_off = np.repeat(plan._pi_sbase[pis], n)
-    dst_off = np.repeat(plan._P_dbase[P], n)
-    length = np.repeat(plan._pi_mlen[pis], n)
+    src_off = np.repeat(plan.pi_sbase[pis], n)
+    dst_off = np.repeat(plan.P_dbase[P], n)
+    length = np.repeat(plan.pi_mlen[pis], n)
     # multi-run pieces add their template's relative run offsets
     multi = np.flatnonzero(n > 1)
     if len(multi):
         starts = np.cumsum(n) - n
         for j in multi.tolist():
-            rs, rd = plan._tmpl.rel(int(tm[j]))
+            rs, rd = plan.tmpl.rel(int(tm[j]))
             a = int(starts[j])
             src_off[a:a + len(rs)] += rs
             dst_off[a:a + len(rd)] += rd
     out["src_offset"] = src_off
     out["dst_offset"] = dst_off
     out["length"] = length
-    out["src_rank"] = np.repeat(plan._rec_rank[src], n)
-    out["src_region"] = np.repeat(plan._rec_region[src], n)
-    out["dst_region"] = np.repeat(plan._row_region[row], n)
-    out["tensor"] = np.repeat(plan._P_t[P], n)
-    out["dst_index"] = np.repeat(plan._row_index[row], n)
-    sc = plan._row_scode[row]
-    dc = plan._row_code[row]
+    out["src_rank"] = np.repeat(plan.rec_rank[src], n)
+    out["src_region"] = np.repeat(plan.rec_region[src], n)
+    out["dst_region"] = np.repeat(plan.row_region[row], n)
+    out["tensor"] = np.repeat(plan.P_t[P], n)
+    out["dst_index"] = np.repeat(plan.row_index[row], n)
+    sc = plan.row_scode[row]
+    dc = plan.row_code[row]
     out["src_dtype"] = np.repeat(sc, n)
     out["dst_dtype"] = np.repeat(dc, n)
     out["convert"] = np.repeat(sc != dc, n)
-    link = plan._rec_link[src][rep]
-    order = _link_order(link, src_off, out["src_region"], out["src_rank"], length, plan._n_links,
-                        int(plan._stagger[c]))
+    link = plan.rec_link[src][rep]
+    order = _link_order(link, src_off, out["src_region"], out["src_rank"], length, plan.n_links,
+                        int(plan.stagger[c]))
     return out[order]

@@ -8,19 +8,19 @@ planning converges in one round trip.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Mapping, Optional
+from itertools import chain, repeat
+from operator import itemgetter
+from typing import Hashable, Mapping, Optional
 
 import numpy as np
 
 from astate_store.errors import PlanError
-from astate_store.model.layout import Box, ShardRecord
+from astate_store.model.layout import Box, ShardRecord, _frozen
 from astate_store.plan.contracts import CostModel, PackedInput, PackedShard, PackItem
 from astate_store.plan.intersect import _Instances, _Pieces
 from astate_store.plan.shards import _Sources
+from astate_store.plan.tables import PlanTables
 from astate_store.plan.util import _segment_arange, _sorted_ids, _unique_rows
-
-if TYPE_CHECKING:
-    from astate_store.plan.result import GlobalPlan
 
 
 def _normalize_packed(packed: PackedInput) -> list[tuple[ShardRecord, tuple]]:
@@ -62,21 +62,25 @@ def _match_packed(src: _Sources, pk: list[tuple[ShardRecord, tuple]], pieces: _P
         return src, None, 0
     override = np.full(inst.n, -1, np.int64)
     src, prec_idx, prec_sz = src.with_packed([r for r, _ in pk])
-    lens = np.fromiter((len(cs) for _, cs in pk), np.int64, len(pk))
-    ent_c = np.array([cindex.get(cid, -1) for _, cs in pk for cid in cs], np.int64)
+    lens = np.fromiter(map(len, map(itemgetter(1), pk)), np.int64, len(pk))
+    ent_c = np.fromiter(map(cindex.get, chain.from_iterable(map(itemgetter(1), pk)), repeat(-1)), np.int64,
+                        int(lens.sum()))
     ent_j = np.repeat(np.arange(len(pk)), lens)
     keep = ent_c >= 0
     ent_c, ent_j = ent_c[keep], ent_j[keep]
+    # boxes first: one id per distinct (tensor, lo, sz) over pieces and packed records (tens of
+    # thousands of rows, not one per (consumer, record) entry); then (box, request) as one int
+    kP = np.concatenate([pieces.t[:, None], pieces.lo, pieces.sz], axis=1)
+    kR = np.concatenate([src.rec_t[prec_idx][:, None], src.rec_lo[prec_idx], prec_sz], axis=1)
+    _, _, bid = _unique_rows(np.concatenate([kP, kR]))
+    U = int(max(pieces.u.max(initial=-1), u_of_c.max(initial=-1))) + 1
+    gP = bid[:pieces.n] * U + pieces.u
+    gE = bid[pieces.n:][ent_j] * U + u_of_c[ent_c]
     prec = prec_idx[ent_j]
-    eu = u_of_c[ent_c]
-    # group pieces and entries by (request, tensor, lo, sz); every piece of the group matches
-    kP = np.concatenate([pieces.u[:, None], pieces.t[:, None], pieces.lo, pieces.sz], axis=1)
-    kE = np.concatenate([eu[:, None], src.rec_t[prec][:, None], src.rec_lo[prec], prec_sz[ent_j]], axis=1)
-    _, _, gid = _unique_rows(np.concatenate([kP, kE]))
-    gP, gE = gid[:pieces.n], gid[pieces.n:]
     po = np.argsort(gP, kind="stable")
-    lo_i = np.searchsorted(gP[po], gE, side="left")
-    hi_i = np.searchsorted(gP[po], gE, side="right")
+    sP = gP[po]
+    lo_i = np.searchsorted(sP, gE, side="left")
+    hi_i = np.searchsorted(sP, gE, side="right")
     nm = hi_i - lo_i
     stale = int((nm == 0).sum())
     e_rep = np.repeat(np.arange(len(gE)), nm)
@@ -100,20 +104,30 @@ def _pack_decision(cost: CostModel, T_n: np.ndarray, tp: np.ndarray, pi_n: np.nd
     return (~is_packed_rec[pi_src]) & (saved > 0) & cost.pack_pays(saved, pieces.bytes[inst.P])
 
 
-def _build_pack_items(plan: "GlobalPlan") -> dict[int, list[PackItem]]:
+def _build_pack_items(plan: PlanTables) -> dict[int, list[PackItem]]:
     """Per publisher rank, the marked instances as ``PackItem``s: one item per (source record,
     box) listing every consumer that reads it, ranks and items in a deterministic order."""
-    pis = np.flatnonzero(plan._pi_pack)
+    pis = np.flatnonzero(plan.pi_pack)
     out: dict[int, list[PackItem]] = {}
     if len(pis) == 0:
         return out
-    P = plan._pi_P[pis]
-    srcr = plan._pi_src[pis]
-    key = np.concatenate([srcr[:, None], plan._P_t[P][:, None], plan._P_lo[P], plan._P_sz[P]], axis=1)
-    _, first, inv = _unique_rows(key)
+    P = plan.pi_P[pis]
+    srcr = plan.pi_src[pis]
+    # distinct (source, piece) pairs first (one int each; consumers sharing a request sequence
+    # share its pieces), in first-seen order; then the distinct boxes among those pairs
+    k1 = srcr * (int(P.max()) + 1) + P
+    _, f1, inv1 = np.unique(k1, return_index=True, return_inverse=True)
+    o1 = np.argsort(f1, kind="stable")
+    r1 = np.empty_like(o1)
+    r1[o1] = np.arange(len(o1))
+    f1 = f1[o1]
+    P1, s1 = P[f1], srcr[f1]
+    _, first2, inv2 = _unique_rows(np.concatenate([s1[:, None], plan.P_t[P1][:, None], plan.P_lo[P1],
+                                                   plan.P_sz[P1]], axis=1))
+    first, inv = f1[first2], inv2[r1[inv1.reshape(-1)]]
     G = len(first)
     # consumers of each item, sorted and deduplicated (one consumer may read a box twice)
-    pc = plan._pi_c[pis]
+    pc = plan.pi_c[pis]
     o = np.lexsort((pc, inv))
     gi, ci = inv[o], pc[o]
     keep = np.ones(len(o), bool)
@@ -122,17 +136,19 @@ def _build_pack_items(plan: "GlobalPlan") -> dict[int, list[PackItem]]:
     bounds = np.searchsorted(gi, np.arange(G + 1)).tolist()
     cons = plan.consumers
     cons_l = [cons[c] for c in ci.tolist()]
-    D = plan._D
+    D = plan.D
     Pf = P[first]
-    lo_l = plan._P_lo[Pf].tolist()
-    sz_l = plan._P_sz[Pf].tolist()
+    lo_l = plan.P_lo[Pf].tolist()
+    sz_l = plan.P_sz[Pf].tolist()
     rec_l = srcr[first].tolist()
-    rec_obj = plan._rec_obj
+    rec_obj = plan.rec_obj
+    # checked fields: build the frozen records without their per-field __setattr__ (46k items for a
+    # 1T-parameter fleet, where the dataclass constructors were most of this function)
     for g in range(G):
         rec = rec_obj[rec_l[g]]
         cut = D - len(rec.global_shape)
-        box = Box(tuple(lo_l[g][cut:]), tuple(sz_l[g][cut:]))
-        item = PackItem(rec, box, tuple(cons_l[bounds[g]:bounds[g + 1]]))
+        box = _frozen(Box, {"offsets": tuple(lo_l[g][cut:]), "sizes": tuple(sz_l[g][cut:])})
+        item = _frozen(PackItem, {"source": rec, "box": box, "consumers": tuple(cons_l[bounds[g]:bounds[g + 1]])})
         lst = out.get(rec.rank)
         if lst is None:
             out[rec.rank] = [item]

@@ -1,13 +1,16 @@
 """The planning driver and its public entry points: ``plan_global`` (every consumer at once) and
 ``plan_consumer`` (one consumer alone). ``_plan`` runs the stages in order:
 
-shards -> requests -> intersect -> packed matches -> links -> balance -> runs -> pre-pack
-decision -> merge -> totals (``GlobalPlan``).
+shards -> requests -> intersect -> links -> balance (``_prepare``, reused by the pass with the
+packed copies) -> packed matches -> runs -> pre-pack decision -> merge -> totals (``GlobalPlan``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Mapping, Optional, Sequence
+import weakref
+from dataclasses import dataclass, field, replace
+from operator import is_
+from typing import Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -20,9 +23,77 @@ from astate_store.plan.links import _build_links, _Links
 from astate_store.plan.packing import _match_packed, _normalize_packed, _pack_decision
 from astate_store.plan.requests import _dedupe_requests, _Requests
 from astate_store.plan.result import ConsumerPlan, GlobalPlan
-from astate_store.plan.runs import _instance_templates, _merge_whole_runs, _Runs
+from astate_store.plan.runs import _instance_templates, _merge_whole_runs, _rerun_templates, _Runs
 from astate_store.plan.shards import _compile_sources, _Sources
+from astate_store.plan.tables import PlanTables
 from astate_store.plan.util import _sorted_ids
+
+
+@dataclass(frozen=True, eq=False)
+class _Prepared:
+    """Everything the plan needs before packed copies enter: sources, requests, pieces, their
+    instances, links and the balanced replica of every instance. It depends only on (layouts,
+    requests, topology, balance, rotations), which a pre-pack round trip keeps."""
+
+    src: _Sources
+    consumers: list
+    cindex: dict
+    u_of_c: np.ndarray
+    req: _Requests
+    pieces: _Pieces
+    inst: _Instances
+    links: _Links
+    pi_src: np.ndarray
+    #: the runs of ``pi_src`` before merging (``_Runs``), set by the first plan without packed copies
+    memo: dict = field(default_factory=dict)
+
+
+#: The last preparation, held weakly (the ``GlobalPlan`` built from it holds it strongly): the
+#: pass with packed copies reuses the pass that asked for them while the caller keeps that plan.
+_PREP_MEMO: dict[str, tuple[tuple, "weakref.ref[_Prepared]"]] = {}
+
+
+def _prep_key(src: _Sources, requests: Mapping[Hashable, Sequence[ShardRecord]], consumers: list,
+              topology: Optional[Fabric], balance: str, rotations: Optional[Mapping[Hashable, int]]
+              ) -> Optional[tuple]:
+    """The objects a preparation depends on, compared by identity (frozen inputs only: request
+    sequences must be tuples of frozen records); None when some input could change in place."""
+    seqs = tuple(map(requests.__getitem__, consumers))
+    if not all(type(q) is tuple for q in seqs):
+        return None
+    rot = None if rotations is None else tuple((c, rotations[c]) for c in _sorted_ids(rotations))
+    return (src, tuple(consumers), seqs, topology, balance, rot)
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    return (a[0] is b[0] and a[1] == b[1] and len(a[2]) == len(b[2]) and all(map(is_, a[2], b[2]))
+            and a[3] is b[3] and a[4] == b[4] and a[5] == b[5])
+
+
+def _prepare(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]],
+             topology: Optional[Fabric], balance: str, rotations: Optional[Mapping[Hashable, int]]) -> _Prepared:
+    """Stages 1-4 (shards, requests, intersect, links, balance), reused from the previous call
+    while its plan is alive and every input is the same object."""
+    src = _compile_sources(layouts)
+    consumers = _sorted_ids(requests)
+    key = _prep_key(src, requests, consumers, topology, balance, rotations)
+    if key is not None and "last" in _PREP_MEMO:
+        k0, ref = _PREP_MEMO["last"]
+        hit = ref()
+        if hit is not None and _same_key(k0, key):
+            return hit
+    cindex = {cid: i for i, cid in enumerate(consumers)}
+    # consumers with equal requests share the piece computation
+    seqs, u_of_c = _dedupe_requests(requests, consumers)
+    req = _Requests(src, seqs)
+    pieces = _intersect(src, req)
+    inst = _expand_instances(pieces, u_of_c, len(seqs))
+    links = _build_links(src, consumers, topology)
+    pi_src = _assign_replicas(src, pieces, inst, links, balance, consumers, rotations)
+    prep = _Prepared(src, consumers, cindex, u_of_c, req, pieces, inst, links, pi_src)
+    if key is not None:
+        _PREP_MEMO["last"] = (key, weakref.ref(prep))
+    return prep
 
 
 def _plan(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]], *,
@@ -30,33 +101,34 @@ def _plan(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Seque
           rotations: Optional[Mapping[Hashable, int]], staggers: Optional[Mapping[Hashable, int]]) -> GlobalPlan:
     if balance not in ("greedy", "rotation"):
         raise PlanError(f"unknown balance mode {balance!r}")
-    src = _compile_sources(layouts)
-    consumers = _sorted_ids(requests)
-    cindex = {cid: i for i, cid in enumerate(consumers)}
-    # consumers with equal requests share the piece computation
-    seqs, u_of_c = _dedupe_requests(requests, consumers)
-    req = _Requests(src, seqs)
-    pieces = _intersect(src, req)
-    inst = _expand_instances(pieces, u_of_c, len(seqs))
-    src, override, stale_packed = _match_packed(src, _normalize_packed(packed), pieces, inst, cindex, u_of_c)
-    links = _build_links(src, consumers, topology)
-    pi_src = _assign_replicas(src, pieces, inst, links, balance, consumers, rotations)
-    # packed copies replace their pieces *after* balancing: the balancer sees the same inputs as
-    # the pass that asked for the copies, so it picks the same replicas (the copies live on those
-    # ranks) and the pre-pack round trip converges in one step
-    if override is not None:
+    prep = _prepare(layouts, requests, topology, balance, rotations)
+    consumers, cindex, req, pieces, inst = prep.consumers, prep.cindex, prep.req, prep.pieces, prep.inst
+    src, override, stale_packed = _match_packed(prep.src, _normalize_packed(packed), pieces, inst, cindex,
+                                                prep.u_of_c)
+    # packed copies replace their pieces *after* balancing, which sees the layout's records only:
+    # the pass with the copies balances exactly as the pass that asked for them (the copies live
+    # on the ranks it chose), so the pre-pack round trip converges in one step
+    pi_src, links = prep.pi_src, prep.links
+    base = prep.memo.get("runs")
+    if override is None:
+        runs = base if base is not None else _instance_templates(src, req, pieces, inst, pi_src)
+        prep.memo["runs"] = runs
+        runs = replace(runs, mlen=runs.mlen.copy(), tail=runs.tail.copy())  # merging edits these two
+    else:
         pi_src = np.where(override >= 0, override, pi_src)
-    runs = _instance_templates(src, req, pieces, inst, pi_src)
+        links = _build_links(src, consumers, topology)
+        # instances keep their templates except those a packed copy now serves
+        runs = _instance_templates(src, req, pieces, inst, pi_src) if base is None else \
+            _rerun_templates(base, src, req, pieces, inst, pi_src, np.flatnonzero(override >= 0))
     pi_pack = _pack_decision(cost, runs.T_n, runs.tp, runs.n, pi_src, runs.is_packed_rec, pieces, inst)
     _merge_whole_runs(src, req, pieces, inst, pi_src, runs)
-    return _assemble(src, req, pieces, inst, links, runs, pi_src, pi_pack, consumers, cindex, balance,
-                     stale_packed, staggers)
+    return _assemble(prep, src, links, runs, pi_src, pi_pack, balance, stale_packed, staggers)
 
 
 def _totals(src: _Sources, pieces: _Pieces, inst: _Instances, links: _Links, runs: _Runs, pi_src: np.ndarray,
-            C: int) -> dict[str, Any]:
+            C: int) -> dict[str, np.ndarray]:
     """Exact per-consumer read counts and bytes, per-link and per-rank bytes, without
-    materializing a read."""
+    materializing a read (``PlanTables`` fields)."""
     NPI, pi_c, n_links = inst.n, inst.c, links.n_links
     cnt_pi = np.where(runs.tail, 0, runs.n)
     read_counts = np.bincount(pi_c, weights=cnt_pi.astype(np.float64), minlength=C).astype(np.int64) \
@@ -74,15 +146,15 @@ def _totals(src: _Sources, pieces: _Pieces, inst: _Instances, links: _Links, run
         ranks_u, rank_bytes = ranks_all[keep_r], rank_bytes[keep_r]
     else:
         ranks_u, rank_bytes = np.zeros(0, np.int64), np.zeros(0)
-    return dict(_read_counts=read_counts, _dst_bytes=dst_bytes, _link_bytes=link_bytes,
-                _src_ranks=ranks_u, _src_rank_bytes=rank_bytes, _pi_bytes=pi_bytes)
+    return dict(read_counts=read_counts, dst_bytes=dst_bytes, link_bytes=link_bytes,
+                src_ranks=ranks_u, src_rank_bytes=rank_bytes, pi_bytes=pi_bytes)
 
 
-def _assemble(src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances, links: _Links, runs: _Runs,
-              pi_src: np.ndarray, pi_pack: np.ndarray, consumers: list, cindex: dict, balance: str,
-              stale_packed: int, staggers: Optional[Mapping[Hashable, int]]) -> GlobalPlan:
-    """The compact ``GlobalPlan``: instances grouped by consumer (``_perm`` / ``_cstart``) plus the
-    tables ``materialize`` and ``pack_items`` read."""
+def _assemble(prep: _Prepared, src: _Sources, links: _Links, runs: _Runs, pi_src: np.ndarray, pi_pack: np.ndarray,
+              balance: str, stale_packed: int, staggers: Optional[Mapping[Hashable, int]]) -> GlobalPlan:
+    """The compact ``GlobalPlan``: instances grouped by consumer (``perm`` / ``cstart``) plus the
+    tables ``materialize`` and ``pack_items`` read, as one frozen ``PlanTables``."""
+    consumers, cindex, req, pieces, inst = prep.consumers, prep.cindex, prep.req, prep.pieces, prep.inst
     C, NPI, pi_c = len(consumers), inst.n, inst.c
     perm = np.argsort(pi_c, kind="stable") if NPI else np.zeros(0, np.int64)
     cstart = np.zeros(C + 1, np.int64)
@@ -91,16 +163,17 @@ def _assemble(src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances, 
     stagger = np.zeros(C, np.int64)
     for i, cid in enumerate(consumers):
         stagger[i] = int(staggers[cid]) if (staggers is not None and cid in staggers) else i
-    return GlobalPlan(
-        consumers=tuple(consumers), tensors=src.names, balance=balance, stale_packed=stale_packed,
-        _cindex=cindex, _D=src.D, **_totals(src, pieces, inst, links, runs, pi_src, C),
-        _perm=perm, _cstart=cstart, _pi_c=pi_c, _pi_P=inst.P, _pi_src=pi_src, _pi_tm=runs.tm,
-        _pi_sbase=runs.sbase, _pi_mlen=runs.mlen, _pi_tail=runs.tail, _pi_pack=pi_pack,
-        _P_row=pieces.row, _P_t=pieces.t, _P_lo=pieces.lo, _P_sz=pieces.sz, _P_dbase=pieces.dbase,
-        _row_region=req.region, _row_index=req.index, _row_scode=req.scode, _row_code=req.code,
-        _rec_rank=src.rec_rank, _rec_region=src.rec_region, _rec_link=links.rec_link, _rec_obj=src.rec_obj,
-        _n_links=links.n_links, _stagger=stagger, _tmpl=runs.tmpl, _T_n=runs.T_n,
+    tables = PlanTables(
+        consumers=tuple(consumers), cindex=cindex, stagger=stagger, perm=perm, cstart=cstart,
+        **_totals(src, pieces, inst, links, runs, pi_src, C),
+        pi_c=pi_c, pi_P=inst.P, pi_src=pi_src, pi_tm=runs.tm, pi_sbase=runs.sbase, pi_mlen=runs.mlen,
+        pi_tail=runs.tail, pi_pack=pi_pack,
+        P_row=pieces.row, P_t=pieces.t, P_lo=pieces.lo, P_sz=pieces.sz, P_dbase=pieces.dbase,
+        row_region=req.region, row_index=req.index, row_scode=req.scode, row_code=req.code,
+        rec_rank=src.rec_rank, rec_region=src.rec_region, rec_link=links.rec_link, rec_obj=src.rec_obj,
+        D=src.D, n_links=links.n_links, tmpl=runs.tmpl, T_n=runs.T_n,
     )
+    return GlobalPlan(tables, tensors=src.names, balance=balance, stale_packed=stale_packed, prepared=prep)
 
 
 def plan_global(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]], *,

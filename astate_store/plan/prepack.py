@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-from astate_store.model.layout import Box, Entry, TensorLayout, is_floating
+from astate_store.model.layout import Box, TensorLayout, is_floating
+from astate_store.model.validation import Entry
 from astate_store.plan import PackItem
 
 __all__ = ["PackRequest", "Copy", "consumer_requests", "servable"]

@@ -107,6 +107,24 @@ def _instance_templates(src: _Sources, req: _Requests, pieces: _Pieces, inst: _I
                  tail=np.zeros(inst.n, bool))
 
 
+def _rerun_templates(base: _Runs, src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances,
+                     pi_src: np.ndarray, changed: np.ndarray) -> _Runs:
+    """``_instance_templates`` of ``pi_src`` from ``base``, the runs of a plan whose sources differ
+    only at the instances ``changed`` (packed copies replacing their pieces; ``src`` extends the
+    sources of ``base``): only those instances get a new template and base."""
+    tmpl = base.tmpl.copy()
+    is_packed_rec = np.zeros(len(src.rec_rank), bool)
+    is_packed_rec[src.n_layout_recs:] = True
+    pi_tm, pi_sbase = base.tm.copy(), base.sbase.copy()
+    if len(changed):
+        cstr = _contiguous_strides(pieces.sz, src.D)
+        _redo_odd(tmpl, src, req, pieces, inst, pi_src, changed, cstr, base.tp, is_packed_rec, pi_tm, pi_sbase)
+    T_n, T_run, T_sisz, T_disz = tmpl.arrays()
+    return _Runs(tmpl=tmpl, tm=pi_tm, sbase=pi_sbase, tp=base.tp, is_packed_rec=is_packed_rec,
+                 T_n=T_n, T_run=T_run, T_sisz=T_sisz, T_disz=T_disz, n=T_n[pi_tm], mlen=T_run[pi_tm] * T_sisz[pi_tm],
+                 tail=np.zeros(inst.n, bool))
+
+
 def _merge_whole_runs(src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances, pi_src: np.ndarray,
                       runs: _Runs) -> None:
     """Merge single-run instances of one consumer and one source (rank, region) that are

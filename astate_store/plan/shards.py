@@ -203,52 +203,51 @@ class _Sources:
 
     def with_packed(self, recs: list[ShardRecord]) -> tuple["_Sources", np.ndarray, np.ndarray]:
         """A copy with packed records appended as extra source records; returns
-        ``(sources, record indices, padded box sizes)``."""
+        ``(sources, record indices, padded box sizes)``.
+
+        The records are gathered and checked column-wise like the layout's (``_Columns``): a
+        fleet's pre-pack round trip brings back one record per packed box, tens of thousands."""
         D = self.D
         m = len(recs)
         new = copy.copy(self)
         if m == 0:
             return new, np.zeros(0, np.int64), np.zeros((0, D), np.int64)
-        tids = self._packed_tensor_ids(recs)
-        pad0 = [(0,) * (D - k) for k in range(D + 1)]
-        pad1 = [(1,) * (D - k) for k in range(D + 1)]
-        lo = np.array([pad0[len(r.box.offsets)] + tuple(r.box.offsets) for r in recs], np.int64).reshape(m, D)
-        sz = np.array([pad1[len(r.box.sizes)] + tuple(r.box.sizes) for r in recs], np.int64).reshape(m, D)
-        st = np.array([pad0[len(r.strides)] + tuple(r.strides) for r in recs], np.int64).reshape(m, D)
-        ts = np.array(tids, np.int64)
-        offs = np.fromiter((r.byte_offset for r in recs), np.int64, m)
-        bad = (lo < 0).any(axis=1) | (sz < 0).any(axis=1) | (lo + sz > self.t_shape[ts]).any(axis=1) | \
+        if not all(map(isinstance, recs, repeat(ShardRecord))):
+            r = next(r for r in recs if not isinstance(r, ShardRecord))
+            raise PlanError(f"packed source must be a ShardRecord, got {type(r).__name__}")
+        tids = np.fromiter(map(self.tid.get, map(_GET_NAME, recs), repeat(-1)), np.int64, m)
+        if (tids < 0).any():
+            r = recs[int(np.flatnonzero(tids < 0)[0])]
+            raise PlanError(f"tensor {r.name!r}: packed source for a tensor not in the layout")
+        t_meta = list(zip(self.names, self.dtypes, self.shapes))
+        c = _Columns(recs, list(map(t_meta.__getitem__, tids.tolist())))
+        nd = np.fromiter(map(len, self.shapes), np.int64, len(self.shapes))[tids]
+        valid = (c.l_lo == nd) & (c.l_sz == nd) & (c.l_st == nd)
+        if c.meta_bad.any() or not valid.all():
+            r = recs[int(np.flatnonzero(c.meta_bad | ~valid)[0])]
+            t = self.tid[r.name]
+            raise PlanError(f"tensor {r.name!r}: packed source ({r.dtype}, {tuple(r.global_shape)}, box "
+                            f"{r.box.offsets}+{r.box.sizes}) disagrees with the layout ({self.dtypes[t]}, "
+                            f"{self.shapes[t]})")
+        lo = _padded(c.lo, c.l_lo, valid, D, 0)
+        sz = _padded(c.sz, c.l_sz, valid, D, 1)
+        st = _padded(c.st, c.l_st, valid, D, 0)
+        offs = c.boff
+        bad = (lo < 0).any(axis=1) | (sz < 0).any(axis=1) | (lo + sz > self.t_shape[tids]).any(axis=1) | \
             (st < 0).any(axis=1) | (offs < 0)
         if bad.any():
             r = recs[int(np.flatnonzero(bad)[0])]
             raise PlanError(f"tensor {r.name!r}: packed source box {r.box.offsets}+{r.box.sizes} out of bounds of "
                             f"{tuple(r.global_shape)} or with negative strides / byte offset")
         base = len(self.rec_rank)
-        new.rec_rank = np.concatenate([self.rec_rank, np.fromiter((r.rank for r in recs), np.int64, m)])
-        new.rec_region = np.concatenate([self.rec_region, np.fromiter((r.region for r in recs), np.int64, m)])
+        new.rec_rank = np.concatenate([self.rec_rank, c.rank])
+        new.rec_region = np.concatenate([self.rec_region, c.region])
         new.rec_off = np.concatenate([self.rec_off, offs])
         new.rec_str = np.concatenate([self.rec_str, st])
         new.rec_lo = np.concatenate([self.rec_lo, lo])
-        new.rec_t = np.concatenate([self.rec_t, ts])
+        new.rec_t = np.concatenate([self.rec_t, tids])
         new.rec_obj = self.rec_obj + list(recs)
         return new, base + np.arange(m, dtype=np.int64), sz
-
-    def _packed_tensor_ids(self, recs: list[ShardRecord]) -> list[int]:
-        """Tensor id of each packed record, checking it agrees with its tensor's layout."""
-        for r in recs:
-            if not isinstance(r, ShardRecord):
-                raise PlanError(f"packed source must be a ShardRecord, got {type(r).__name__}")
-        tids = [self.tid.get(r.name, -1) for r in recs]
-        for r, t in zip(recs, tids):
-            if t < 0:
-                raise PlanError(f"tensor {r.name!r}: packed source for a tensor not in the layout")
-        shapes, dtypes = self.shapes, self.dtypes
-        for r, t in zip(recs, tids):
-            if r.dtype != dtypes[t] or tuple(r.global_shape) != shapes[t] or \
-                    len(r.box.offsets) != len(shapes[t]) or len(r.strides) != len(shapes[t]):
-                raise PlanError(f"tensor {r.name!r}: packed source ({r.dtype}, {tuple(r.global_shape)}, box "
-                                f"{r.box.offsets}+{r.box.sizes}) disagrees with the layout ({dtypes[t]}, {shapes[t]})")
-        return tids
 
 
 _SRC_MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()

@@ -91,6 +91,13 @@ class _Templates:
             self.disz.append(disz)
         return i
 
+    def copy(self) -> "_Templates":
+        """An independent copy (interning more templates into it leaves this one as it is)."""
+        new = _Templates()
+        new.index, new.n, new.run, new.tm = dict(self.index), list(self.n), list(self.run), list(self.tm)
+        new.sisz, new.disz, new._rel = list(self.sisz), list(self.disz), dict(self._rel)
+        return new
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(n_runs, run_elems, src itemsize, dst itemsize)`` per template id."""
         return (np.array(self.n, np.int64), np.array(self.run, np.int64), np.array(self.sisz, np.int64),

@@ -21,14 +21,8 @@ import torch
 from astate_store.model import codec
 from astate_store.context import StoreContext, sync_device
 from astate_store.errors import CheckpointError, LayoutError, WaitTimeout
-from astate_store.model.layout import (
-    Entry,
-    ShardRecord,
-    TensorLike,
-    torch_dtype,
-    validate_tensors,
-    with_aliases,
-)
+from astate_store.model.layout import ShardRecord, TensorLike, torch_dtype
+from astate_store.model.validation import Entry, validate_tensors, with_aliases
 from astate_store.catalog.records import pad20
 from astate_store.plan.prepack import Copy, servable
 from astate_store.put.registry import Registry
@@ -71,6 +65,21 @@ class Publisher:
         self._nbytes_of: list[Entry] | None = None  # the entries _nbytes_cached was computed for
         self._nbytes_cached = 0
         self.last_step: int | None = None  # the newest step this rank put (what drain waits on)
+
+    def publish(self, step: int, tensors: Mapping[str, TensorLike], *, copy: bool = True,
+                meta: bytes | None = None) -> bool:
+        """The whole put sequence of ``Store.put``; True when this put completed the version.
+
+        1. ``begin``: validate the tensors (cached while they are the same objects at the same
+           addresses), then make sure a transport near their device and the session exist;
+        2. ``put``: snapshot into a slot, publish in place, or stream; then the piece and, from
+           the last rank, the commit, in one catalog transaction;
+        3. ``wait_replicated``: with ``replicas=K``, until K replica servers hold the step.
+        """
+        entries = self.begin(tensors, "put(tensors)", every_step=True)
+        committed = self.put(step, entries, copy=copy, meta=meta)
+        self.wait_replicated(step)  # replicas=K: K replica servers hold it (docs/replicas.md)
+        return committed
 
     def begin(self, tensors: Mapping[str, TensorLike], what: str, *, every_step: bool = False) -> list[Entry]:
         """Validate a publishing call's tensors, then make sure a transport (near their device)
@@ -147,8 +156,7 @@ class Publisher:
         if self._pool is None or self._pool_device != device:
             tr, opts = self.ctx.transport, self.ctx.options
             cap = opts.staging_cap_bytes if opts.staging_cap_bytes is not None else default_staging_cap(device)
-            self._pool = SnapshotPool(opts.staging_depth, cap,
-                                      lambda n: self.ctx.alloc(n, device, shared=True), tr.register_tensor, tr.unregister)
+            self._pool = SnapshotPool(opts.staging_depth, cap, lambda n: self.ctx.alloc(n, device, shared=True), tr)
             self._pool_device = device
         return self._pool
 
@@ -362,4 +370,10 @@ class Publisher:
         return pool.nbytes, pool.depth, str(self._pool_device)
 
     def close(self) -> None:
+        # Drop every reference to the caller's tensors and the snapshot slots now: a closed store's
+        # objects hold reference cycles, and in a process with torch's ~10^5 long-lived objects the
+        # cycle collector reaches them only every ~100 stores (issue 29's growth per open/close).
         self._pool = None
+        self._zero_copy_entries, self._items_of, self._packs_entries, self._items_of_packs = [], None, None, None
+        self._nbytes_of, self._packs, self._items = None, (), ()
+        self._tensors = ValidatedTensors("put(tensors)")

@@ -24,7 +24,8 @@ from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 
-from astate_store.model.layout import Entry, ShardRecord
+from astate_store.model.layout import ShardRecord
+from astate_store.model.validation import Entry
 from astate_store.transport import Transport
 
 __all__ = ["Registry", "storage_span", "PAGE"]

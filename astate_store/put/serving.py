@@ -14,7 +14,8 @@ from typing import Callable, Mapping
 from astate_store.model import codec
 from astate_store.context import StoreContext
 from astate_store.errors import LayoutError
-from astate_store.model.layout import Entry, TensorLike, validate_tensors, with_aliases
+from astate_store.model.layout import TensorLike
+from astate_store.model.validation import Entry, validate_tensors, with_aliases
 from astate_store.put.registry import Registry
 
 __all__ = ["Serving"]

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
 from astate_store.errors import LayoutError
 from astate_store.model.layout import Box, ShardRecord, contiguous_strides, itemsize, torch_dtype
-from astate_store.transport import memfd
-from astate_store.transport.binding import copy_rows
+
+if TYPE_CHECKING:
+    from astate_store.transport import Transport
 
 __all__ = ["SlotEntry", "SnapshotPool", "StagingCapExceeded", "ALIGN"]
 
@@ -57,19 +58,19 @@ class SnapshotPool:
         depth: slots (versions that can be live at once); >= 1.
         cap_bytes: the most memory the pool may use; depth shrinks to fit, down to 1.
         alloc: ``alloc(nbytes) -> uint8 tensor`` (NUMA-local allocation by default: plain).
-        register: ``register(tensor) -> region`` index in the transport descriptor.
-        unregister: frees an old registration when the pool grows.
+        transport: registers the slots (``register_tensor`` / ``unregister``), prepares fresh
+            memory (``prepare_staging``) and runs the copies into it (``copy_rows``).
 
     Raises:
         LayoutError: one slot alone is larger than ``cap_bytes``.
     """
 
     def __init__(self, depth: int, cap_bytes: int | None, alloc: Callable[[int], torch.Tensor],
-                 register: Callable[[torch.Tensor], int], unregister: Callable[[int], None]):
+                 transport: Transport):
         if depth < 1:
             raise ValueError(f"staging depth must be >= 1, got {depth}")
         self.want_depth, self.cap_bytes = depth, cap_bytes
-        self._alloc, self._register, self._unregister = alloc, register, unregister
+        self._alloc, self._transport = alloc, transport
         self.signature: tuple[object, ...] | None = None
         self.entries: tuple[SlotEntry, ...] = ()
         self.slot_size = 0
@@ -112,15 +113,15 @@ class SnapshotPool:
         need = slot * depth
         if self.buffer is None or self.buffer.numel() < need or self.buffer.numel() > 2 * need:
             if self.region is not None:
-                self._unregister(self.region)
+                self._transport.unregister(self.region)
             self.buffer = self._alloc(need)
             # Write every slot now: the first write of fresh memory is the slow one (page
             # faults; ~1 s per GiB on a VM), so the first put pays it for all slots instead
             # of the second put paying it again for the second slot. Memfd pages are
-            # allocated in bulk first (``memfd.preallocate``): the writes then only map them.
-            memfd.preallocate(self.buffer.data_ptr(), self.buffer.numel())
+            # allocated in bulk first (``prepare_staging``): the writes then only map them.
+            self._transport.prepare_staging(self.buffer)
             self.buffer.zero_()
-            self.region = self._register(self.buffer)
+            self.region = self._transport.register_tensor(self.buffer)
         self.signature, self.entries, self.slot_size, self.depth = sig, tuple(entries), slot, depth
         self.slot_step = [None] * depth
         self._views = {}
@@ -179,7 +180,7 @@ class SnapshotPool:
         plan, rest = self._copy_plan(k, tensors[:n], key)
         with torch.no_grad():
             if len(plan):
-                copy_rows(plan)
+                self._transport.copy_rows(plan)
             if rest:
                 torch._foreach_copy_([views[i] for i in rest], [tensors[i] for i in rest])
             for e, dst in zip(self.entries[n:], views[n:]):

@@ -343,6 +343,23 @@ class Transport(ABC):
         their pages in the background; the default does nothing. Never raises for a peer or a
         region it does not know."""
 
+    # -- this process's own memory ------------------------------------------------------------
+    def copy_rows(self, rows: np.ndarray) -> None:
+        """Copy ``(src, dst, nbytes)`` uint64 rows within this process (a put into its snapshot
+        slot) with the transport's copy loop: native threads without spin-waits, since two ranks
+        copying at once on a small host ran at half speed with torch's intra-op threads."""
+        from astate_store.transport.binding import copy_rows
+
+        copy_rows(rows)
+
+    def prepare_staging(self, buffer: Any) -> None:
+        """``buffer`` (a uint8 tensor from this transport's allocation) is about to be written
+        whole: allocate its pages in bulk where the memory is memfd-backed, so the writes only
+        map them (the first write of fresh memory is the slow one). Never raises."""
+        from astate_store.transport.memfd import preallocate
+
+        preallocate(buffer.data_ptr(), buffer.numel())
+
     @abstractmethod
     def close(self) -> None:
         """Release everything. Idempotent."""

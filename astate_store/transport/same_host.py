@@ -84,6 +84,23 @@ def node_id() -> str:
     return "/".join(parts)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this pid namespace still runs (an exited one, zombie or
+    gone, does not; one we may not signal does)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split(None, 1)[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True
+    return state not in (b"Z", b"X", b"x")
+
+
 @dataclass(frozen=True)
 class ProcessIdentity:
     """Where this process runs, as a descriptor names it (``host``, ``node``, ``pid``)."""
@@ -183,6 +200,8 @@ class SameHostReader:
         self._timeout = timeout
         self._pidpoll = select.poll()  # pidfds of direct peers (readable once exited)
         self._pidfd_keys: dict[int, Hashable] = {}
+        # the last peer proven per (worker address, pid, node, proof region): see _proven_again
+        self._proven: dict[tuple, Peer] = {}
         self._poll_lock = threading.Lock()  # one poll() at a time (select.poll's rule)
 
     @property
@@ -203,6 +222,8 @@ class SameHostReader:
             log.warning("peer %r (pid %d): its descriptor carries no usable proof region; reads stay on UCX",
                         p.key, d.pid)
             p.direct = False
+            return
+        if self._proven_again(p):
             return
         n = proof.size
         via_ucx = np.zeros(n, dtype=np.uint8)
@@ -231,6 +252,34 @@ class SameHostReader:
                         "its reads stay on UCX", p.key, d.pid, why)
             p.direct = False
             return
+        self._adopt(p, fd)
+        self._proven[self._proof_key(d)] = p
+
+    @staticmethod
+    def _proof_key(d: PeerDescriptor) -> tuple:
+        assert d.proof is not None
+        return (d.worker_address, d.pid, d.node, d.proof.base, d.proof.size)
+
+    def _proven_again(self, p: Peer) -> bool:
+        """Whether ``p``'s process was proven already behind the same worker, through another peer
+        that is still direct and whose pidfd says the process still runs (then the pid has not
+        been reused): a session hub's namespaces each connect to one publisher or replica server
+        as a peer of their own, and each full proof reads the peer's whole memory map."""
+        d = p.desc
+        q = self._proven.get(self._proof_key(d))
+        if q is None or q is p or not q.direct or q.pidfd < 0 or _readable(q.pidfd):
+            return False
+        try:
+            fd = os.pidfd_open(d.pid)
+        except OSError:
+            return False
+        if _readable(q.pidfd):  # exited in between: the new pidfd may name a reused pid
+            os.close(fd)
+            return False
+        self._adopt(p, fd)
+        return True
+
+    def _adopt(self, p: Peer, fd: int) -> None:
         p.direct, p.pidfd = True, fd
         with self._poll_lock:
             self._pidfd_keys[fd] = p.key
@@ -238,6 +287,8 @@ class SameHostReader:
 
     def forget(self, p: Peer) -> None:
         """Take ``p`` off this path for good and close its pidfd."""
+        if p.desc.proof is not None and self._proven.get(self._proof_key(p.desc)) is p:
+            del self._proven[self._proof_key(p.desc)]
         p.direct = False
         p.maps = []  # unmapped once no snapshot holds them
         if p.pidfd >= 0:

@@ -84,14 +84,14 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from astate_store.errors import TransportError
+from astate_store.errors import PeerUnreachable, TransportError
 from astate_store.transport.base import PeerDescriptor, RegionInfo, Transport
 from astate_store.transport.binding import native, typed_error
 from astate_store.transport.config import MODES, Mode, direct_from_env, effective_config, tls_has_shm
 from astate_store.transport.peers import Peer, PeerInfo, PeerSnapshot, PeerTable, open_endpoint
 from astate_store.transport.regions import LocalRegions, LocalSnapshot
 from astate_store.transport.rows import Rows, check_ops, resolve_rows
-from astate_store.transport.same_host import ProcessIdentity, Proof, SameHostReader
+from astate_store.transport.same_host import ProcessIdentity, Proof, SameHostReader, pid_alive
 from astate_store.transport.stream import Served, StreamReader, StreamServer, jobs_for
 from astate_store.transport.stream import enabled as stream_enabled
 from astate_store.transport.ucx_get import UcxReader
@@ -373,8 +373,13 @@ class UcxTransport(Transport):
     def _open_endpoint(self, peer: Hashable, d: PeerDescriptor) -> Any:
         # Error mode NONE only where shared memory can serve: PEER mode makes UCX drop
         # shared memory, NONE would hang on a dead tcp peer instead of failing.
-        peer_mode = not (self.shm and d.shm and self._me.same_node(d))
+        same_node = self._me.same_node(d)
+        peer_mode = not (self.shm and d.shm and same_node)
         where = f"peer {peer!r} (host {d.host!r}, pid {d.pid}, {'tcp/PEER' if peer_mode else 'shm/NONE'})"
+        if same_node and d.pid > 0 and not pid_alive(d.pid):
+            # A process of this node (same pid namespace) that has exited is not dialled: UCX would
+            # wait for its endpoint timeout, under this transport's lock, before saying so.
+            raise PeerUnreachable(f"connecting to {where}: the process has exited")
         return open_endpoint(self._worker, d, peer_mode=peer_mode, timeout=self.connect_timeout, where=where)
 
     def _drop_peer(self, p: Peer, *, recycle: bool = True) -> None:

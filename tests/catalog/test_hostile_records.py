@@ -34,7 +34,7 @@ from astate_store.catalog.records import (
     pad20,
     version_from_kvs,
 )
-from astate_store.catalog.versions import _checked_blob_kvs
+from astate_store.catalog.version_reads import _checked_blob_kvs
 from astate_store.errors import CatalogCorrupted, CodecError, VersionNotFound, WaitTimeout
 from astate_store.model.layout import Box, ShardRecord
 from astate_store.store import Store

@@ -23,6 +23,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from tests.support import data
+
 # One publisher per module: keep these tests on one xdist worker (effective with --dist loadgroup).
 pytestmark = pytest.mark.xdist_group(name="cli")
 
@@ -44,14 +46,7 @@ SPEC: dict[str, tuple[tuple[int, ...], torch.dtype, Any]] = {
 
 def value(name: str, step: int) -> torch.Tensor:
     shape, dtype, _ = SPEC[name]
-    n = 1
-    for s in shape:
-        n *= s
-    seed = sum(map(ord, name)) % 97
-    base = torch.arange(n, dtype=torch.float64).reshape(shape)
-    if dtype.is_floating_point:
-        return ((base * 0.013 + seed) % 17 + step).to(dtype)
-    return ((base + seed + step) % 100).to(dtype)
+    return data.value(name, shape, dtype, step)
 
 
 def piece(name: str, rank: int, step: int) -> Any:

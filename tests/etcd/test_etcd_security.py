@@ -25,7 +25,7 @@ import torch
 import astate_store
 from astate_store import Shard, Store
 from astate_store.catalog import Catalog
-from astate_store.catalog.client import _probe_tls
+from astate_store.catalog.tls_probe import probe_tls as _probe_tls
 from astate_store.catalog.config import EtcdConfig
 from astate_store.errors import CatalogAuthError, CatalogError, UnsafeRendezvousError
 from astate_store.etcd.embedded import EmbeddedEtcd

@@ -8,7 +8,8 @@ import torch
 from astate_store.catalog import Layout, Manifest, Piece, Replica, Version
 from astate_store.catalog.records import manifest_from_record, manifest_record
 from astate_store.errors import LayoutError, NoLiveSource
-from astate_store.model.layout import Box, Shard, ShardRecord, contiguous_strides, validate_tensors
+from astate_store.model.layout import Box, Shard, ShardRecord, contiguous_strides
+from astate_store.model.validation import validate_tensors
 from astate_store.get.sources import (
     PUBLISHERS,
     assign,

@@ -89,13 +89,27 @@ def test_truncated_bytes_are_rejected(rec: dict, data: st.DataObject) -> None:
         codec.decode("piece", raw[:cut])
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.binary(max_size=64))
-def test_garbage_never_crashes(raw: bytes) -> None:
+commits = st.builds(lambda s, e, w, t: {"step": s, "epoch": e, "world_size": w, "committed_at": t},
+                    ints, ints, st.integers(1, 10**6), st.floats(0, 2e9, allow_nan=False))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(commits.map(lambda r: (r, msgpack.packb({"schema": "commit/1", **r}))),
+                 st.binary(max_size=64).map(lambda b: (None, b))))
+def test_garbage_is_refused_and_valid_records_decode(case: tuple[dict | None, bytes]) -> None:
+    """Bytes decode exactly when they are a valid commit record: the record comes back whole; any
+    other bytes raise ``CodecError`` (never another exception, never a half-filled record)."""
+    rec, raw = case
+    if rec is not None:
+        assert codec.decode("commit", raw) == rec
+        return
     try:
-        codec.decode("commit", raw)
+        got = codec.decode("commit", raw)
     except CodecError:
-        pass
+        return
+    # random bytes that happen to decode must really be a complete, valid commit record
+    assert set(got) == {"step", "epoch", "world_size", "committed_at"}
+    _jsonschema_check("commit", raw)
 
 
 def test_every_schema_file_is_valid_json_schema() -> None:

@@ -200,7 +200,7 @@ def test_flattening_matches_dcp_and_box_lists_are_checked() -> None:
     disagree, repeat a box or hold something else are refused naming the tensor."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten
 
-    from astate_store.model.layout import validate_tensors
+    from astate_store.model.validation import validate_tensors
     from astate_store.model.state_dict import flatten_state_dict
 
     t = [torch.zeros(2) for _ in range(5)]

@@ -12,18 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astate_store.errors import LayoutError
-from astate_store.model.layout import (
-    Box,
-    Shard,
-    ShardRecord,
-    TensorLayout,
-    contiguous_strides,
-    group_layouts,
-    local_box,
-    merge_tensor_layout,
-    validate_name,
-    validate_tensors,
-)
+from astate_store.model.layout import Box, Shard, ShardRecord, TensorLayout, contiguous_strides, group_layouts, merge_tensor_layout, validate_name
+from astate_store.model.validation import local_box, validate_tensors
 
 
 def rec(rank: int, offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...] = (8, 6),
@@ -87,8 +77,15 @@ def test_merge_tiles_with_replicas() -> None:
 
 
 def test_merge_column_split_and_uneven() -> None:
-    merge_tensor_layout("layer.w", [rec(0, (0, 0), (8, 1)), rec(1, (0, 1), (8, 5))])
-    merge_tensor_layout("layer.w", [rec(0, (0, 0), (3, 6)), rec(1, (3, 0), (5, 3)), rec(2, (3, 3), (5, 3))])
+    # ranks arrive in any order: the layout lists the shards by box offsets
+    cols = merge_tensor_layout("layer.w", [rec(1, (0, 1), (8, 5)), rec(0, (0, 0), (8, 1))])
+    assert (cols.name, cols.dtype, cols.global_shape, cols.nbytes) == ("layer.w", "float32", (8, 6), 8 * 6 * 4)
+    assert [(s.rank, s.box.offsets, s.box.sizes) for s in cols.shards] == [(0, (0, 0), (8, 1)),
+                                                                           (1, (0, 1), (8, 5))]
+    uneven = [rec(0, (0, 0), (3, 6)), rec(1, (3, 0), (5, 3)), rec(2, (3, 3), (5, 3))]
+    lay = merge_tensor_layout("layer.w", uneven[::-1])
+    assert lay.shards == tuple(uneven) and lay.global_shape == (8, 6)
+    assert sum(s.box.numel for s in lay.shards) == 8 * 6  # the boxes tile the tensor exactly once
 
 
 def test_merge_overlap_rejected() -> None:

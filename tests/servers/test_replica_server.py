@@ -21,6 +21,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from tests.support.data import value
+
 from astate_store import LayoutError, PeerUnreachable, ReplicationTimeout, Shard, VersionNotFound, WaitTimeout
 from astate_store.get.kv import KeyInfo
 from astate_store.servers.replica import ReplicaServer, parse_bytes
@@ -39,9 +41,7 @@ def _shape(name: str, i: int) -> tuple[int, ...]:
 
 def _value(name: str, i: int, step: int) -> torch.Tensor:
     """Deterministic contents of tensor ``name`` of namespace ``i`` at ``step``."""
-    shape, dt = _shape(name, i), _SPECS[name][1]
-    base = torch.arange(int(torch.Size(shape).numel()), dtype=torch.float64).reshape(shape)
-    return ((base % 97) + 100 * step + 7 * i).to(dt)
+    return value(f"{name}.{i}", _shape(name, i), _SPECS[name][1], step)
 
 
 def _tensors(i: int, step: int) -> dict[str, torch.Tensor]:

@@ -13,6 +13,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from astate_store.etcd.embedded import tied_to_caller
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,8 +54,9 @@ class _Proc:
     def __init__(self, ns: str, *args: str):
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         env.pop("ASTATE_ETCD", None)
-        self.p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tests._netns_worker", *args],
-                                  cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # tied to this process: a worker (and the etcd it runs) never outlives the test run
+        cmd = tied_to_caller(["ip", "netns", "exec", ns, sys.executable, "-m", "tests._netns_worker", *args])
+        self.p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def line(self) -> dict[str, Any]:
         assert self.p.stdout is not None

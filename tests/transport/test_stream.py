@@ -22,6 +22,9 @@ from hypothesis import strategies as st
 from astate_store.errors import PeerUnreachable, TransportError
 from astate_store.transport import PeerDescriptor, UcxTransport
 from astate_store.transport import stream as S
+from astate_store.transport.stream import client as stream_client
+from astate_store.transport.stream import server as stream_server
+from astate_store.transport.stream import wire as stream_wire
 
 from tests._transport_peer import pattern
 from tests.transport.test_transport import Peer, _wait_stopped, ops_for
@@ -310,7 +313,7 @@ def test_one_publisher_is_read_over_several_lanes(monkeypatch: pytest.MonkeyPatc
     and cuts the publisher's rows between them (rows crossing a cut included): the same bytes, in
     the same places, and the lanes are pooled for the next pull."""
     monkeypatch.setenv("ASTATE_STREAM_LANES", "4")
-    monkeypatch.setattr(S, "_LANE_MIN", 64 << 10)
+    monkeypatch.setattr(stream_client, "_LANE_MIN", 64 << 10)
     n = 4 << 20
     peer = Peer("tcp", [n])
     try:
@@ -332,9 +335,9 @@ def test_extra_lanes_take_at_most_half_the_servers_room(monkeypatch: pytest.Monk
     """A server refuses extra lanes while it holds more than half its connections: the consumer
     reads over the lanes it got, and the other half stays free for other consumers' first
     connections (neither is sent to UCX nor takes the address for down)."""
-    monkeypatch.setattr(S, "MAX_CONNECTIONS", 4)
-    monkeypatch.setattr(S, "_LANE_MIN", 1 << 10)
-    monkeypatch.setattr(S, "_EVICT_IDLE_S", 600.0)  # nothing is evicted: the halves alone decide
+    monkeypatch.setattr(stream_server, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(stream_client, "_LANE_MIN", 1 << 10)
+    monkeypatch.setattr(stream_server, "_EVICT_IDLE_S", 600.0)  # nothing is evicted: the halves alone decide
     local = _Local()
     readers = [S.StreamReader(lanes=4), S.StreamReader(lanes=4)]
     try:
@@ -356,8 +359,8 @@ def test_a_full_server_evicts_idle_pooled_connections_for_a_new_consumer(monkeyp
     """Pooled connections of earlier consumers fill the server; the next consumer is still
     streamed (the server closes the longest-idle connection for it) and is not sent to UCX; the
     first consumer, its pooled connection gone, reconnects on its next pull."""
-    monkeypatch.setattr(S, "MAX_CONNECTIONS", 2)
-    monkeypatch.setattr(S, "_EVICT_IDLE_S", 0.05)
+    monkeypatch.setattr(stream_server, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(stream_server, "_EVICT_IDLE_S", 0.05)
     local = _Local()
     readers = [S.StreamReader(lanes=1) for _ in range(3)]
     try:
@@ -411,7 +414,7 @@ def test_the_lanes_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_server_with_no_room_sends_the_rows_another_way(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(S, "MAX_CONNECTIONS", 0)  # every new connection is closed at accept
+    monkeypatch.setattr(stream_server, "MAX_CONNECTIONS", 0)  # every new connection is closed at accept
     local, reader = _Local(), S.StreamReader()
     try:
         dst = torch.zeros(1 << 20, dtype=torch.uint8)
@@ -508,8 +511,8 @@ def _rows_over(buf: np.ndarray, sizes: list[int], seed: int) -> tuple[np.ndarray
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 @pytest.mark.parametrize("sizes", [
-    [1], [S._RCVLOWAT - 1], [S._RCVLOWAT + 1], [3 * S._RCVLOWAT + 17],
-    [4096] * 3000 + [5], [1, 7, 65536, S._RCVLOWAT // 2 + 3, 1, 999_999],
+    [1], [stream_wire._RCVLOWAT - 1], [stream_wire._RCVLOWAT + 1], [3 * stream_wire._RCVLOWAT + 17],
+    [4096] * 3000 + [5], [1, 7, 65536, stream_wire._RCVLOWAT // 2 + 3, 1, 999_999],
 ], ids=["one byte", "below the mark", "above the mark", "tail after marks", "3000 rows", "mixed"])
 def test_move_rows_receives_and_sends_exact_bytes_in_row_order(
         native: bool, sizes: list[int], monkeypatch: pytest.MonkeyPatch) -> None:

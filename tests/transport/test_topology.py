@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from astate_store.transport import topology as T
+from astate_store.transport.topology import numa, policy
 from astate_store.transport.topology import (
     AffinityChoice,
     AffinityConfig,
@@ -247,7 +248,7 @@ def test_choose_cuda_visible_devices(sysfs: Path) -> None:
 
 
 def test_choose_prefers_torch_pci_address(sysfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(T, "_cuda_pci_address", lambda index: "0000:86:00.0")  # torch says cuda:0 is ordinal 2
+    monkeypatch.setattr(policy, "_cuda_pci_address", lambda index: "0000:86:00.0")  # torch says cuda:0 is ordinal 2
     c = choose(read_topology(sysfs), "cuda:0", AffinityConfig(), allowed_cpus=ALL16, env=NO_ENV)
     assert c.numa_node == 1 and "from torch" in c.reason
 
@@ -427,7 +428,7 @@ def test_alloc_on_absent_node_falls_back(monkeypatch: pytest.MonkeyPatch, caplog
 
 def test_alloc_first_touch_fallback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="astate_store.transport.topology")
-    monkeypatch.setattr(T, "_mbind", lambda *a: "mbind unavailable (test)")
+    monkeypatch.setattr(numa, "_mbind", lambda *a: "mbind unavailable (test)")
     node = read_topology().nodes[0].id
     main_affinity = os.sched_getaffinity(0)
     t = alloc_on_node(1 << 20, node)

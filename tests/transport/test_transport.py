@@ -280,6 +280,48 @@ def test_dead_peer_raises_instead_of_hanging(mode: str, direct: bool) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["shm", "tcp"])
+def test_exited_process_of_this_node_is_not_dialled(mode: str) -> None:
+    """A descriptor of a process of this node that has exited (a SIGKILLed writer whose lease has
+    not expired yet) is refused at connect, naming the exit, instead of waiting for UCX's endpoint
+    timeout; a live peer's connect is unaffected."""
+    dead, live = Peer(mode, [1 << 20]), Peer(mode, [1 << 20])
+    try:
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.proc.join(10)
+        with UcxTransport(mode) as t:
+            with pytest.raises(PeerUnreachable, match="has exited"):
+                t.connect("dead", dead.descriptor)
+            assert "dead" not in t.peers
+            t.connect("live", live.descriptor)
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            t.get(ops_for([(t.peer_index("live"), 0, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
+            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0))
+    finally:
+        dead.stop()
+        live.stop()
+
+
+@pytest.mark.timeout(90)
+def test_second_peer_of_a_proven_process_reads_directly() -> None:
+    """Two peers with one worker's descriptor (two namespaces of a session hub reading one
+    publisher): the second is direct too, each holds its own pidfd, and dropping the first
+    leaves the second reading."""
+    pub = Peer("shm", [1 << 20])
+    try:
+        with UcxTransport("shm") as t:
+            t.connect("a", pub.descriptor)
+            t.connect("b", pub.descriptor)
+            assert t.peer_info("a").direct is True and t.peer_info("b").direct is True
+            t.disconnect("a")
+            dst = torch.zeros(1 << 20, dtype=torch.uint8)
+            t.get(ops_for([(t.peer_index("b"), 0, 0, dst.data_ptr(), 1 << 20)]), timeout=30)
+            assert np.array_equal(dst.numpy(), pattern(1 << 20, 0))
+    finally:
+        pub.stop()
+
+
+@pytest.mark.timeout(90)
 def test_mixed_peers_direct_and_ucx_in_one_plan() -> None:
     """One plan over a same-host shm peer (process_vm_readv) and a tcp peer (UCX), interleaved."""
     a, b = Peer("shm", [1 << 20]), Peer("tcp", [1 << 20])

@@ -2,7 +2,7 @@
 
 Two halves:
 
-* **The actor** (``python benchmarks/_fault_workers.py``): a separate process that reads one JSON
+* **The actor** (``python -m tests.support.fault_workers``): a separate process that reads one JSON
   command per line on stdin (``{"id", "op", "args", "kw"}``), runs ``op_<op>(state, *args, **kw)``
   and answers one JSON line on stdout (``{"id", "ok": true, "result"}`` or ``{"id", "ok": false,
   "etype", "typed", "msg"}``; ``typed`` means an ``AStateError``). It may also print events
@@ -35,8 +35,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from tests.support.data import value
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root (this file is tests/support/)
 
 # ---------------------------------------------------------------------------------------- model
 
@@ -71,23 +72,6 @@ def _torch() -> Any:
 
 def tdtype(name: str) -> Any:
     return getattr(_torch(), name)
-
-
-def value(name: str, shape: Sequence[int], dtype: str, step: int) -> Any:
-    """The exact global tensor ``name`` at ``step``: every element changes with the step (fp32
-    values are integers below 2**24, bf16 ones below 2**8, so they are exact)."""
-    torch = _torch()
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    base = torch.arange(numel, dtype=torch.int64) + (sum(map(ord, name)) % 89)
-    if dtype == "bfloat16":
-        v = (base % 8) + 8 * (step % 16)
-    elif dtype in ("float32", "float64", "float16"):
-        v = (base % 4093) + 4096 * (step % 4000)
-    else:
-        v = base + step * 1_000_003
-    return v.to(tdtype(dtype)).reshape(tuple(shape))
 
 
 def split_box(shape: Sequence[int], dim: int, parts: int, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -354,6 +338,46 @@ def op_pub_put(state: dict[str, Any], key: str, step: int, *, copy: bool = True,
         _tensor_of(t).copy_(_sel(value(name, shape, dt, step), boxes[name]))
     committed = h.store.put(step, h.tensors, copy=copy)
     return {"committed": bool(committed), "seconds": time.monotonic() - t0, "retire_seconds": t1 - t0}
+
+
+def op_pub_checkpoint(state: dict[str, Any], key: str, step: int, uri: str, *, keep_last: int | None = None,
+                      keep_every: int | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """This rank's part of checkpoint ``step`` at ``uri``, under the retention policy when the
+    store's ``checkpoint`` takes one (``retention``: whether it did)."""
+    import inspect
+
+    store = state["held"][key].store
+    params = inspect.signature(store.checkpoint).parameters
+    kw: dict[str, Any] = {}
+    if keep_last is not None and "keep_last" in params:
+        kw["keep_last"] = keep_last
+        if keep_every is not None and "keep_every" in params:
+            kw["keep_every"] = keep_every
+    if "timeout" in params:
+        kw["timeout"] = timeout
+    return {"complete": bool(store.checkpoint(step, uri, **kw)), "retention": "keep_last" in kw}
+
+
+def op_pub_recover(state: dict[str, Any], key: str, *, timeout: float = 60.0) -> dict[str, Any]:
+    """A restarted rank: recover into zeroed tensors; the step and whether every byte is that step's."""
+    h = state["held"][key]
+    for t in h.tensors.values():
+        _tensor_of(t).zero_()
+    got = h.store.recover(h.tensors, timeout=timeout)
+    boxes = publisher_boxes(h.size, h.extra["rank"], h.extra["world"])
+    exact = got is not None and all(
+        same_bytes(_tensor_of(t), _sel(value(n, spec(h.size)[n][0], spec(h.size)[n][1], got), boxes[n]))
+        for n, t in h.tensors.items())
+    return {"step": got, "exact": exact}
+
+
+def op_open_close(state: dict[str, Any], endpoint: str, ns: str, **kw: Any) -> dict[str, Any]:
+    """Open a store, ask for the newest step, close it (a process that opens a store every step)."""
+    store = _store(endpoint, ns, **kw)
+    try:
+        return {"latest": store.latest()}
+    finally:
+        store.close()
 
 
 def op_con_open(state: dict[str, Any], key: str, endpoint: str, ns: str, *, size: str = "small", **kw: Any
@@ -1369,13 +1393,17 @@ class Actor:
         self.log_path = os.path.join(logdir, f"{name}.log")
         e = dict(os.environ)
         e.pop("ASTATE_ETCD", None)
-        e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
+        e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
         e.setdefault("ASTATE_HOME", os.path.join(logdir, "home"))  # never the host's shared embedded etcd
         e.setdefault("UCX_LOG_LEVEL", "error")
         e.update(env or {})
-        cmd = [sys.executable, "-u", str(HERE / "_fault_workers.py"), "--actor"]
+        cmd = [sys.executable, "-u", "-m", "tests.support.fault_workers", "--actor"]
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
+        # SIGTERM when the driver dies (its pipes would close too, but an actor stuck in a call never reads)
+        from astate_store.etcd.embedded import tied_to_caller
+
+        cmd = tied_to_caller(cmd)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, cwd=str(ROOT),
                                      env=e, text=True, bufsize=1)
@@ -1607,8 +1635,11 @@ class EtcdProcess:
         cmd = [self.binary, "--name", "f", "--data-dir", os.path.join(self.dir, "data"), "--listen-client-urls", c,
                "--advertise-client-urls", c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
                "--initial-cluster", f"f={p}", "--initial-cluster-state", "new", "--log-level", "error"]
+        from astate_store.etcd.embedded import tied_to_caller
+
         with open(os.path.join(self.dir, "etcd.log"), "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(tied_to_caller(cmd), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,247 @@
+"""Reading committed versions (the consumer's side of ``catalog.versions``): commit and pieces
+in one round trip, a rank's meta, manifests and layouts by their content-addressed keys, each
+record checked against its schema and its key; a bad one is skipped and counted."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+from pyetcd import transactions as tx
+
+from astate_store.catalog.blobs import blob_from_kvs
+from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.catalog.records import (
+    Layout,
+    Manifest,
+    Skips,
+    Version,
+    layout_from_record,
+    manifest_from_record,
+    pad20,
+    version_from_kvs,
+)
+from astate_store.errors import (
+    CatalogCorrupted,
+    CatalogError,
+    CodecError,
+    VersionNotFound,
+)
+from astate_store.model import codec
+from astate_store.model.layout import check_step
+
+__all__ = ["VersionReads"]
+
+log = logging.getLogger("astate_store.catalog")
+
+# Blob range reads per transaction: a response stays well inside the client's receive limit.
+_BLOBS_PER_TXN = 16
+
+
+class VersionReads:
+    """Reading committed versions: a step's commit and pieces, a rank's meta, the manifests and
+    the live sources' layouts. Layouts and manifests are immutable and verified against the key
+    they were read at, so they are cached by key for the life of the store."""
+
+    def __init__(self, client: EtcdClient, skips: Skips):
+        self.client, self.skips = client, skips
+        # Layouts by the key they were read and verified at (layouts/<epoch>/<rank>/<id>, or
+        # layouts/replicas/<member>/<id>): the id is the content's, epoch and rank (or the
+        # member) are the key's, so a record naming a layout can only get the one at its own key.
+        self._layouts: dict[str, Layout] = {}
+        # by manifest id (verified: the id is the content's); the writer adds the ones it wrote
+        self._manifests: dict[str, Manifest] = {}
+        # (replica manifest id, publisher manifest ids) -> why the replica does not fit the version, or ""
+        self._fits: dict[tuple[str, tuple[str, ...]], str] = {}
+
+    def read_version(self, step: int) -> Version:
+        """Commit and pieces of a committed step, in one round trip (no reader registration).
+
+        Raises:
+            VersionNotFound: the step is not committed (or its metadata was dropped by retention).
+            CatalogCorrupted: its commit record, or a piece of the committing session, is bad.
+        """
+        kvs, _ = self.client.get_prefix_rev(self.client.key("versions", pad20(step)) + "/")
+        return version_from_kvs(self.client.namespace, step, kvs, self.skips)
+
+    def read_meta(self, step: int, rank: int) -> bytes | None:
+        """The meta bytes rank ``rank`` put with committed ``step`` (None: it gave none). Only the
+        committing epoch's record counts: a fenced session's leftover is not this version's.
+
+        Raises:
+            VersionNotFound: the step is not committed (or retention dropped it).
+            CatalogCorrupted: its commit or meta record is bad (skipped, counted and logged too).
+        """
+        c, step = self.client, check_step(step, CatalogError)
+        ckey = c.key("versions", pad20(step), "commit")
+        raw, _m = c.call("get commit", lambda: c.raw.get(ckey))
+        if raw is None:
+            raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed")
+        commit = self._checked(ckey, lambda: codec.decode("commit", raw))
+        mkey = c.key("meta", pad20(step), pad20(commit["epoch"]), pad20(rank))
+        value, _m = c.call("get meta", lambda: c.raw.get(mkey))
+        if value is None:
+            return None
+        rec = self._checked(mkey, lambda: codec.decode("meta", value))
+        if (rec["step"], rec["epoch"], rec["rank"]) != (step, commit["epoch"], rank):
+            self.skips(mkey, f"meta of step {rec['step']} epoch {rec['epoch']} rank {rec['rank']} under this key")
+            raise CatalogCorrupted(f"namespace {c.namespace!r}: meta record {mkey} names another version or rank",
+                                   key=mkey)
+        return bytes(rec["data"])
+
+    def _checked(self, key: str, decode: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        try:
+            return decode()
+        except CodecError as exc:
+            self._skip(key, exc)
+            raise CatalogCorrupted(f"namespace {self.client.namespace!r}: record {key} is corrupted: {exc}",
+                                   key=key) from None
+
+    def _read_blobs(self, keys: Sequence[str]) -> dict[str, bytes | None]:
+        """Blobs by key, ``_BLOBS_PER_TXN`` range reads per transaction; a bad one is None (skipped)."""
+        out: dict[str, bytes | None] = {}
+        for i in range(0, len(keys), _BLOBS_PER_TXN):
+            batch = keys[i:i + _BLOBS_PER_TXN]
+            _ok, resp = self.client.txn("get blobs", [], [tx.Get(k, range_end(k)) for k in batch])
+            for key, kvs in zip(batch, resp):
+                try:
+                    out[key] = blob_from_kvs(key, _checked_blob_kvs(key, kvs))
+                except (CodecError, ValueError) as exc:  # ValueError: e.g. a key that is not UTF-8
+                    self._skip(key, exc)
+                    out[key] = None
+        return out
+
+    def _skip(self, key: str, exc: Exception) -> None:
+        self.skips(key, str(exc))
+
+    def manifests_of(self, version: Version) -> dict[int, Manifest]:
+        """Every rank's manifest of a committed version (leaseless: whichever ranks are alive).
+
+        Raises:
+            CatalogError: a manifest the version names is missing or bad.
+        """
+        self._fetch_manifests({p.manifest_id: self.client.key("manifests", p.manifest_id)
+                               for p in version.pieces.values()})
+        missing = sorted(r for r, p in version.pieces.items() if p.manifest_id not in self._manifests)
+        if missing:
+            raise CatalogError(f"namespace {self.client.namespace!r}: step {version.step}: manifests of ranks "
+                               f"{missing} are missing or bad")
+        return {r: self._manifests[p.manifest_id] for r, p in version.pieces.items()}
+
+    def _fetch_manifests(self, want: Mapping[str, str]) -> None:
+        todo = {mid: key for mid, key in want.items() if mid not in self._manifests}
+        for key, data in self._read_blobs(list(todo.values())).items():
+            mid = key.rsplit("/", 1)[1]
+            if data is not None:
+                self._decode(key, lambda: self._manifests.__setitem__(
+                    mid, manifest_from_record(codec.decode("manifest", data), mid)))
+
+    def _decode(self, key: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except CodecError as exc:
+            self._skip(key, exc)
+
+    def layouts_of(self, version: Version) -> Version:
+        """The version with the layouts of its live sources (cached by key: layouts are immutable
+        and verified against the key they were read at). A publisher whose layout lease expired
+        (the rank died) — or whose layout is bad — is listed in ``missing``; a re-serving consumer
+        that died, whose records are bad, or whose tensors are not the version's, is left out.
+        Ranks ``version.missing`` already names (``begin_read`` found their member record gone)
+        stay missing even when their layout is cached: a source whose lease ended is not dialled."""
+        k = self.client.key
+        manifests = {p.manifest_id: k("manifests", p.manifest_id) for p in version.pieces.values()}
+        manifests.update({rp.manifest_id: k("layouts", "replicas", m, rp.manifest_id)
+                          for m, rp in version.replicas.items()})
+        self._fetch_manifests(manifests)
+        pkeys = {r: k("layouts", pad20(p.epoch), pad20(p.rank), p.layout_id) for r, p in version.pieces.items()}
+        rkeys = {m: k("layouts", "replicas", m, rp.layout_id) for m, rp in version.replicas.items()}
+        want: dict[str, tuple[str, int | None, int | None]] = {}  # layout key -> (manifest id, epoch, rank)
+        for r, p in version.pieces.items():
+            if pkeys[r] not in self._layouts and r not in version.missing:
+                want[pkeys[r]] = (p.manifest_id, p.epoch, p.rank)
+        for m, rp in version.replicas.items():
+            if rkeys[m] not in self._layouts:
+                want[rkeys[m]] = (rp.manifest_id, 0, 0)
+        for key, data in self._read_blobs(list(want)).items():
+            mid, epoch, rank = want[key]
+            if data is not None and mid in self._manifests:
+                self._decode(key, lambda: self._cache_layout(key, data, self._manifests[mid], epoch, rank))
+        layouts = {r: self._layouts[pkeys[r]] for r, p in version.pieces.items()
+                   if r not in version.missing and self._usable(pkeys[r], p.manifest_id)}
+        pub = tuple(sorted({p.manifest_id for p in version.pieces.values()})) if version.replicas else ()
+        rlayouts = {m: self._layouts[rkeys[m]] for m, rp in version.replicas.items()
+                    if self._usable(rkeys[m], rp.manifest_id) and self._replica_fits(pub, rkeys[m], rp.manifest_id)}
+        missing = frozenset(r for r in version.pieces if r not in layouts)
+        return Version(version.step, version.epoch, version.world_size, version.pieces, version.replicas,
+                       layouts, rlayouts, missing)
+
+    def _usable(self, key: str, manifest_id: str) -> bool:
+        """Whether the layout read at ``key`` is cached and describes the manifest its record names."""
+        lay = self._layouts.get(key)
+        if lay is None:
+            return False
+        if lay.manifest_id != manifest_id:
+            self.skips(key, f"the record naming this layout names manifest {manifest_id}, the layout "
+                            f"{lay.manifest_id}")
+            return False
+        return True
+
+    def _replica_fits(self, pub: tuple[str, ...], key: str, manifest_id: str) -> bool:
+        """Whether a re-serving consumer's tensors are tensors of the version (whose publishers'
+        manifests are ``pub``), of the same global shapes (dtypes may differ: buffers pulled with a
+        conversion). Skipped (counted) if not."""
+        if any(mid not in self._manifests for mid in pub):
+            return True  # the version's own tensors are unknown here: nothing to compare with
+        why = self._fits.get((manifest_id, pub))
+        if why is None:
+            shapes: dict[str, tuple[int, ...]] = {}
+            for mid in pub:
+                shapes.update(_global_shapes(self._manifests[mid]))
+            why = ""
+            for name, shape in _global_shapes(self._manifests[manifest_id]).items():
+                if shapes.get(name) != shape:
+                    why = (f"re-serves {name!r} of global shape {shape}, the version's is "
+                           f"{shapes.get(name, 'absent')}")
+                    break
+            if len(self._fits) > 256:
+                self._fits.clear()
+            self._fits[(manifest_id, pub)] = why
+        if why:
+            self.skips(key, why)
+        return not why
+
+    def _cache_layout(self, key: str, data: bytes, manifest: Manifest, epoch: int | None, rank: int | None) -> None:
+        lid = key.rsplit("/", 1)[1]
+        rec = codec.decode("layout", data)
+        self._layouts[key] = layout_from_record(rec, manifest, key_id=lid, epoch=epoch, rank=rank)
+
+
+def _global_shapes(m: Manifest) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> global shape of a manifest's shards."""
+    st, gs = m.starts.tolist(), m.global_shapes.tolist()
+    return {n: tuple(gs[st[i]:st[i + 1]]) for i, n in enumerate(m.names)}
+
+
+def _checked_blob_kvs(key: str, kvs: Sequence[tuple[bytes, Any]]) -> list[tuple[bytes, Any]]:
+    """The (value, meta) pairs of one blob range read, checked before they are put together: keys
+    are UTF-8, and the head asks for no more chunks than are there (so a head claiming 10^15
+    chunks is refused before anything is sized by it).
+
+    Raises:
+        CodecError: either does not hold.
+    """
+    chunks = 0
+    for _v, meta in kvs:
+        try:
+            k = meta.key.decode()
+        except UnicodeDecodeError:
+            raise CodecError(f"blob {key}: a key under it is not UTF-8 ({bytes(meta.key)[:60]!r})") from None
+        if k.startswith(key + "/"):
+            chunks += 1
+    head = next((v for v, meta in kvs if meta.key == key.encode()), None)
+    if head is not None:
+        n = codec.decode("blob", head)["chunks"]
+        if n > chunks:
+            raise CodecError(f"blob {key}: the head names {n} chunks, {chunks} are there")
+    return list(kvs)

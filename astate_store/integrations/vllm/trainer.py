@@ -1,0 +1,107 @@
+"""The trainer side of the ``astate`` backend, for code written against vLLM's trainer factory:
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from astate_store.integrations.vllm.trainer import AstateTrainerInitInfo
+
+    sender = WeightTransferTrainerFactory.trainer_init(
+        AstateTrainerInitInfo(namespace="policy", rank=rank, world_size=world), client=client,
+        source=ModuleSource(model))
+    for step in ...:
+        train_step(model)
+        sender.send_weights()          # every rank: publish its piece; rank 0 drives the engine's four phases
+
+1. ``trainer_init`` (every rank): connect to the namespace as publisher ``rank`` of ``world_size``; the
+   sender (rank 0) calls the engine's ``init_weight_transfer_engine`` with the namespace.
+2. ``send_weights`` (every rank): ``store.put(step, tensors)``: a :class:`ModuleSource` publishes its
+   module's ``state_dict()`` as it is (FSDP2 / TP DTensors: every rank its own boxes, nothing gathered);
+   any other ``WeightSource`` is iterated (its collectives run on every rank) and rank 0 publishes the
+   full tensors. Then the sender drives ``start_weight_update``, ``update_weights({"step": step})``,
+   ``finish_weight_update(str(step))``: the engine pulls its slices of exactly that version or newer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+import astate_store
+from astate_store.errors import LayoutError
+
+__all__ = ["AstateTrainerInitInfo", "AstateTrainerEngine"]
+
+
+@dataclass
+class AstateTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = "astate"
+
+    namespace: str = "policy"
+    etcd: str | list[str] | None = None  # None: $ASTATE_ETCD, else the embedded etcd
+    engine_etcd: str | list[str] | None = None  # the endpoints the engine uses, if it sees etcd elsewhere
+    world_size: int = 1  # publisher ranks (every rank that calls send_weights)
+    start_step: int | None = None  # the first step sent (None: the newest committed + 1, or 1)
+    timeout: float = 60.0  # seconds the engine waits for a version to commit
+
+
+class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
+    """Publishes through the store; drives vLLM's four phases from rank 0."""
+
+    init_info_cls = AstateTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.info: AstateTrainerInitInfo | None = None
+        self.store: astate_store.Store | None = None
+        self.step = 1
+
+    @classmethod
+    def trainer_init(cls, init_info: AstateTrainerInitInfo, *, client: Any, source: Any = None
+                     ) -> "AstateTrainerEngine":
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.info = init_info
+        store = astate_store.connect(init_info.namespace, etcd=init_info.etcd, rank=init_info.rank,
+                                     world_size=init_info.world_size)
+        engine.store = store
+        latest = store.latest()
+        engine.step = init_info.start_step if init_info.start_step is not None else (latest or 0) + 1
+        if engine.is_sender:
+            etcd = init_info.engine_etcd or init_info.etcd or store.catalog.endpoint
+            client.init_weight_transfer_engine({"namespace": init_info.namespace, "etcd": etcd,
+                                                "timeout": init_info.timeout})
+        return engine
+
+    def _tensors(self) -> Mapping[str, Any] | None:
+        module = getattr(self.source, "_module", None)
+        if module is not None:
+            return module.state_dict()  # DTensors stay sharded: each rank publishes its own boxes
+        if self.source is None:
+            raise LayoutError("astate trainer: send_weights() needs a source (trainer_init(source=...)) or tensors")
+        assert self.info is not None
+        if self.info.world_size != 1:
+            raise LayoutError("astate trainer: a WeightSource other than ModuleSource yields full tensors; "
+                              "publish them from one rank (world_size=1) or pass a ModuleSource")
+        full = {name: t for name, t in self.source}  # every rank runs the source's collectives
+        return full if self.info.rank == 0 else None
+
+    def send_weights(self, tensors: Mapping[str, Any] | None = None, *, step: int | None = None) -> int:
+        """Publish ``tensors`` (default: the source's) as ``step`` (default: the next) and, on the sender,
+        have the engine pull it. Returns the step."""
+        assert self.store is not None
+        step = self.step if step is None else step
+        tensors = self._tensors() if tensors is None else tensors
+        if tensors is not None:
+            self.store.put(step, tensors)
+        if self.is_sender:
+            self.client.start_weight_update()
+            self.client.update_weights({"step": step})
+            self.client.finish_weight_update(weight_version=str(step))
+        self.step = step + 1
+        return step
+
+    def shutdown(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None

@@ -1,0 +1,142 @@
+"""Trainer step to engine ready, on one real vLLM engine (CPU), three ways side by side in one run.
+
+A ~0.5B-parameter Qwen2 (Qwen2.5-0.5B's shape: 24 layers, hidden 896, tied embeddings) is made from a
+config with random bf16 weights and loaded by one vLLM engine (TP=1). Each round the trainer holds new
+weights (the same tensors each time, so every path can be verified against one reference), the
+engine's weights are zeroed (``reset_weights``), and the new weights are delivered:
+
+- ``ours``: ``store.put(step, tensors)`` then the four phases with the ``astate`` backend (in place);
+- ``reload``: the trainer writes safetensors (``save_file``), the engine reloads them
+  (``reload_weights(weights_path=...)``);
+- ``gather``: the full tensors go to the engine's ``load_weights`` through ``collective_rpc`` (the
+  path verl, TRL and OpenRLHF take without NCCL).
+
+After each, vLLM's own ``compute_weight_checksums`` must equal the engine's after loading from disk
+(``verified``). Prints one JSON line and appends it to benchmarks/results/vllm_sync.jsonl.
+
+    .venv/bin/python benchmarks/vllm_sync.py [--rounds 2] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def make_model(path: Path, small: bool) -> int:
+    import transformers
+
+    dims = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                num_attention_heads=14, num_key_value_heads=2) if not small else \
+        dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+    config = transformers.Qwen2Config(tie_word_embeddings=True, max_position_embeddings=512,
+                                      torch_dtype="bfloat16", **dims)
+    with torch.device("meta"):
+        shapes = {n: (tuple(t.shape), n) for n, t in transformers.Qwen2ForCausalLM(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {n: (torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16) for n, (s, _) in shapes.items()
+               if n != "lm_head.weight"}
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return sum(t.numel() for t in tensors.values())
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def feed_load_weights(worker: Any, tensors: dict[str, torch.Tensor]) -> None:
+    worker.model_runner.get_model().load_weights(iter(tensors.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--small", action="store_true", help="a tiny model (a quick check of the script)")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    import astate_store
+    from astate_store.etcd.embedded import EmbeddedEtcd
+    from vllm import LLM
+
+    work = Path(tempfile.mkdtemp(prefix="vllm_sync-"))
+    params = make_model(work / "model", args.small)
+    tensors = load_tensors(work / "model")
+    etcd = EmbeddedEtcd().start()
+    llm = LLM(model=str(work / "model"), skip_tokenizer_init=True, max_model_len=256, enforce_eager=True,
+              max_num_seqs=2, dtype="bfloat16", weight_transfer_config={"backend": "astate"})
+    rpc = llm.llm_engine.collective_rpc
+    ref = rpc("compute_weight_checksums")
+    ns = "bench-" + uuid.uuid4().hex[:8]
+    store = astate_store.connect(ns, etcd=etcd.endpoint)
+    llm.init_weight_transfer_engine({"init_info": {"namespace": ns, "etcd": etcd.endpoint}})
+    times: dict[str, list[float]] = {"ours": [], "reload": [], "gather": []}
+    verified = True
+    step = 0
+
+    def ours() -> None:
+        nonlocal step
+        step += 1
+        store.put(step, tensors)
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"step": step}})
+        llm.finish_weight_update(weight_version=str(step))
+
+    def reload() -> None:
+        from safetensors.torch import save_file
+
+        out = work / f"trainer-{step}"
+        out.mkdir(exist_ok=True)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        rpc("reload_weights", kwargs={"weights_path": str(out)})
+
+    def gather() -> None:
+        rpc(feed_load_weights, args=(tensors,))
+
+    ours()  # the first update bakes (once per published set); rounds below are steady state
+    for r in range(args.rounds):
+        for name, fn in (("ours", ours), ("reload", reload), ("gather", gather)):
+            rpc("reset_weights")
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+            ok = rpc("compute_weight_checksums") == ref
+            verified &= ok
+            print(f"round {r} {name}: {times[name][-1]:.3f}s verified={ok}", flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    line = {"bench": "vllm_sync", "date": time.strftime("%Y-%m-%d %H:%M"), "load_avg_1m": os.getloadavg()[0],
+            "cores": os.cpu_count(), "params": params, "bytes": sum(t.numel() * t.element_size()
+                                                                   for t in tensors.values()),
+            "tp": 1, "rounds": args.rounds, "ours_seconds": round(med["ours"], 4),
+            "reload_seconds": round(med["reload"], 4), "gather_seconds": round(med["gather"], 4),
+            "ratio_reload": round(med["reload"] / med["ours"], 2), "ratio_gather": round(med["gather"] / med["ours"], 2),
+            "verified": verified, "vllm": __import__("vllm").__version__}
+    print(json.dumps(line))
+    if not args.small:
+        out = Path(__file__).parent / "results" / "vllm_sync.jsonl"
+        out.parent.mkdir(exist_ok=True)
+        with out.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+    store.close()
+    llm.llm_engine.engine_core.shutdown()
+    etcd.stop()
+
+
+if __name__ == "__main__":
+    main()

