@@ -60,7 +60,10 @@ def _publisher_group(version: Version) -> SourceGroup:
     # One copy per (tensor, box, dtype) serves every consumer: the planner uses a copy only where
     # it equals a piece this consumer reads.
     mine = [rec for lay in version.layouts.values() for rec in lay.packed]
-    return SourceGroup(PUBLISHERS, layouts, src, version.layout_key,
+    # The plan cache key: the same layouts with fewer live ranks are other sources (a plan made
+    # while all lived may read a rank that is gone now).
+    key = version.layout_key if not version.missing else (version.layout_key, version.missing)
+    return SourceGroup(PUBLISHERS, layouts, src, key,
                        tuple(r for r in mine if r.dtype == layouts[r.name].dtype),
                        tuple(version.layouts[r].shards for r in sorted(version.layouts)),
                        tuple(r for r in mine if r.dtype != layouts[r.name].dtype), partial)

@@ -5,7 +5,8 @@
 Both ranks put steps 1..3 of ``w`` (8 x 16, rank r holds rows 4r..4r+4) and ``norm`` (16,
 replicated: both ranks hold all of it). Rank 0 also opens a second, consumer-only store (the
 "watcher") that pulls all of ``w`` while rank 1 is alive, so it holds rank 1's layout and endpoint.
-Then rank 1 closes its store and exits. Rank 0, once rank 1's process is gone, pulls step 3:
+It also pulls rank 0's rows and ``norm`` then (a plan that may read ``norm`` from rank 1). Then rank
+1 closes its store and exits. Rank 0, once rank 1's process is gone, pulls step 3:
 
 - ``own``: its own rows of ``w`` and ``norm``, through its publishing store (never pulled before);
 - ``watcher_own``: the same through the watcher (rank 1's layout cached there);
@@ -99,6 +100,9 @@ def main() -> int:
 
     watcher = astate_store.connect("live", rank=0, world_size=1)
     result["watcher_before"] = attempt(watcher, 0, ROWS, True)  # both ranks alive: everything
+    # and its own rows with norm (norm may be read from either rank): a plan cached while rank 1
+    # lived must not be reused once it is gone
+    result["watcher_own_before"] = attempt(watcher, 0, rows, True)
     (out / "watched").touch()
     wait_for(lambda: (out / "result-1.json").exists(), "rank 1 to close its store")
     pid1 = int(json.loads((out / "result-1.json").read_text())["pid"])

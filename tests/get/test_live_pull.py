@@ -45,6 +45,7 @@ def test_pull_from_live_ranks_after_one_exited(host: Host, tmp_path: Path) -> No
 
     # While both ranks lived, the watcher pulled everything (it caches rank 1's layout).
     assert r["watcher_before"].get("step") == 3 and r["watcher_before"]["w_exact"], r["watcher_before"]
+    assert r["watcher_own_before"].get("step") == 3 and r["watcher_own_before"]["norm_exact"], r
     # After rank 1 exited: its own rows and the replicated norm, by a fresh and by a warm consumer.
     for case in ("own", "watcher_own", "own_again"):
         got = r[case]

@@ -71,6 +71,8 @@ def test_a_dead_publisher_leaves_the_live_ranks_and_the_reserving_groups() -> No
     assert bases(v, groups["g:solo"]) == {0: 0}  # re-served memory has no staging slot
     live = groups[PUBLISHERS]
     assert set(live.sources) == {0}  # rank 1 is not a source: it is never dialled
+    # plans are cached by the group's key: one made while rank 1 lived must not serve now
+    assert live.key != source_groups(_version())[PUBLISHERS].key
     assert live.partial == {"w"}  # rank 0 holds rows 0..4 of "w", and all of "b" (replicated)
     assert [s.rank for s in live.layouts["b"].shards] == [0]
     top, bottom = (_bufs(w=Shard(torch.zeros(4, 4), (o, 0), SHAPE))[0] for o in (0, 4))

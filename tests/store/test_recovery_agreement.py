@@ -177,8 +177,10 @@ def test_no_common_step_every_rank_raises_the_same_error(etcd: Any) -> None:
                 rec = _recover(g2, [("recover", None), ("recover", None)])
                 text = _errors(rec)
                 assert "newest committed step is 1" in text and "the catalog knows no checkpoint" in text, text
-                assert "rank 0: LayoutError" in text and "rank 1: LayoutError" in text, text
-                assert any(f"tensor '{n}' is not" in text for n in ("qkv", "odd", "experts", "step_count")), text
+                # the tensors only the gone ranks held are named, with their boxes and ranks
+                assert "rank 0: NoLiveSource" in text and "rank 1: NoLiveSource" in text, text
+                assert any(f"'{n}' box" in text for n in ("qkv", "odd", "experts", "step_count")), text
+                assert "held by ranks [0, 1]" in text, text
                 epoch = cat.sessions.epoch()
                 assert epoch is not None
                 plans, outcomes = _records(cat, epoch)
