@@ -147,7 +147,7 @@ def preset_against_bake(worker: Any, preset: str) -> dict[str, Any]:
     got: dict[str, list] = {}
     for hf, v in views.items():
         for shard in v if isinstance(v, list) else [v]:
-            offsets = tuple(getattr(shard, "offsets", (0,) * shard.dim()))
+            offsets = tuple(shard.offsets) if hasattr(shard, "offsets") else (0,) * shard.dim()
             got.setdefault(hf, []).append(_describe(shard, params) + (offsets,))
     baked: dict[str, list] = {}
     plan = engine._plan
