@@ -60,7 +60,11 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def feed_load_weights(worker: Any, tensors: dict[str, torch.Tensor]) -> None:
+def feed_load_weights(worker: Any, blob: bytes) -> None:
+    """On the worker: the full tensors (shipped as one torch.save blob) into the model's load_weights."""
+    import io
+
+    tensors = torch.load(io.BytesIO(blob), weights_only=True)
     worker.model_runner.get_model().load_weights(iter(tensors.items()))
 
 
@@ -106,8 +110,12 @@ def main() -> None:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         rpc("reload_weights", kwargs={"weights_path": str(out)})
 
-    def gather() -> None:
-        rpc(feed_load_weights, args=(tensors,))
+    def gather() -> None:  # vLLM's RPC does not carry a dict of tensors as tensors: one serialized blob
+        import io
+
+        buf = io.BytesIO()
+        torch.save(tensors, buf)
+        rpc(feed_load_weights, args=(buf.getvalue(),))
 
     ours()  # the first update bakes (once per published set); rounds below are steady state
     for r in range(args.rounds):
