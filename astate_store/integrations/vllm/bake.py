@@ -61,7 +61,9 @@ class Baked:
     """What the loaders do on this worker for one set of published tensors."""
 
     pieces: list[Piece] = field(default_factory=list)  # in-place pieces (live parameter names)
-    staged: dict[str, list[Piece]] = field(default_factory=dict)  # module -> pieces into pre-processing params
+    staged: dict[str, list[Piece]] = field(
+        default_factory=dict
+    )  # module -> pieces into pre-processing params
     uncovered: dict[str, int] = field(default_factory=dict)  # in-place parameter -> elements no tensor writes
     unwritten: list[str] = field(default_factory=list)  # parameters no published tensor writes
 
@@ -78,7 +80,7 @@ def _unravel(flat: int, shape: Sequence[int]) -> list[int]:
 
 
 def _row_major(shape: Sequence[int]) -> list[int]:
-    return [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
 
 
 def _scan(param: str, flat: torch.Tensor) -> tuple[dict[int, list[int]], int]:
@@ -88,7 +90,7 @@ def _scan(param: str, flat: torch.Tensor) -> tuple[dict[int, list[int]], int]:
     untouched = 0
     enc = int(_ENC)
     for s in range(0, flat.numel(), _CHUNK):
-        c = flat[s:s + _CHUNK]
+        c = flat[s : s + _CHUNK]
         untouched += int((c == -1).sum())
         w = c >= 1
         vals = c[w] - 1
@@ -121,7 +123,7 @@ def _positions(flat: torch.Tensor, wanted: Sequence[float]) -> dict[float, int]:
         return found
     target = torch.tensor(sorted(set(wanted)), dtype=torch.float64)
     for s in range(0, flat.numel(), _CHUNK):
-        c = flat[s:s + _CHUNK]
+        c = flat[s : s + _CHUNK]
         hit = torch.isin(c, target).nonzero().squeeze(1)
         for i in hit.tolist():
             found.setdefault(float(c[i]), s + i)
@@ -140,21 +142,32 @@ def _verify(param: str, flat: torch.Tensor, piece: Piece, t: int, shape: Sequenc
             raise NotACopy(f"parameter {param!r}: {piece.hf!r} is not copied")
         return
     hf_strides = _row_major(shape)
-    rest = [(torch.arange(o, o + z, dtype=torch.int64) * st).reshape([z if i == d else 1
-                                                                      for i in range(len(piece.sizes))])
-            for d, (o, z, st) in enumerate(zip(piece.offsets, piece.sizes, hf_strides)) if d > 0]
+    rest = [
+        (torch.arange(o, o + z, dtype=torch.int64) * st).reshape(
+            [z if i == d else 1 for i in range(len(piece.sizes))]
+        )
+        for d, (o, z, st) in enumerate(zip(piece.offsets, piece.sizes, hf_strides))
+        if d > 0
+    ]
     offset = sum(rest, torch.zeros((), dtype=torch.int64)) + t * int(_ENC) + 1
     step = max(1, _CHUNK // max(1, math.prod(piece.sizes[1:])))
     for r in range(0, piece.sizes[0], step):
-        rows = torch.arange(piece.offsets[0] + r, piece.offsets[0] + min(piece.sizes[0], r + step),
-                            dtype=torch.int64) * hf_strides[0]
+        rows = (
+            torch.arange(
+                piece.offsets[0] + r, piece.offsets[0] + min(piece.sizes[0], r + step), dtype=torch.int64
+            )
+            * hf_strides[0]
+        )
         expect = (rows.reshape([-1] + [1] * (len(piece.sizes) - 1)) + offset).to(torch.float64)
-        if not torch.equal(view[r:r + step], expect):
-            raise NotACopy(f"parameter {param!r}: {piece.hf!r} is permuted inside it (not a strided copy of a box)")
+        if not torch.equal(view[r : r + step], expect):
+            raise NotACopy(
+                f"parameter {param!r}: {piece.hf!r} is permuted inside it (not a strided copy of a box)"
+            )
 
 
-def decode(param: str, values: torch.Tensor, names: Sequence[str],
-           shapes: Sequence[Sequence[int]]) -> tuple[list[Piece], int]:
+def decode(
+    param: str, values: torch.Tensor, names: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> tuple[list[Piece], int]:
     """The pieces a placeholder parameter received, and how many of its elements nothing wrote.
 
     1. scan: per HF tensor, its smallest and largest element index, count, and where the smallest sits;
@@ -191,8 +204,9 @@ def decode(param: str, values: torch.Tensor, names: Sequence[str],
     return pieces, untouched
 
 
-def _encoded(published: Sequence[tuple[str, tuple[int, ...]]], state: dict[str, Any]
-             ) -> Iterator[tuple[str, torch.Tensor]]:
+def _encoded(
+    published: Sequence[tuple[str, tuple[int, ...]]], state: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
     for t, (name, shape) in enumerate(published):
         state["current"] = name
         n = math.prod(shape)
@@ -263,12 +277,17 @@ def _drive(model: torch.nn.Module, published: Sequence[tuple[str, tuple[int, ...
         raise
     except Exception as exc:  # the model's own loader refused: name the tensor it was reading
         where = f" at published tensor {state['current']!r}" if state["current"] else ""
-        raise LayoutError(f"vLLM's loaders of {type(model).__name__} cannot map the published tensors{where}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise LayoutError(
+            f"vLLM's loaders of {type(model).__name__} cannot map the published tensors{where}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
-def bake(model: torch.nn.Module, published: Mapping[str, tuple[int, ...]],
-         staged: Mapping[str, Mapping[str, torch.Tensor]]) -> Baked:
+def bake(
+    model: torch.nn.Module,
+    published: Mapping[str, tuple[int, ...]],
+    staged: Mapping[str, Mapping[str, torch.Tensor]],
+) -> Baked:
     """Drive the model's loaders once with placeholders of ``published`` (HF name -> global shape).
 
     ``staged``: module name -> its pre-processing parameter metadata (meta tensors vLLM recorded);
@@ -302,6 +321,10 @@ def bake(model: torch.nn.Module, published: Mapping[str, tuple[int, ...]],
                 if not pieces:
                     out.unwritten.append(_join(mname, pname))
             out.staged[mname] = got
-    log.info("bake: %d in-place pieces, %d staged modules, %d parameters not written", len(out.pieces),
-             len(out.staged), len(out.unwritten))
+    log.info(
+        "bake: %d in-place pieces, %d staged modules, %d parameters not written",
+        len(out.pieces),
+        len(out.staged),
+        len(out.unwritten),
+    )
     return out
