@@ -35,17 +35,38 @@ import torch
 def make_model(path: Path, small: bool) -> int:
     import transformers
 
-    dims = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                num_attention_heads=14, num_key_value_heads=2) if not small else \
-        dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
-    config = transformers.Qwen2Config(tie_word_embeddings=True, max_position_embeddings=512,
-                                      torch_dtype="bfloat16", **dims)
+    dims = (
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+        )
+        if not small
+        else dict(
+            vocab_size=1024,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    config = transformers.Qwen2Config(
+        tie_word_embeddings=True, max_position_embeddings=512, torch_dtype="bfloat16", **dims
+    )
     with torch.device("meta"):
-        shapes = {n: (tuple(t.shape), n) for n, t in transformers.Qwen2ForCausalLM(config).state_dict().items()}
+        shapes = {
+            n: (tuple(t.shape), n) for n, t in transformers.Qwen2ForCausalLM(config).state_dict().items()
+        }
     gen = torch.Generator().manual_seed(0)
-    tensors = {n: (torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16) for n, (s, _) in shapes.items()
-               if n != "lm_head.weight"}
+    tensors = {
+        n: (torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16)
+        for n, (s, _) in shapes.items()
+        if n != "lm_head.weight"
+    }
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -60,7 +81,11 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def feed_load_weights(worker: Any, tensors: dict[str, torch.Tensor]) -> None:
+def feed_load_weights(worker: Any, blob: bytes) -> None:
+    """On the worker: the full tensors (shipped as one torch.save blob) into the model's load_weights."""
+    import io
+
+    tensors = torch.load(io.BytesIO(blob), weights_only=True)
     worker.model_runner.get_model().load_weights(iter(tensors.items()))
 
 
@@ -79,8 +104,15 @@ def main() -> None:
     params = make_model(work / "model", args.small)
     tensors = load_tensors(work / "model")
     etcd = EmbeddedEtcd().start()
-    llm = LLM(model=str(work / "model"), skip_tokenizer_init=True, max_model_len=256, enforce_eager=True,
-              max_num_seqs=2, dtype="bfloat16", weight_transfer_config={"backend": "astate"})
+    llm = LLM(
+        model=str(work / "model"),
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=2,
+        dtype="bfloat16",
+        weight_transfer_config={"backend": "astate"},
+    )
     rpc = llm.llm_engine.collective_rpc
     ref = rpc("compute_weight_checksums")
     ns = "bench-" + uuid.uuid4().hex[:8]
@@ -106,8 +138,12 @@ def main() -> None:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         rpc("reload_weights", kwargs={"weights_path": str(out)})
 
-    def gather() -> None:
-        rpc(feed_load_weights, args=(tensors,))
+    def gather() -> None:  # vLLM's RPC does not carry a dict of tensors as tensors: one serialized blob
+        import io
+
+        buf = io.BytesIO()
+        torch.save(tensors, buf)
+        rpc(feed_load_weights, args=(buf.getvalue(),))
 
     ours()  # the first update bakes (once per published set); rounds below are steady state
     for r in range(args.rounds):
@@ -120,13 +156,23 @@ def main() -> None:
             verified &= ok
             print(f"round {r} {name}: {times[name][-1]:.3f}s verified={ok}", flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    line = {"bench": "vllm_sync", "date": time.strftime("%Y-%m-%d %H:%M"), "load_avg_1m": os.getloadavg()[0],
-            "cores": os.cpu_count(), "params": params, "bytes": sum(t.numel() * t.element_size()
-                                                                   for t in tensors.values()),
-            "tp": 1, "rounds": args.rounds, "ours_seconds": round(med["ours"], 4),
-            "reload_seconds": round(med["reload"], 4), "gather_seconds": round(med["gather"], 4),
-            "ratio_reload": round(med["reload"] / med["ours"], 2), "ratio_gather": round(med["gather"] / med["ours"], 2),
-            "verified": verified, "vllm": __import__("vllm").__version__}
+    line = {
+        "bench": "vllm_sync",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "load_avg_1m": os.getloadavg()[0],
+        "cores": os.cpu_count(),
+        "params": params,
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        "tp": 1,
+        "rounds": args.rounds,
+        "ours_seconds": round(med["ours"], 4),
+        "reload_seconds": round(med["reload"], 4),
+        "gather_seconds": round(med["gather"], 4),
+        "ratio_reload": round(med["reload"] / med["ours"], 2),
+        "ratio_gather": round(med["gather"] / med["ours"], 2),
+        "verified": verified,
+        "vllm": __import__("vllm").__version__,
+    }
     print(json.dumps(line))
     if not args.small:
         out = Path(__file__).parent / "results" / "vllm_sync.jsonl"

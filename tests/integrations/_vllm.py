@@ -22,15 +22,28 @@ def make_model(kind: str, path: Path, *, seed: int = 0, **overrides: Any) -> Pat
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, torch_dtype="bfloat16")
+    common = dict(
+        vocab_size=1000,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        torch_dtype="bfloat16",
+    )
     if kind == "qwen2":
         config = transformers.Qwen2Config(intermediate_size=256, tie_word_embeddings=False, **common)
         cls = transformers.Qwen2ForCausalLM
     elif kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=8,
-                                             num_experts_per_tok=2, head_dim=32, tie_word_embeddings=False,
-                                             **common)
+        config = transformers.Qwen3MoeConfig(
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            **common,
+        )
         cls = transformers.Qwen3MoeForCausalLM
     else:
         raise ValueError(kind)
@@ -70,9 +83,18 @@ def start_llm(path: Path, *, tp: int = 1, expert_parallel: bool = False) -> Any:
     from vllm import LLM
 
     engine_env(tp)
-    return LLM(model=str(path), skip_tokenizer_init=True, max_model_len=256, enforce_eager=True, max_num_seqs=4,
-               tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, dtype="bfloat16",
-               weight_transfer_config={"backend": "astate"}, seed=0)
+    return LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=4,
+        tensor_parallel_size=tp,
+        enable_expert_parallel=expert_parallel,
+        dtype="bfloat16",
+        weight_transfer_config={"backend": "astate"},
+        seed=0,
+    )
 
 
 def greedy(llm: Any) -> list[list[int]]:
@@ -142,20 +164,29 @@ def preset_against_bake(worker: Any, preset: str) -> dict[str, Any]:
     params = dict(model.named_parameters())
     tp = get_tp_group()
     ep = bool(worker.vllm_config.parallel_config.enable_expert_parallel)
-    views = presets.views(preset, params, worker.model_config.hf_config, tp_rank=tp.rank_in_group,
-                          tp_size=tp.world_size, expert_parallel=ep)
+    views = presets.views(
+        preset,
+        params,
+        worker.model_config.hf_config,
+        tp_rank=tp.rank_in_group,
+        tp_size=tp.world_size,
+        expert_parallel=ep,
+    )
     got: dict[str, list] = {}
     for hf, v in views.items():
         for shard in v if isinstance(v, list) else [v]:
-            offsets = tuple(getattr(shard, "offsets", (0,) * shard.dim()))
+            offsets = tuple(shard.offsets) if hasattr(shard, "offsets") else (0,) * shard.dim()
             got.setdefault(hf, []).append(_describe(shard, params) + (offsets,))
     baked: dict[str, list] = {}
     plan = engine._plan
     pieces = list(plan.baked.pieces) + [p for s in plan.staged for p in s.pieces]
     for p in pieces:
         baked.setdefault(p.hf, []).append((p.param, p.base, p.sizes, p.strides, p.offsets))
-    return {"preset": {k: sorted(v) for k, v in got.items()}, "bake": {k: sorted(v) for k, v in baked.items()},
-            "staged": {s.name: s.reason for s in plan.staged}}
+    return {
+        "preset": {k: sorted(v) for k, v in got.items()},
+        "bake": {k: sorted(v) for k, v in baked.items()},
+        "staged": {s.name: s.reason for s in plan.staged},
+    }
 
 
 def TensorSource(tensors: dict[str, torch.Tensor]) -> Any:

@@ -69,7 +69,9 @@ def test_bad_input_is_refused_and_the_engine_keeps_its_weights(dense: dict[str, 
     V.update(llm, {"step": 1})
     refused(dense, {"step": 10**6, "timeout": 1}, "step 1000000", "not committed")
     wrong = dict(hf)
-    wrong["model.layers.1.self_attn.q_proj.weight"] = hf["model.layers.1.self_attn.q_proj.weight"][:64].clone()
+    wrong["model.layers.1.self_attn.q_proj.weight"] = hf["model.layers.1.self_attn.q_proj.weight"][
+        :64
+    ].clone()
     store.put(2, wrong)
     refused(dense, {}, "model.layers.1.self_attn.q_proj.weight")
     missing = {k: v for k, v in hf.items() if k != "model.layers.0.mlp.down_proj.weight"}
@@ -78,8 +80,9 @@ def test_bad_input_is_refused_and_the_engine_keeps_its_weights(dense: dict[str, 
     extra = dict(hf, **{"model.layers.0.mlp.bogus_proj.weight": hf["model.layers.0.mlp.down_proj.weight"]})
     store.put(4, extra)
     refused(dense, {}, "model.layers.0.mlp.bogus_proj.weight")
-    llm.init_weight_transfer_engine({"init_info": {"namespace": "nobody-" + uuid.uuid4().hex[:8],
-                                                   "etcd": dense["etcd"].endpoint}})
+    llm.init_weight_transfer_engine(
+        {"init_info": {"namespace": "nobody-" + uuid.uuid4().hex[:8], "etcd": dense["etcd"].endpoint}}
+    )
     refused(dense, {"timeout": 1}, "not committed")
     with pytest.raises(Exception, match="namespace"):
         llm.init_weight_transfer_engine({"init_info": {"namespace": ""}})
@@ -101,8 +104,10 @@ def test_trainer_engine_and_cold_start_from_a_checkpoint(dense: dict[str, Any], 
     model = transformers.AutoModelForCausalLM.from_pretrained(dense["path"], dtype="bfloat16")
     ns = "trainer-" + uuid.uuid4().hex[:8]
     sender = WeightTransferTrainerFactory.trainer_init(
-        AstateTrainerInitInfo(namespace=ns, etcd=dense["etcd"].endpoint, rank=0), client=V.LLMClient(llm),
-        source=ModuleSource(model))
+        AstateTrainerInitInfo(namespace=ns, etcd=dense["etcd"].endpoint, rank=0),
+        client=V.LLMClient(llm),
+        source=ModuleSource(model),
+    )
     try:
         llm.llm_engine.collective_rpc("reset_weights")
         step = sender.send_weights()

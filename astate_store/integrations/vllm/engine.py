@@ -114,7 +114,9 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         if isinstance(init_info, _BadInfo):
             raise init_info.error
         if not isinstance(init_info.namespace, str) or not init_info.namespace:
-            raise LayoutError(f"astate init_info: 'namespace' must be a non-empty string, got {init_info.namespace!r}")
+            raise LayoutError(
+                f"astate init_info: 'namespace' must be a non-empty string, got {init_info.namespace!r}"
+            )
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -163,13 +165,17 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
                 s.drop()
         self.last_step = got
         self.last_seconds = {"prepare": t1 - t0, "pull": t2 - t1, "staged": time.perf_counter() - t2}
-        log.info("astate: step %d (%d staged modules) in %.3fs", got, len(plan.staged), time.perf_counter() - t0)
+        log.info(
+            "astate: step %d (%d staged modules) in %.3fs", got, len(plan.staged), time.perf_counter() - t0
+        )
 
     def _prepare(self, info: AstateUpdateInfo, timeout: float) -> tuple[int, "_Plan", dict[str, Any]]:
         if isinstance(info, _BadInfo):
             raise info.error
         if self.store is None:
-            raise LayoutError("astate: call init_weight_transfer_engine({'namespace': ...}) before update_weights")
+            raise LayoutError(
+                "astate: call init_weight_transfer_engine({'namespace': ...}) before update_weights"
+            )
         step, keys = self._published(info, timeout)
         plan = self._plan_for(keys)
         return step, plan, self._buffers(plan, keys)
@@ -179,7 +185,9 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
     def _published(self, info: AstateUpdateInfo, timeout: float) -> tuple[int, dict[str, tuple[tuple, str]]]:
         """The step to pull and what it publishes: name -> (global shape, dtype name)."""
         assert self.store is not None
-        if info.step is not None and (isinstance(info.step, bool) or not isinstance(info.step, int) or info.step < 0):
+        if info.step is not None and (
+            isinstance(info.step, bool) or not isinstance(info.step, int) or info.step < 0
+        ):
             raise LayoutError(f"astate update_info: 'step' must be a non-negative int, got {info.step!r}")
         if info.checkpoint is not None:
             from astate_store.checkpoint import checkpoint_info, read_manifest
@@ -192,8 +200,10 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
             step = self.store.wait(info.step, timeout=timeout)
         except WaitTimeout as exc:
             want = "any version" if info.step is None else f"a version >= step {info.step}"
-            raise WaitTimeout(f"astate namespace {self.store.namespace!r}: {want} was not committed within "
-                              f"{timeout:g}s (newest: {self.store.latest()})") from exc
+            raise WaitTimeout(
+                f"astate namespace {self.store.namespace!r}: {want} was not committed within "
+                f"{timeout:g}s (newest: {self.store.latest()})"
+            ) from exc
         keys = {n: (tuple(k.global_shape), k.dtype) for n, k in self.store.keys(step).items()}
         return step, keys
 
@@ -204,15 +214,21 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         metadata = {name: pre_processing_metadata(self.model.get_submodule(name)) for name in self.paths}
         missing = [n for n, m in metadata.items() if not m]
         if missing:
-            raise LayoutError(f"astate: modules {missing} are transformed after loading ({self.paths[missing[0]]}) "
-                              "but vLLM recorded no pre-processing format for them")
+            raise LayoutError(
+                f"astate: modules {missing} are transformed after loading ({self.paths[missing[0]]}) "
+                "but vLLM recorded no pre-processing format for them"
+            )
         baked = bake(self.model, {n: s for n, (s, _) in keys.items()}, metadata)
         if baked.unwritten:
-            raise LayoutError(f"astate: no published tensor writes parameter {baked.unwritten[0]!r} "
-                              f"({len(baked.unwritten)} in all: {baked.unwritten[:5]}); the published names do "
-                              f"not match what {type(self.model).__name__}'s loaders read")
-        staged = [StagedModule(n, self.model.get_submodule(n), metadata[n], baked.staged[n], self.paths[n])
-                  for n in self.paths]
+            raise LayoutError(
+                f"astate: no published tensor writes parameter {baked.unwritten[0]!r} "
+                f"({len(baked.unwritten)} in all: {baked.unwritten[:5]}); the published names do "
+                f"not match what {type(self.model).__name__}'s loaders read"
+            )
+        staged = [
+            StagedModule(n, self.model.get_submodule(n), metadata[n], baked.staged[n], self.paths[n])
+            for n in self.paths
+        ]
         self._plan = _Plan(fingerprint, baked, staged)
         return self._plan
 
@@ -222,17 +238,22 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         shapes = {n: s for n, (s, _) in keys.items()}
         views: dict[str, list[astate_store.Shard]] = {}
         for p in plan.baked.pieces:
-            views.setdefault(p.hf, []).append(astate_store.Shard(p.view(params[p.param].data), p.offsets,
-                                                                 shapes[p.hf]))
+            views.setdefault(p.hf, []).append(
+                astate_store.Shard(p.view(params[p.param].data), p.offsets, shapes[p.hf])
+            )
         for s in plan.staged:
             for hf, shard in s.buffers(shapes):
                 views.setdefault(hf, []).append(shard)
         for hf, shards in views.items():
             dtype = keys[hf][1]
             for shard in shards:
-                if not (shard.tensor.dtype.is_floating_point and dtype.startswith(("float", "bfloat"))) and \
-                        str(shard.tensor.dtype).replace("torch.", "") != dtype:
-                    raise LayoutError(f"astate: published {hf!r} is {dtype}, the engine holds {shard.tensor.dtype}")
+                if (
+                    not (shard.tensor.dtype.is_floating_point and dtype.startswith(("float", "bfloat")))
+                    and str(shard.tensor.dtype).replace("torch.", "") != dtype
+                ):
+                    raise LayoutError(
+                        f"astate: published {hf!r} is {dtype}, the engine holds {shard.tensor.dtype}"
+                    )
         return {hf: (shards[0] if len(shards) == 1 else shards) for hf, shards in views.items()}
 
     def _pull(self, buffers: Mapping[str, Any], info: AstateUpdateInfo, step: int, timeout: float) -> int:
@@ -260,8 +281,9 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
                 raise err
             return out
         msgs: list[Any] = [None] * group.world_size
-        torch.distributed.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}",
-                                            group=group.cpu_group)
+        torch.distributed.all_gather_object(
+            msgs, None if err is None else f"{type(err).__name__}: {err}", group=group.cpu_group
+        )
         failed = [(rank, m) for rank, m in enumerate(msgs) if m is not None]
         if not failed:
             return out
@@ -270,7 +292,9 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         if err is not None and failed[0][0] == group.rank_in_group:
             raise err
         rank, msg = failed[0]
-        raise UpdateError(f"astate: worker {rank} refused the update, so no worker changed its weights: {msg}")
+        raise UpdateError(
+            f"astate: worker {rank} refused the update, so no worker changed its weights: {msg}"
+        )
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         try:
@@ -296,12 +320,16 @@ def _end_worker_session(engine: AstateWeightTransferEngine) -> None:
     frame = inspect.currentframe()
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if getattr(owner, "weight_transfer_engine", None) is engine and hasattr(owner, "_weight_update_active"):
+        if getattr(owner, "weight_transfer_engine", None) is engine and hasattr(
+            owner, "_weight_update_active"
+        ):
             owner._weight_update_active = False
             engine.reset_weight_update_target()
             return
         frame = frame.f_back
-    log.warning("astate: refused update: the vLLM worker that called it was not found; its session stays open")
+    log.warning(
+        "astate: refused update: the vLLM worker that called it was not found; its session stays open"
+    )
 
 
 def _world() -> Any:
@@ -322,4 +350,3 @@ def _all_max(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
     return int(t.item())
-

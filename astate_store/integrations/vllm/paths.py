@@ -56,8 +56,10 @@ def _reason(module: torch.nn.Module, meta: Mapping[str, torch.Tensor]) -> str | 
     for name, m in meta.items():
         p = params[name]
         if tuple(p.shape) != tuple(m.shape) or p.dtype != m.dtype or p.stride() != m.stride():
-            return (f"post-processing changed {name!r} from {tuple(m.shape)} {m.dtype} to "
-                    f"{tuple(p.shape)} {p.dtype}")
+            return (
+                f"post-processing changed {name!r} from {tuple(m.shape)} {m.dtype} to "
+                f"{tuple(p.shape)} {p.dtype}"
+            )
     return None
 
 

@@ -49,13 +49,15 @@ class StagedModule:
         return sum(m.numel() * m.element_size() for m in self.metadata.values())
 
     def _local(self, piece: Piece) -> str:
-        return piece.param[len(self.name) + 1:] if self.name else piece.param
+        return piece.param[len(self.name) + 1 :] if self.name else piece.param
 
     def buffers(self, shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[str, Shard]]:
         """Allocate the staging (zeros: elements no tensor writes stay as a fresh load leaves them
         after a zero-fill) and return (HF name, Shard view into it) for every piece."""
         self.staging = {n: torch.zeros(tuple(m.shape), dtype=m.dtype) for n, m in self.metadata.items()}
-        return [(p.hf, Shard(p.view(self.staging[self._local(p)]), p.offsets, shapes[p.hf])) for p in self.pieces]
+        return [
+            (p.hf, Shard(p.view(self.staging[self._local(p)]), p.offsets, shapes[p.hf])) for p in self.pieces
+        ]
 
     def drop(self) -> None:
         self.staging = {}
@@ -84,8 +86,13 @@ class StagedModule:
                 old.data.copy_(new.data)  # keep the engine's storage (addresses captured by kernels, graphs)
                 module._parameters[pname] = old
             else:
-                log.info("staged %s: %s now %s (was %s)", self.name, pname, None if new is None else tuple(new.shape),
-                         None if old is None else tuple(old.shape))
+                log.info(
+                    "staged %s: %s now %s (was %s)",
+                    self.name,
+                    pname,
+                    None if new is None else tuple(new.shape),
+                    None if old is None else tuple(old.shape),
+                )
         self.drop()
 
 

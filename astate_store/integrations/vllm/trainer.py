@@ -58,19 +58,22 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
         self.step = 1
 
     @classmethod
-    def trainer_init(cls, init_info: AstateTrainerInitInfo, *, client: Any, source: Any = None
-                     ) -> "AstateTrainerEngine":
+    def trainer_init(
+        cls, init_info: AstateTrainerInitInfo, *, client: Any, source: Any = None
+    ) -> "AstateTrainerEngine":
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
-        store = astate_store.connect(init_info.namespace, etcd=init_info.etcd, rank=init_info.rank,
-                                     world_size=init_info.world_size)
+        store = astate_store.connect(
+            init_info.namespace, etcd=init_info.etcd, rank=init_info.rank, world_size=init_info.world_size
+        )
         engine.store = store
         latest = store.latest()
         engine.step = init_info.start_step if init_info.start_step is not None else (latest or 0) + 1
         if engine.is_sender:
             etcd = init_info.engine_etcd or init_info.etcd or store.catalog.endpoint
-            client.init_weight_transfer_engine({"namespace": init_info.namespace, "etcd": etcd,
-                                                "timeout": init_info.timeout})
+            client.init_weight_transfer_engine(
+                {"namespace": init_info.namespace, "etcd": etcd, "timeout": init_info.timeout}
+            )
         return engine
 
     def _tensors(self) -> Mapping[str, Any] | None:
@@ -78,11 +81,15 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
         if module is not None:
             return module.state_dict()  # DTensors stay sharded: each rank publishes its own boxes
         if self.source is None:
-            raise LayoutError("astate trainer: send_weights() needs a source (trainer_init(source=...)) or tensors")
+            raise LayoutError(
+                "astate trainer: send_weights() needs a source (trainer_init(source=...)) or tensors"
+            )
         assert self.info is not None
         if self.info.world_size != 1:
-            raise LayoutError("astate trainer: a WeightSource other than ModuleSource yields full tensors; "
-                              "publish them from one rank (world_size=1) or pass a ModuleSource")
+            raise LayoutError(
+                "astate trainer: a WeightSource other than ModuleSource yields full tensors; "
+                "publish them from one rank (world_size=1) or pass a ModuleSource"
+            )
         full = {name: t for name, t in self.source}  # every rank runs the source's collectives
         return full if self.info.rank == 0 else None
 
