@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.astate-installed
 
-.PHONY: demo test bench bench-peers clean
+.PHONY: demo test lint bench bench-peers clean
 
 $(STAMP): pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ demo: $(STAMP)
 # Two workers: most tests wait on processes, etcd and sockets, so two cores run two at once.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
+
+# One formatter and linter (configured in pyproject.toml); CI runs it before the tests.
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 # Every benchmark once, one after another (the machine is shared), then one table of every figure
 # against its target: benchmarks/results/report.md (benchmarks/report.py). Not part of `make test`.
