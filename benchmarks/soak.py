@@ -314,7 +314,7 @@ def judge(soak: Soak, args: argparse.Namespace, warm: int) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tests.support import orphans
 
-    orphans.tag_children()
+    tag = orphans.tag_children()
     t0 = time.monotonic()
     warm = min(args.warmup, max(10, args.steps // 10))
     soak = Soak(args)
@@ -338,8 +338,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 break
     finally:
         soak.close()
-    left = orphans.leftovers(wait=20.0)
-    orphans.end_leftovers(left)
+    left = orphans.leftovers(tag, wait=20.0)
+    orphans.end_leftovers(left, tag)
+    orphans.untag(tag)
     out: dict[str, Any] = {"bench": "soak", "date": time.strftime("%Y-%m-%d %H:%M"),
                            "load": [round(x, 2) for x in os.getloadavg()], "steps": args.steps,
                            "warmup_steps": warm, "seconds": round(time.monotonic() - t0, 1),
