@@ -311,6 +311,21 @@ def judge(soak: Soak, args: argparse.Namespace, warm: int) -> dict[str, Any]:
     return out
 
 
+def step(soak: Soak, args: argparse.Namespace, s: int, t0: float) -> None:
+    """One step: put, churn, and on their steps checkpoint, restart the group, sample."""
+    soak.put(s)
+    soak.churn(s)
+    if s % args.ckpt_every == 0:
+        soak.checkpoint(s)
+    if s % args.restart_every == 0 and s < args.steps:
+        soak.kill_group()
+        soak.start_group(recover=True)
+    if s % args.sample_every == 0 or s == 1:
+        soak.sample(s)
+    if args.verbose and s % 50 == 0:
+        print(f"# step {s}: {time.monotonic() - t0:.0f}s, errors {len(soak.errors)}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tests.support import orphans
 
@@ -321,18 +336,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         soak.start_group(recover=False)
         for s in range(1, args.steps + 1):
-            soak.put(s)
-            soak.churn(s)
-            if s % args.ckpt_every == 0:
-                soak.checkpoint(s)
-            if s % args.restart_every == 0 and s < args.steps:
-                soak.kill_group()
-                soak.start_group(recover=True)
-            if s % args.sample_every == 0 or s == 1:
-                soak.sample(s)
-            if args.verbose and s % 50 == 0:
-                print(f"# step {s}: {time.monotonic() - t0:.0f}s, errors {len(soak.errors)}", file=sys.stderr,
-                      flush=True)
+            try:
+                step(soak, args, s, t0)
+            except (W.Hang, W.Died, W.SetupError) as exc:  # a process hung or died: say which, with its log
+                soak.errors.append(f"step {s}: {type(exc).__name__}: {exc}"[:400])
+                for a in soak.pool.all:
+                    if a.name in str(exc):
+                        soak.errors.append(f"{a.name} stacks and log: " + a.stacks()[-3000:])
+                break
             if len(soak.errors) > 20:
                 soak.errors.append(f"aborted at step {s}")
                 break
