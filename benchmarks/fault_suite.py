@@ -1021,7 +1021,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
     from tests.support import orphans
 
-    orphans.tag_children()  # every process started from here on carries the tag (the orphan check)
+    tag = orphans.tag_children()  # every process started from here on carries the tag (the orphan check)
     t0 = time.monotonic()
     suite = Suite(endpoint=args.etcd, trials=args.trials, soak_steps=args.soak_steps,
                   fuzz_examples=args.fuzz_examples or 100 * args.trials, churn_steps=args.churn_steps, seed=args.seed)
@@ -1034,8 +1034,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         suite.close()
     # Nothing this run started may outlive it (issue 29): etcds in netns hosts, actors, clusters.
-    left = orphans.leftovers(wait=20.0)
-    orphans.end_leftovers(left)
+    left = orphans.leftovers(tag, wait=20.0)
+    orphans.end_leftovers(left, tag)
+    orphans.untag(tag)
     out = {"suite": "fault_suite", "trials": args.trials, "soak_steps": args.soak_steps, "seed": suite.seed,
            "seconds": round(time.monotonic() - t0, 1), "cases": cases, "totals": totals(cases), "orphans": left}
     print(json.dumps(out))

@@ -25,7 +25,9 @@ Appends one JSON line to ``benchmarks/results/soak.jsonl``:
   least-squares trend over the same steps;
 - ``bounded``: the checkpoints on storage never exceeded what the retention settings allow (and
   their bytes that many checkpoints' bytes), and no family of etcd keys grew after warm-up beyond
-  what it held in the first 200 steps after it (checkpoint records: within the retention bound);
+  what it held in the first 200 steps after it (checkpoint records: within the retention bound),
+  both between restarts; samples taken right after a restart (the killed group's records live
+  until their lease ends) may hold at most twice the steady key count;
 - ``orphans``: processes this run started that still ran at its end (must be empty);
 - ``samples``; ``errors`` (wrong bytes, failed steps); the date and load.
 
@@ -292,12 +294,22 @@ def judge(soak: Soak, args: argparse.Namespace, warm: int) -> dict[str, Any]:
             why.append(f"step {r['step']}: {r['ckpt_steps']} checkpoints on storage, retention allows {allow}")
         if per_ckpt and r["ckpt_bytes"] > allow * per_ckpt * 1.01:
             why.append(f"step {r['step']}: {r['ckpt_bytes']} checkpoint bytes > {allow} x {per_ckpt:.0f}")
+    # A sample right after a restart still holds the SIGKILLed group's leased records (members, layouts,
+    # recovery) until their lease runs out (lease_ttl): compared apart, against one group's worth more.
+    steady = [r for r in after if r["step"] % args.restart_every]
+    restarts = [r for r in after if not r["step"] % args.restart_every]
+    early_steady = [r for r in steady if r["step"] < warm + 200]
+    top_steady = max((r["etcd_keys"] for r in early_steady), default=0)
+    for r in restarts:
+        if r["etcd_keys"] > 2 * top_steady:
+            why.append(f"etcd keys at restart step {r['step']}: {r['etcd_keys']}, more than twice the steady "
+                       f"{top_steady}")
     fams = {f for r in after for f in r["etcd_families"]}
     for f in sorted(fams):
-        base = max((r["etcd_families"].get(f, 0) for r in early), default=0)
-        top = max(r["etcd_families"].get(f, 0) for r in after)
+        base = max((r["etcd_families"].get(f, 0) for r in early_steady), default=0)
+        top = max((r["etcd_families"].get(f, 0) for r in steady), default=0)
         if f.endswith("/checkpoints"):  # one record per checkpoint, the policy's bound at each sample
-            over = [r for r in after if r["etcd_families"].get(f, 0) > retention_allows(r["step"], args)]
+            over = [r for r in steady if r["etcd_families"].get(f, 0) > retention_allows(r["step"], args)]
             if over:
                 why.append(f"etcd keys {f}: {over[0]['etcd_families'][f]} at step {over[0]['step']}, retention "
                            f"allows {retention_allows(over[0]['step'], args)}")
@@ -305,41 +317,55 @@ def judge(soak: Soak, args: argparse.Namespace, warm: int) -> dict[str, Any]:
             why.append(f"etcd keys {f}: {top} after warm-up, more than the {base} of the first 200 steps after it")
     out["bounded"] = not why
     out["unbounded"] = why[:20]
+    out["etcd_keys"] = {"steady_after_warmup": top_steady, "steady_end": steady[-1]["etcd_keys"] if steady else None,
+                        "max_at_restarts": max((r["etcd_keys"] for r in restarts), default=None)}
     out["etcd_db"] = {"after_warmup": after[0]["db_size"] if after else None,
                       "end": soak.samples[-1]["db_size"] if soak.samples else None,
                       "in_use_end": soak.samples[-1]["db_in_use"] if soak.samples else None}
     return out
 
 
+def step(soak: Soak, args: argparse.Namespace, s: int, t0: float) -> None:
+    """One step: put, churn, and on their steps checkpoint, restart the group, sample."""
+    soak.put(s)
+    soak.churn(s)
+    if s % args.ckpt_every == 0:
+        soak.checkpoint(s)
+    if s % args.restart_every == 0 and s < args.steps:
+        soak.kill_group()
+        soak.start_group(recover=True)
+    if s % args.sample_every == 0 or s == 1:
+        soak.sample(s)
+    if args.verbose and s % 50 == 0:
+        print(f"# step {s}: {time.monotonic() - t0:.0f}s, errors {len(soak.errors)}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tests.support import orphans
 
-    orphans.tag_children()
+    tag = orphans.tag_children()
     t0 = time.monotonic()
     warm = min(args.warmup, max(10, args.steps // 10))
     soak = Soak(args)
     try:
         soak.start_group(recover=False)
         for s in range(1, args.steps + 1):
-            soak.put(s)
-            soak.churn(s)
-            if s % args.ckpt_every == 0:
-                soak.checkpoint(s)
-            if s % args.restart_every == 0 and s < args.steps:
-                soak.kill_group()
-                soak.start_group(recover=True)
-            if s % args.sample_every == 0 or s == 1:
-                soak.sample(s)
-            if args.verbose and s % 50 == 0:
-                print(f"# step {s}: {time.monotonic() - t0:.0f}s, errors {len(soak.errors)}", file=sys.stderr,
-                      flush=True)
+            try:
+                step(soak, args, s, t0)
+            except (W.Hang, W.Died, W.SetupError) as exc:  # a process hung or died: say which, with its log
+                soak.errors.append(f"step {s}: {type(exc).__name__}: {exc}"[:400])
+                for a in soak.pool.all:
+                    if a.name in str(exc):
+                        soak.errors.append(f"{a.name} stacks and log: " + a.stacks()[-3000:])
+                break
             if len(soak.errors) > 20:
                 soak.errors.append(f"aborted at step {s}")
                 break
     finally:
         soak.close()
-    left = orphans.leftovers(wait=20.0)
-    orphans.end_leftovers(left)
+    left = orphans.leftovers(tag, wait=20.0)
+    orphans.end_leftovers(left, tag)
+    orphans.untag(tag)
     out: dict[str, Any] = {"bench": "soak", "date": time.strftime("%Y-%m-%d %H:%M"),
                            "load": [round(x, 2) for x in os.getloadavg()], "steps": args.steps,
                            "warmup_steps": warm, "seconds": round(time.monotonic() - t0, 1),

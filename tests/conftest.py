@@ -15,7 +15,7 @@ from tests.support import orphans
 
 # Every process the tests start (and what those start) carries this run's tag in its environment,
 # so the session's end can tell which of them outlived it (issue 29: no orphans after make test).
-orphans.tag_children()
+_RUN_TAG = orphans.tag_children()
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +71,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run when a process the tests started (an etcd, a replica server, a worker) still
     runs after the session fixtures are torn down; end those (they carry this run's tag), so they
     do not run for hours. A shared etcd's supervisor may take its idle grace (5 s) to go."""
-    left = orphans.leftovers(wait=20.0)
+    left = orphans.leftovers(_RUN_TAG, wait=20.0)
     if not left:
         return
     lines = "\n".join(f"  pid {p['pid']} (parent {p['ppid']}): {p['cmd']}" for p in left)
@@ -82,5 +82,5 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         reporter.write_line(msg)
     else:
         print(msg, file=sys.stderr)
-    orphans.end_leftovers(left)
+    orphans.end_leftovers(left, _RUN_TAG)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,7 +1,7 @@
 """Which processes a test run or a benchmark started are still running: found by a tag in their environment.
 
-A run calls :func:`tag_children` first: it puts ``ASTATE_RUN_TAG_<random>=<its pid>`` into ``os.environ``, so every
-process started from then on (etcd servers, replica servers, actors, fork-server children, and
+A run calls :func:`tag_children` first: it puts ``ASTATE_RUN_TAG_<random>=<its pid>`` into
+``os.environ``, so every process started from then on (etcd servers, replica servers, actors, fork-server children, and
 whatever they start in turn) inherits it, however far it is reparented later (an orphan is a child
 of init, so parent links cannot find it). Tags nest: a benchmark's tag stays in the environment of
 a test run it starts, which adds its own. At the end :func:`leftovers` lists the live processes that
@@ -19,18 +19,22 @@ import uuid
 from typing import Any
 
 ENV_TAG = "ASTATE_RUN_TAG_"
-_mine: str | None = None
 # processes that belong to the caller's own lifetime, not leftovers
 _HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 
 
 def tag_children() -> str:
-    """Tag this process's future children (once per process); the tag (an environment variable name)."""
-    global _mine
-    if _mine is None or os.environ.get(_mine) != str(os.getpid()):
-        _mine = ENV_TAG + uuid.uuid4().hex[:16]
-        os.environ[_mine] = str(os.getpid())
-    return _mine
+    """Tag the processes this process starts from now on with a new tag; the tag (an environment
+    variable name) for :func:`leftovers`. Tags nest: each run (a test session, a soak inside it)
+    has its own, and a process started inside both carries both."""
+    tag = ENV_TAG + uuid.uuid4().hex[:16]
+    os.environ[tag] = str(os.getpid())
+    return tag
+
+
+def untag(tag: str) -> None:
+    """Stop tagging new children with ``tag`` (processes already started keep it)."""
+    os.environ.pop(tag, None)
 
 
 def _environ_has(pid: int, needle: bytes) -> bool:
@@ -57,12 +61,11 @@ def _ppid(pid: int) -> int:
         return -1
 
 
-def leftovers(tag: str | None = None, wait: float = 0.0) -> list[dict[str, Any]]:
-    """Live processes carrying ``tag`` (default: this process's), except this process and its own
+def leftovers(tag: str, wait: float = 0.0) -> list[dict[str, Any]]:
+    """Live processes carrying ``tag``, except this process and its own
     multiprocessing helpers; waits up to ``wait`` seconds for them to exit first (a shared etcd's
     supervisor stops a few seconds after its last participant)."""
-    tag = tag or _mine
-    if not tag or not os.path.isdir("/proc"):
+    if not os.path.isdir("/proc"):
         return []
     needle = f"{tag}=".encode()
     me = os.getpid()
@@ -84,12 +87,10 @@ def leftovers(tag: str | None = None, wait: float = 0.0) -> list[dict[str, Any]]
         time.sleep(0.25)
 
 
-def end_leftovers(procs: list[dict[str, Any]], grace: float = 5.0) -> None:
+def end_leftovers(procs: list[dict[str, Any]], tag: str, grace: float = 5.0) -> None:
     """SIGTERM, then SIGKILL after ``grace``, each listed process by pid (only tagged ones: see the
     module docstring); so a failed run does not leave them running for hours."""
-    if not _mine:
-        return
-    needle = f"{_mine}=".encode()
+    needle = f"{tag}=".encode()
     pids = [p["pid"] for p in procs if _environ_has(p["pid"], needle)]
     for pid in pids:
         try:
