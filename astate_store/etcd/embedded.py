@@ -97,6 +97,9 @@ def _etcd_command(binary: str, name: str, data_dir: str, client_url: str, peer_u
         "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
         "--initial-cluster", initial_cluster, "--initial-cluster-state", "new", "--log-level", "error",
+        # Without compaction etcd keeps every revision and its db grows with every put until its space
+        # quota stops all writes (weeks of steps); keep the last 10,000 revisions (etcd compacts every 5 min).
+        "--auto-compaction-mode", "revision", "--auto-compaction-retention", "10000",
     ]
     if token:
         cmd += ["--initial-cluster-token", token]

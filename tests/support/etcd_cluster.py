@@ -19,7 +19,7 @@ from astate_store.errors import CatalogUnavailable
 if TYPE_CHECKING:  # the supervisor imports this module alone: nothing above errors/process at run time
     pass
 
-from astate_store.etcd.embedded import _etcd_command, _free_ports, _healthy, _log_tail, _stop_process, find_etcd_binary
+from astate_store.etcd.embedded import tied_to_caller, _etcd_command, _free_ports, _healthy, _log_tail, _stop_process, find_etcd_binary
 
 __all__ = ["EtcdCluster", "EtcdMember"]
 
@@ -96,8 +96,9 @@ class EtcdCluster:
                 cmd = _etcd_command(self.binary, name, os.path.join(d, "data"), client, peers[i], initial,
                                     token=self.token)
                 with open(os.path.join(d, "etcd.log"), "ab") as logf:
-                    m.proc = subprocess.Popen(cmd, stdout=logf, stderr=logf, stdin=subprocess.DEVNULL,
-                                              start_new_session=True)
+                    # tied to this process: a killed test run leaves no member behind
+                    m.proc = subprocess.Popen(tied_to_caller(cmd), stdout=logf, stderr=logf,
+                                              stdin=subprocess.DEVNULL, start_new_session=True)
                 self.members.append(m)
             deadline = time.monotonic() + self.start_timeout
             pending = list(self.members)
