@@ -67,6 +67,17 @@ def store_factory(etcd: EmbeddedEtcd, namespace: str) -> Iterator[Callable[..., 
         s.close()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The real-vLLM tests first: one group (``xdist_group("vllm")``) of minutes of engine start-up
+    runs on one worker from the start while the other takes everything else, instead of that group
+    arriving last and leaving one worker idle behind it."""
+
+    def first(item: pytest.Item) -> int:
+        return 0 if any(m.args[:1] == ("vllm",) for m in item.iter_markers("xdist_group")) else 1
+
+    items.sort(key=first)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run when a process the tests started (an etcd, a replica server, a worker) still
     runs after the session fixtures are torn down; end those (they carry this run's tag), so they
