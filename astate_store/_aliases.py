@@ -64,7 +64,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: object = None, target: object = None):
         if not fullname.startswith(self.prefix):
             return None
-        new = MOVED.get(fullname[len(self.prefix):])
+        new = MOVED.get(fullname[len(self.prefix) :])
         if new is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(f"{self.package}.{new}"))

@@ -13,13 +13,14 @@ import os
 import socket
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from astate_store.catalog import Catalog
 from astate_store.metrics import StoreMetrics
+from astate_store.transport import Transport, UcxTransport
 from astate_store.transport.topology import (
     AffinityChoice,
     AffinityConfig,
@@ -28,7 +29,6 @@ from astate_store.transport.topology import (
     apply_env,
     pinned,
 )
-from astate_store.transport import Transport, UcxTransport
 
 __all__ = ["StoreOptions", "StoreContext", "sync_device"]
 
@@ -83,7 +83,7 @@ class StoreOptions:
         object.__setattr__(self, "replica_timeout", float(t))
 
     @classmethod
-    def of(cls, fields: dict[str, object]) -> "StoreOptions":
+    def of(cls, fields: dict[str, object]) -> StoreOptions:
         """From keyword arguments; an unknown name is a TypeError that lists the known ones."""
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(fields) - known)
@@ -107,8 +107,18 @@ def _ucx(mode: str, window: int) -> Transport:
 class StoreContext:
     """The state every role of one store reads: catalog, options, identity, stats, transport."""
 
-    def __init__(self, namespace: str, catalog: Catalog, options: StoreOptions, *, rank: int, world_size: int,
-                 session_id: str | None, affinity: AffinityConfig, transport_factory: TransportFactory = _ucx):
+    def __init__(
+        self,
+        namespace: str,
+        catalog: Catalog,
+        options: StoreOptions,
+        *,
+        rank: int,
+        world_size: int,
+        session_id: str | None,
+        affinity: AffinityConfig,
+        transport_factory: TransportFactory = _ucx,
+    ):
         self.namespace, self.catalog, self.options = namespace, catalog, options
         self.rank, self.world_size, self.session_id = rank, world_size, session_id
         self.reader_id = f"{os.getpid()}-{uuid.uuid4().hex[:10]}"
@@ -127,9 +137,14 @@ class StoreContext:
         """The figures owned by the catalog and the staging, read when stats are taken."""
         client = self.catalog.client
         snapshot, conversion = self.staging_bytes()
-        return {"bad_records": self.catalog.skipped_records, "etcd_rpcs": client.rpcs,
-                "etcd_background_rpcs": client.background_rpcs, "etcd_retries": client.retries,
-                "snapshot_bytes": snapshot, "conversion_bytes": conversion}
+        return {
+            "bad_records": self.catalog.skipped_records,
+            "etcd_rpcs": client.rpcs,
+            "etcd_background_rpcs": client.background_rpcs,
+            "etcd_retries": client.retries,
+            "snapshot_bytes": snapshot,
+            "conversion_bytes": conversion,
+        }
 
     @property
     def transport(self) -> Transport:
@@ -144,8 +159,11 @@ class StoreContext:
             apply_env(self.affinity)
             with pinned(self.affinity.cpus):
                 self._transport = self._factory(self.options.transport, self.options.window)
-            ucx = self._transport if isinstance(self._transport, UcxTransport) else \
-                getattr(self._transport, "shared", None)  # a session hub's namespace view of its worker
+            ucx = (
+                self._transport
+                if isinstance(self._transport, UcxTransport)
+                else getattr(self._transport, "shared", None)
+            )  # a session hub's namespace view of its worker
             if isinstance(ucx, UcxTransport) and not ucx.stream_host and not ucx.stream_address:
                 ucx.stream_host = self._stream_host()
         return self._transport

@@ -125,8 +125,13 @@ class NoLiveSource(PeerUnreachable):
     byte moves. ``step``: the version; ``holes``: (tensor, box offsets, box sizes, ranks that
     held that box) for each piece that has no live source."""
 
-    def __init__(self, message: str, *, step: int | None = None,
-                 holes: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        holes: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] | None = None,
+    ):
         super().__init__(message)
         self.step = step
         self.holes = list(holes or [])
@@ -157,8 +162,9 @@ class CheckpointNotCommitted(CheckpointError):
     session, or the timeout passed. ``step``; ``missing``: the ranks whose pieces of the step are
     not in the catalog; ``reason``: ``"fenced"``, ``"stale"``, ``"rank_gone"`` or ``"timeout"``."""
 
-    def __init__(self, message: str, *, step: int | None = None, missing: list[int] | None = None,
-                 reason: str = ""):
+    def __init__(
+        self, message: str, *, step: int | None = None, missing: list[int] | None = None, reason: str = ""
+    ):
         super().__init__(message)
         self.step = step
         self.missing = list(missing or [])

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,15 +54,26 @@ _TXN_OPS = 100  # deletes per transaction (etcd allows 128 operations)
 
 # EtcdClient attributes that belong to the connection, not to a namespace: a view reads and
 # writes the hub client's (so a token refreshed by one namespace serves all).
-_CONNECTION_ATTRS = ("raw", "_keepalives", "_lock", "_auth_lock", "_token", "_auth_off", "authentications",
-                     "_verified", "_probed", "_retry_logged", "_outage")
+_CONNECTION_ATTRS = (
+    "raw",
+    "_keepalives",
+    "_lock",
+    "_auth_lock",
+    "_token",
+    "_auth_off",
+    "authentications",
+    "_verified",
+    "_probed",
+    "_retry_logged",
+    "_outage",
+)
 
 
 def _shared(name: str) -> property:
-    def get(self: "_NamespaceClient") -> Any:
+    def get(self: _NamespaceClient) -> Any:
         return getattr(self._conn, name)
 
-    def put(self: "_NamespaceClient", value: Any) -> None:
+    def put(self: _NamespaceClient, value: Any) -> None:
         setattr(self._conn, name, value)
 
     return property(get, put)
@@ -73,11 +85,15 @@ class _NamespaceClient(EtcdClient):
     hub's reader lease; ``revoke`` / ``close`` delete this namespace's records on them instead
     of revoking leases other namespaces hang on."""
 
-    def __init__(self, hub: "SessionHub", namespace: str):  # noqa: D107 (no EtcdClient.__init__: no channel)
+    def __init__(self, hub: SessionHub, namespace: str):  # noqa: D107 (no EtcdClient.__init__: no channel)
         conn = hub.client
         self._conn, self._hub = conn, hub
         self.config, self.endpoint, self.namespace = conn.config, conn.endpoint, namespace
-        self.lease_ttl, self.op_timeout, self.retry_deadline = conn.lease_ttl, conn.op_timeout, conn.retry_deadline
+        self.lease_ttl, self.op_timeout, self.retry_deadline = (
+            conn.lease_ttl,
+            conn.op_timeout,
+            conn.retry_deadline,
+        )
         self.prefix = f"/astate/{namespace}/"
         self.rpcs = self.background_rpcs = self.retries = 0
         self._closed = False
@@ -117,11 +133,15 @@ class _NamespaceClient(EtcdClient):
             resp = self.call("list own records", lambda: self.raw.get_prefix_response(pre, keys_only=True))
             keys = [kv.key.decode() for kv in resp.kvs if int(kv.lease) in leases]
             for i in range(0, len(keys), _TXN_OPS):
-                part = keys[i:i + _TXN_OPS]
+                part = keys[i : i + _TXN_OPS]
                 self.txn("delete own records", [], [tx.Delete(k) for k in part])
         except (CatalogError, UnicodeDecodeError) as exc:
-            log.warning("namespace %s: could not delete its records on the shared lease (%s); they go when "
-                        "the hub closes or dies", self.namespace, exc)
+            log.warning(
+                "namespace %s: could not delete its records on the shared lease (%s); they go when "
+                "the hub closes or dies",
+                self.namespace,
+                exc,
+            )
 
 
 for _name in _CONNECTION_ATTRS:
@@ -129,6 +149,7 @@ for _name in _CONNECTION_ATTRS:
 
 
 # ---- one UCX worker ---------------------------------------------------------------------------------
+
 
 class _SharedTransport:
     """The hub's UCX worker (created at the first store that moves bytes), with registrations
@@ -252,8 +273,10 @@ class NamespaceTransport(Transport):
     def descriptor(self) -> dict[str, Any]:
         with self._lock:
             self._check_open()
-            infos = [RegionInfo(self._bases[i], 0, b"") if s is None else self._worker.region(s)
-                     for i, s in enumerate(self._slots)]
+            infos = [
+                RegionInfo(self._bases[i], 0, b"") if s is None else self._worker.region(s)
+                for i, s in enumerate(self._slots)
+            ]
         return self._worker.descriptor(infos)
 
     def _key(self, peer: Hashable) -> Hashable:
@@ -271,7 +294,11 @@ class NamespaceTransport(Transport):
 
     @property
     def peers(self) -> list[Hashable]:
-        return [k[1] for k in self._worker.peers if isinstance(k, tuple) and len(k) == 2 and k[0] == self.namespace]
+        return [
+            k[1]
+            for k in self._worker.peers
+            if isinstance(k, tuple) and len(k) == 2 and k[0] == self.namespace
+        ]
 
     def get(self, ops: np.ndarray, *, timeout: float | None = None) -> None:
         self._check_open()
@@ -295,6 +322,7 @@ class NamespaceTransport(Transport):
 
 # ---- the hub --------------------------------------------------------------------------------------
 
+
 class SessionHub:
     """Opens many single-writer namespaces in one process, sharing one etcd connection, one
     lease, one retention thread and one UCX worker (module docstring).
@@ -313,22 +341,42 @@ class SessionHub:
         TypeError: an option :class:`Store` does not take.
     """
 
-    def __init__(self, *, etcd: str | Sequence[str] | EtcdConfig | None = None, etcd_ca: str | None = None,
-                 etcd_cert: str | None = None, etcd_key: str | None = None, etcd_user: str | None = None,
-                 etcd_password: str | None = None, lease_ttl: float = 10.0, transport: str = "auto",
-                 window: int = 256, op_timeout: float = 5.0, retry_deadline: float = 15.0, **options: Any):
+    def __init__(
+        self,
+        *,
+        etcd: str | Sequence[str] | EtcdConfig | None = None,
+        etcd_ca: str | None = None,
+        etcd_cert: str | None = None,
+        etcd_key: str | None = None,
+        etcd_user: str | None = None,
+        etcd_password: str | None = None,
+        lease_ttl: float = 10.0,
+        transport: str = "auto",
+        window: int = 256,
+        op_timeout: float = 5.0,
+        retry_deadline: float = 15.0,
+        **options: Any,
+    ):
         from astate_store.store import Store  # store.py imports nothing of this module
 
         self._store_cls = Store
         _check_options(options, Store)
-        self.config = EtcdConfig.from_args(etcd or None, ca=etcd_ca, cert=etcd_cert, key=etcd_key, user=etcd_user,
-                                           password=etcd_password, default_endpoint=shared_endpoint)
+        self.config = EtcdConfig.from_args(
+            etcd or None,
+            ca=etcd_ca,
+            cert=etcd_cert,
+            key=etcd_key,
+            user=etcd_user,
+            password=etcd_password,
+            default_endpoint=shared_endpoint,
+        )
         self.lease_ttl, self.transport_mode, self.window = float(lease_ttl), transport, int(window)
         # Small session states are read whole: pre-packing copies would save readers nothing and
         # cost each put a read of the consumer records (and each session a watch).
         self.options = {"prepack": False, **options}
-        self.client = EtcdClient(self.config, "_hub", lease_ttl=lease_ttl, op_timeout=op_timeout,
-                                 retry_deadline=retry_deadline)
+        self.client = EtcdClient(
+            self.config, "_hub", lease_ttl=lease_ttl, op_timeout=op_timeout, retry_deadline=retry_deadline
+        )
         """The one etcd connection (its key prefix is unused: each store has a namespace view)."""
         self._runner = Runner("astate-retention-hub")
         self._transport = _SharedTransport()
@@ -375,19 +423,31 @@ class SessionHub:
     def _forget(self, view: _NamespaceClient) -> None:
         with self._lock:
             self._views.discard(view)
-            if self._stores.get(view.namespace) is not None and self._stores[view.namespace].catalog.client is view:
+            if (
+                self._stores.get(view.namespace) is not None
+                and self._stores[view.namespace].catalog.client is view
+            ):
                 del self._stores[view.namespace]
 
     def _transport_factory(self, namespace: str) -> Callable[[str, int], Transport]:
         def make(mode: str, window: int) -> Transport:
-            return NamespaceTransport(self._transport, self._transport.get(self.transport_mode, self.window),
-                                      namespace)
+            return NamespaceTransport(
+                self._transport, self._transport.get(self.transport_mode, self.window), namespace
+            )
+
         return make
 
     # ---- stores ---------------------------------------------------------------------------
 
-    def open(self, namespace: str, *, rank: int = 0, world_size: int = 1, retention: int | None = None,
-             **options: Any) -> Any:
+    def open(
+        self,
+        namespace: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        retention: int | None = None,
+        **options: Any,
+    ) -> Any:
         """An ordinary :class:`~astate_store.Store` of ``namespace`` over the shared parts
         (``put``, ``get_into``, ``get``, ``recover``, ``close`` as usual). Its ``close`` leaves the
         hub and the other stores working.
@@ -401,7 +461,9 @@ class SessionHub:
             if self._closed:
                 raise CatalogError("the session hub is closed")
             if namespace in self._stores:
-                raise CatalogError(f"namespace {namespace!r} is already open in this hub (one writer per namespace)")
+                raise CatalogError(
+                    f"namespace {namespace!r} is already open in this hub (one writer per namespace)"
+                )
             self._stores[namespace] = None  # reserved while it opens
         try:
             store = self._make(namespace, rank, world_size, retention, {**self.options, **options})
@@ -413,21 +475,36 @@ class SessionHub:
             self._stores[namespace] = store
         return store
 
-    def _make(self, namespace: str, rank: int, world_size: int, retention: int | None,
-              options: dict[str, Any]) -> Any:
+    def _make(
+        self, namespace: str, rank: int, world_size: int, retention: int | None, options: dict[str, Any]
+    ) -> Any:
         keep = options.pop("retention", 4) if retention is None else retention
         view = _NamespaceClient(self, namespace)
         try:
-            catalog = Catalog(self.config, namespace, retention=keep, lease_ttl=self.lease_ttl, client=view,
-                              retention_runner=self._runner.job)
+            catalog = Catalog(
+                self.config,
+                namespace,
+                retention=keep,
+                lease_ttl=self.lease_ttl,
+                client=view,
+                retention_runner=self._runner.job,
+            )
         except BaseException:
             view._closed = True
             raise
         with self._lock:
             self._views.add(view)
-        return self._store_cls(namespace, catalog=catalog, rank=rank, world_size=world_size,
-                               transport=self.transport_mode, lease_ttl=self.lease_ttl, window=self.window,
-                               transport_factory=self._transport_factory(namespace), **options)
+        return self._store_cls(
+            namespace,
+            catalog=catalog,
+            rank=rank,
+            world_size=world_size,
+            transport=self.transport_mode,
+            lease_ttl=self.lease_ttl,
+            window=self.window,
+            transport_factory=self._transport_factory(namespace),
+            **options,
+        )
 
     def close(self) -> None:
         """Close every store of the hub (their records vanish), then the shared parts: the
@@ -452,7 +529,7 @@ class SessionHub:
         self.client.close(revoke=True)
         log.info("session hub closed (%d stores)", len(stores))
 
-    def __enter__(self) -> "SessionHub":
+    def __enter__(self) -> SessionHub:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -463,13 +540,18 @@ def _check_options(options: Mapping[str, Any], store_cls: Any) -> None:
     """Raises TypeError for an option the hub fixes or :class:`Store` does not take."""
     import inspect
 
-    fixed = [k for k in options if k in _SHARED_OPTIONS or k in ("catalog", "transport_factory", "endpoint", "etcd")]
+    fixed = [
+        k
+        for k in options
+        if k in _SHARED_OPTIONS or k in ("catalog", "transport_factory", "endpoint", "etcd")
+    ]
     if fixed:
         raise TypeError(f"SessionHub fixes {fixed} for all its stores: give them to SessionHub(...)")
     from astate_store.context import StoreOptions
 
-    known = (set(inspect.signature(store_cls.__init__).parameters) | set(StoreOptions.__dataclass_fields__)) \
-        - {"self", "namespace", "fields"}
+    known = (
+        set(inspect.signature(store_cls.__init__).parameters) | set(StoreOptions.__dataclass_fields__)
+    ) - {"self", "namespace", "fields"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"unknown Store options {unknown}")
@@ -479,4 +561,3 @@ def connect_many(*, etcd: str | Sequence[str] | EtcdConfig | None = None, **opti
     """A :class:`SessionHub`: ``hub.open(namespace)`` returns a ``Store`` sharing the hub's etcd
     connection, lease, retention thread and UCX worker."""
     return SessionHub(etcd=etcd, **options)
-

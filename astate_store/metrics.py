@@ -18,8 +18,9 @@ import bisect
 import logging
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -27,8 +28,20 @@ from prometheus_client.registry import Collector
 
 from astate_store.model.progress import Progress, ProgressCounter
 
-__all__ = ["PHASES", "PULL_OUTCOMES", "PUT_MODES", "BUCKETS", "PullStats", "Stats", "PullTimes", "StoreMetrics",
-           "REGISTRY", "register", "serve", "served_port"]
+__all__ = [
+    "PHASES",
+    "PULL_OUTCOMES",
+    "PUT_MODES",
+    "BUCKETS",
+    "PullStats",
+    "Stats",
+    "PullTimes",
+    "StoreMetrics",
+    "REGISTRY",
+    "register",
+    "serve",
+    "served_port",
+]
 
 log = logging.getLogger("astate_store.metrics")
 
@@ -37,8 +50,31 @@ PULL_OUTCOMES = ("ok", "timeout", "torn", "unreachable", "corrupted", "error")
 PUT_MODES = ("copy", "in_place", "streamed")
 # Seconds: a steady pull's phases take tens of microseconds (cached plan) to seconds (a large
 # transfer); waits and first pulls of a big model take minutes.
-BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-           1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+BUCKETS = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 
 
 class Histogram:
@@ -59,7 +95,7 @@ class Histogram:
     def count(self) -> int:
         return sum(self.counts)
 
-    def add(self, other: "Histogram") -> None:
+    def add(self, other: Histogram) -> None:
         for i, n in enumerate(other.counts):
             self.counts[i] += n
         self.sum += other.sum
@@ -115,8 +151,9 @@ class Stats:
     and ``last_pull``.
 
     Publisher side: ``puts``, ``put_bytes`` (this rank's bytes published), ``put_seconds``,
-    ``put_errors`` (puts that raised, e.g. fenced by a newer session), ``commits`` (puts that completed their version), ``streamed_puts`` (larger than the staging
-    cap), ``layouts_published``, ``registrations`` (caller memory registered now: in-place puts
+    ``put_errors`` (puts that raised, e.g. fenced by a newer session), ``commits`` (puts that
+    completed their version), ``streamed_puts`` (larger than the staging cap), ``layouts_published``,
+    ``registrations`` (caller memory registered now: in-place puts
     and ``serve``), ``snapshot_bytes`` and ``conversion_bytes`` (staging held now).
 
     Catalog: ``bad_records`` (records read from etcd that failed their checks and were skipped),
@@ -158,7 +195,17 @@ class PullTimes:
     """Seconds per phase of one pull in progress (attempts add up), and its progress callback
     (``progress``; ``counter`` reports to it once the pull's size is known)."""
 
-    __slots__ = ("wait", "metadata", "plan", "transfer", "convert", "torn", "failovers", "progress", "counter")
+    __slots__ = (
+        "wait",
+        "metadata",
+        "plan",
+        "transfer",
+        "convert",
+        "torn",
+        "failovers",
+        "progress",
+        "counter",
+    )
 
     def __init__(self, progress: Progress | None):
         self.wait = self.metadata = self.plan = self.transfer = self.convert = 0.0
@@ -168,8 +215,20 @@ class PullTimes:
 
 
 # Counters a store adds to (also kept for closed stores, per label set).
-_COUNTERS = ("pull_bytes", "torn_retries", "failovers", "plans", "plan_hits", "reads", "local_conversions",
-             "put_bytes", "put_errors", "commits", "streamed_puts", "layouts_published")
+_COUNTERS = (
+    "pull_bytes",
+    "torn_retries",
+    "failovers",
+    "plans",
+    "plan_hits",
+    "reads",
+    "local_conversions",
+    "put_bytes",
+    "put_errors",
+    "commits",
+    "streamed_puts",
+    "layouts_published",
+)
 
 
 class StoreMetrics:
@@ -200,7 +259,9 @@ class StoreMetrics:
         if self.latest_step is None or step > self.latest_step:
             self.latest_step = step
 
-    def pulled(self, t: PullTimes, step: int, nbytes: int, reads: int, conversions: int, seconds: float) -> None:
+    def pulled(
+        self, t: PullTimes, step: int, nbytes: int, reads: int, conversions: int, seconds: float
+    ) -> None:
         """A good pull: once per ``get_into``, whatever the number of tensors."""
         self.pulls_by["ok"] += 1
         self.pull_bytes += nbytes
@@ -215,8 +276,20 @@ class StoreMetrics:
         self.pull_total.observe(seconds)
         self.delivered_step = step
         self.saw_step(step)
-        self.last_pull = PullStats(step, nbytes, reads, conversions, t.torn, t.failovers, t.wait, t.metadata,
-                                   t.plan, t.transfer, t.convert, seconds)
+        self.last_pull = PullStats(
+            step,
+            nbytes,
+            reads,
+            conversions,
+            t.torn,
+            t.failovers,
+            t.wait,
+            t.metadata,
+            t.plan,
+            t.transfer,
+            t.convert,
+            seconds,
+        )
 
     def pull_failed(self, outcome: str) -> None:
         self.pulls_by[outcome if outcome in self.pulls_by else "error"] += 1
@@ -245,10 +318,19 @@ class StoreMetrics:
         errors = sum(n for k, n in self.pulls_by.items() if k != "ok")
         known = {f.name for f in fields(Stats)}
         base = {name: getattr(self, name) for name in _COUNTERS}
-        return Stats(**base, pulls=self.pulls, puts=self.puts, pull_errors=errors, pull_seconds=self.pull_total.sum, put_seconds=self.put_total.sum,
-                     registrations=self.registrations, latest_step=self.latest_step,
-                     delivered_step=self.delivered_step, last_pull=self.last_pull,
-                     **{k: v for k, v in live.items() if k in known})
+        return Stats(
+            **base,
+            pulls=self.pulls,
+            puts=self.puts,
+            pull_errors=errors,
+            pull_seconds=self.pull_total.sum,
+            put_seconds=self.put_total.sum,
+            registrations=self.registrations,
+            latest_step=self.latest_step,
+            delivered_step=self.delivered_step,
+            last_pull=self.last_pull,
+            **{k: v for k, v in live.items() if k in known},
+        )
 
     def close(self) -> None:
         """The store closed: its figures stay in the totals of its labels, and it leaves the
@@ -289,7 +371,7 @@ class _Retired:
 _LIVE_COUNTERS = ("bad_records", "etcd_rpcs", "etcd_background_rpcs", "etcd_retries")
 
 _LOCK = threading.Lock()
-_LIVE: "weakref.WeakSet[StoreMetrics]" = weakref.WeakSet()  # a store dropped unclosed just leaves
+_LIVE: weakref.WeakSet[StoreMetrics] = weakref.WeakSet()  # a store dropped unclosed just leaves
 _RETIRED: dict[tuple[str, str], _Retired] = {}
 
 
@@ -343,8 +425,10 @@ class _Collector(Collector):
         return iter(())  # collected on demand; nothing to check at registration
 
 
-def _families(groups: dict[tuple[str, str], list[tuple[StoreMetrics, dict[str, int]]]],
-              retired: dict[tuple[str, str], _Retired]) -> Iterator[Metric]:
+def _families(
+    groups: dict[tuple[str, str], list[tuple[StoreMetrics, dict[str, int]]]],
+    retired: dict[tuple[str, str], _Retired],
+) -> Iterator[Metric]:
     def total(labels: tuple[str, str], name: str, live: bool = False) -> float:
         r = retired.get(labels)
         base = (r.live if live else r.counters).get(name, 0) if r is not None else 0
@@ -354,7 +438,9 @@ def _families(groups: dict[tuple[str, str], list[tuple[StoreMetrics, dict[str, i
 
     def by(labels: tuple[str, str], attr: str, key: str) -> int:
         r = retired.get(labels)
-        return (getattr(r, attr)[key] if r is not None else 0) + sum(getattr(m, attr)[key] for m, _ in groups[labels])
+        return (getattr(r, attr)[key] if r is not None else 0) + sum(
+            getattr(m, attr)[key] for m, _ in groups[labels]
+        )
 
     def hist(labels: tuple[str, str], pick: Callable[[Any], Histogram]) -> Histogram:
         h = Histogram()
@@ -367,8 +453,9 @@ def _families(groups: dict[tuple[str, str], list[tuple[StoreMetrics, dict[str, i
 
     pulls = CounterMetricFamily("astate_pulls", "get_into calls by outcome.", labels=[*_LABELS, "outcome"])
     puts = CounterMetricFamily("astate_puts", "put calls completed, by mode.", labels=[*_LABELS, "mode"])
-    rpcs = CounterMetricFamily("astate_etcd_rpcs", "etcd request attempts (foreground: callers' paths).",
-                               labels=[*_LABELS, "kind"])
+    rpcs = CounterMetricFamily(
+        "astate_etcd_rpcs", "etcd request attempts (foreground: callers' paths).", labels=[*_LABELS, "kind"]
+    )
     for labels in groups:
         for o in PULL_OUTCOMES:
             pulls.add_metric([*labels, o], by(labels, "pulls_by", o))
@@ -390,11 +477,15 @@ def _families(groups: dict[tuple[str, str], list[tuple[StoreMetrics, dict[str, i
             fam.add_metric(list(labels), total(labels, name, live=True))
         yield fam
 
-    phase = HistogramMetricFamily("astate_pull_seconds", "Seconds per phase of each successful get_into "
-                                  "(wait, metadata, plan, transfer, convert; every pull observes every phase).",
-                                  labels=[*_LABELS, "phase"])
-    whole = HistogramMetricFamily("astate_pull_duration_seconds", "Seconds of each successful get_into.",
-                                  labels=_LABELS)
+    phase = HistogramMetricFamily(
+        "astate_pull_seconds",
+        "Seconds per phase of each successful get_into "
+        "(wait, metadata, plan, transfer, convert; every pull observes every phase).",
+        labels=[*_LABELS, "phase"],
+    )
+    whole = HistogramMetricFamily(
+        "astate_pull_duration_seconds", "Seconds of each successful get_into.", labels=_LABELS
+    )
     put = HistogramMetricFamily("astate_put_seconds", "Seconds of each put.", labels=_LABELS)
     for labels in groups:
         for p in PHASES:
@@ -413,12 +504,18 @@ def _families(groups: dict[tuple[str, str], list[tuple[StoreMetrics, dict[str, i
 
 def _gauges(groups: dict[tuple[str, str], list[tuple[StoreMetrics, dict[str, int]]]]) -> Iterator[Metric]:
     """Current state: only live stores count (a closed store holds nothing)."""
-    latest = GaugeMetricFamily("astate_latest_step", "Newest committed step this process has seen.", labels=_LABELS)
-    delivered = GaugeMetricFamily("astate_delivered_step", "Step the last get_into delivered.", labels=_LABELS)
-    staging = GaugeMetricFamily("astate_staging_bytes", "Staging memory held (snapshot slots, conversion).",
-                                labels=[*_LABELS, "kind"])
-    regs = GaugeMetricFamily("astate_registrations", "Caller memory regions registered (in-place puts, serve).",
-                             labels=_LABELS)
+    latest = GaugeMetricFamily(
+        "astate_latest_step", "Newest committed step this process has seen.", labels=_LABELS
+    )
+    delivered = GaugeMetricFamily(
+        "astate_delivered_step", "Step the last get_into delivered.", labels=_LABELS
+    )
+    staging = GaugeMetricFamily(
+        "astate_staging_bytes", "Staging memory held (snapshot slots, conversion).", labels=[*_LABELS, "kind"]
+    )
+    regs = GaugeMetricFamily(
+        "astate_registrations", "Caller memory regions registered (in-place puts, serve).", labels=_LABELS
+    )
     stores = GaugeMetricFamily("astate_stores", "Open stores.", labels=_LABELS)
     for labels, items in groups.items():
         if not items:
@@ -464,7 +561,7 @@ def serve(port: int, addr: str = "127.0.0.1") -> int:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"metrics_port must be a port number 0..65535 (0: any free port), got {port!r}")
     with _LOCK:
-        for (a, p) in _SERVERS:
+        for a, p in _SERVERS:
             if a == addr and port in (0, p):
                 return p
         server, _thread = start_http_server(port, addr=addr, registry=REGISTRY)

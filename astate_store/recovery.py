@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from astate_store import checkpoint as ckpt
 from astate_store.catalog import CheckpointEntry
-from astate_store.checkpoint.storage import resolve as resolve_uri
+from astate_store.catalog.agreement import RecoveryPlan
 from astate_store.catalog.checkpoints import commit_epoch, pieces_present
 from astate_store.catalog.records import Version
-from astate_store.catalog.agreement import RecoveryPlan
+from astate_store.checkpoint.storage import resolve as resolve_uri
 from astate_store.context import StoreContext
 from astate_store.errors import (
     CheckpointError,
@@ -28,9 +29,9 @@ from astate_store.errors import (
     WaitTimeout,
 )
 from astate_store.model.layout import TensorLike, check_step, group_layouts
-from astate_store.put.publisher import Publisher
 from astate_store.model.progress import Progress
 from astate_store.model.state_dict import NonTensors, normalize
+from astate_store.put.publisher import Publisher
 
 __all__ = ["Recovery"]
 
@@ -48,8 +49,16 @@ class Recovery:
         self._restored: dict[int, str] = {}  # step -> checkpoint uri this store restored it from
         self._fetched_meta: bytes | None = None  # this rank's meta of the step recover() fetched
 
-    def checkpoint(self, step: int, uri: str, asynchronous: bool, progress: Progress | None = None,
-                   timeout: float = 60.0, keep_last: int | None = None, keep_every: int | None = None) -> Any:
+    def checkpoint(
+        self,
+        step: int,
+        uri: str,
+        asynchronous: bool,
+        progress: Progress | None = None,
+        timeout: float = 60.0,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+    ) -> Any:
         """Write this rank's shards of ``step`` once it commits; see ``Store.checkpoint``.
 
         1. Wait (bounded by ``timeout``) for ``step`` to commit: right after ``put`` on a rank
@@ -66,8 +75,10 @@ class Recovery:
             raise CheckpointError(f"checkpoint of step {step}: this store has no publisher session")
         version = _await_commit(self.ctx, check_step(step, CheckpointError), timeout)
         if version.epoch != s.epoch:
-            raise CheckpointError(f"step {step} was committed by session epoch {version.epoch}, not by this store's "
-                                  f"session (epoch {s.epoch})")
+            raise CheckpointError(
+                f"step {step} was committed by session epoch {version.epoch}, not by this store's "
+                f"session (epoch {s.epoch})"
+            )
         # Every rank's boxes from the version's manifests (leaseless): replicas are written once
         # whichever ranks are still alive.
         manifests = cat.versions.manifests_of(version)
@@ -79,20 +90,25 @@ class Recovery:
         def finish() -> bool:
             done = ckpt.try_commit(uri, step, world, attempt=s.session_id)
             if done:
-                cat.checkpoints.record(CheckpointEntry(step, str(uri), world,
-                                                       sum(t.nbytes for t in layouts.values()), time.time()))
+                cat.checkpoints.record(
+                    CheckpointEntry(
+                        step, str(uri), world, sum(t.nbytes for t in layouts.values()), time.time()
+                    )
+                )
                 if policy is not None:
                     self._retain(uri, step, policy)
             return done
 
         if not asynchronous:
-            ckpt.write_part(uri, step, self.ctx.rank, world, shards, attempt=s.session_id, progress=progress,
-                            meta=meta)
+            ckpt.write_part(
+                uri, step, self.ctx.rank, world, shards, attempt=s.session_id, progress=progress, meta=meta
+            )
             return finish()
         if self._async is None:
             self._async = ckpt.AsyncCheckpointer()
-        part = self._async.save(uri, step, self.ctx.rank, world, shards, attempt=s.session_id, progress=progress,
-                                meta=meta)
+        part = self._async.save(
+            uri, step, self.ctx.rank, world, shards, attempt=s.session_id, progress=progress, meta=meta
+        )
         return _then(part, finish)
 
     def _retain(self, uri: str, step: int, policy: ckpt.RetentionPolicy) -> None:
@@ -111,8 +127,13 @@ class Recovery:
         except Exception as exc:  # the checkpoint itself is complete; the next one retries
             log.warning("%s under %s failed: %s", who, uri, exc)
 
-    def restore(self, buffers: Mapping[str, TensorLike], uri: str | None, step: int | None,
-                progress: Progress | None = None) -> int:
+    def restore(
+        self,
+        buffers: Mapping[str, TensorLike],
+        uri: str | None,
+        step: int | None,
+        progress: Progress | None = None,
+    ) -> int:
         """Fill buffers from ``uri``, or the newest checkpoint the catalog knows; see ``Store.restore``.
 
         From the catalog, an entry whose checkpoint is gone from storage (retention elsewhere, a
@@ -123,15 +144,22 @@ class Recovery:
             return got
         known = [c for c in self.ctx.catalog.checkpoints.list() if step is None or c.step == step]
         if not known:
-            raise CheckpointNotFound(f"namespace {self.ctx.namespace!r}: the catalog knows no checkpoint"
-                                     + ("" if step is None else f" of step {step}"))
+            raise CheckpointNotFound(
+                f"namespace {self.ctx.namespace!r}: the catalog knows no checkpoint"
+                + ("" if step is None else f" of step {step}")
+            )
         for i, entry in enumerate(reversed(known)):
             try:
                 got = int(ckpt.restore(entry.uri, buffers, step=entry.step, progress=progress))
             except CheckpointNotFound as exc:  # raised before any byte is copied
                 if i == len(known) - 1:
                     raise
-                log.info("restore: catalog entry step %d at %s: %s; trying an older one", entry.step, entry.uri, exc)
+                log.info(
+                    "restore: catalog entry step %d at %s: %s; trying an older one",
+                    entry.step,
+                    entry.uri,
+                    exc,
+                )
                 continue
             self._restored[got] = str(entry.uri)
             return got
@@ -203,8 +231,12 @@ class Recovery:
         mine: Exception | None = None  # this rank's own failure in the last fetch round
         while plan.action == "fetch":
             mine = self._fetch(tensors, plan, deadline)
-            agree.report(plan.round, mine is None, step=plan.step if mine is None else None,
-                         error="" if mine is None else _why(mine))
+            agree.report(
+                plan.round,
+                mine is None,
+                step=plan.step if mine is None else None,
+                error="" if mine is None else _why(mine),
+            )
             if s.rank == 0:
                 plan = self._next_plan(plan, deadline, timeout, uri)
             else:
@@ -219,8 +251,14 @@ class Recovery:
         if latest is not None and plan.step < latest:
             # Steps only move forward: a checkpoint older than the newest commit cannot be
             # committed again. The tensors hold it; the trainer goes on with steps > latest.
-            log.warning("rank %d: recovered step %d from a checkpoint older than the newest committed step %d; "
-                        "not republished (number the next step from %d)", s.rank, plan.step, latest, latest + 1)
+            log.warning(
+                "rank %d: recovered step %d from a checkpoint older than the newest committed step %d; "
+                "not republished (number the next step from %d)",
+                s.rank,
+                plan.step,
+                latest,
+                latest + 1,
+            )
             return plan.step
         self.publisher.put(plan.step, entries, copy=True, meta=self._fetched_meta)
         return plan.step
@@ -232,44 +270,88 @@ class Recovery:
         agree, ns = self.ctx.catalog.agreement, self.ctx.namespace
         latest = self.ctx.catalog.versions.latest()
         if latest is not None:
-            return agree.decide(rnd, "fetch", f"namespace {ns!r}: step {latest} is the newest committed step; "
-                                "fetching it from its live sources", step=latest, source="live")
+            return agree.decide(
+                rnd,
+                "fetch",
+                f"namespace {ns!r}: step {latest} is the newest committed step; "
+                "fetching it from its live sources",
+                step=latest,
+                source="live",
+            )
         found, where = self._newest_checkpoint(uri)
         if found is None:
             return agree.decide(rnd, "nothing", f"namespace {ns!r}: nothing was ever committed, and {where}")
-        return agree.decide(rnd, "fetch", f"namespace {ns!r}: nothing is committed; the newest complete checkpoint "
-                            f"is step {found[0]} at {found[1]}", step=found[0], source="checkpoint", uri=found[1])
+        return agree.decide(
+            rnd,
+            "fetch",
+            f"namespace {ns!r}: nothing is committed; the newest complete checkpoint "
+            f"is step {found[0]} at {found[1]}",
+            step=found[0],
+            source="checkpoint",
+            uri=found[1],
+        )
 
-    def _next_plan(self, plan: RecoveryPlan, deadline: float, timeout: float, uri: str | None) -> RecoveryPlan:
+    def _next_plan(
+        self, plan: RecoveryPlan, deadline: float, timeout: float, uri: str | None
+    ) -> RecoveryPlan:
         """Rank 0, after a fetch round: once every rank reported, what all of them do next."""
         agree, s, ns = self.ctx.catalog.agreement, self.ctx.catalog.sessions.require(), self.ctx.namespace
         rnd, what = plan.round + 1, _source_text(plan)
         outcomes, decided, gone = agree.wait_outcomes(plan.round, s.world_size, deadline)
         if decided is not None:
             return decided  # another rank gave up waiting and wrote the plan first
-        missing = {r: ("left the session before reporting (its lease expired)" if r in gone
-                       else f"did not report within {timeout:g}s")
-                   for r in range(s.world_size) if r not in outcomes}
+        missing = {
+            r: (
+                "left the session before reporting (its lease expired)"
+                if r in gone
+                else f"did not report within {timeout:g}s"
+            )
+            for r in range(s.world_size)
+            if r not in outcomes
+        }
         if missing:
-            return agree.decide(rnd, "fail", f"namespace {ns!r}: recovery of step {plan.step} (session epoch "
-                                f"{s.epoch}) from {what} did not finish: {_ranks_text(missing)}",
-                                step=plan.step, failures=missing)
+            return agree.decide(
+                rnd,
+                "fail",
+                f"namespace {ns!r}: recovery of step {plan.step} (session epoch "
+                f"{s.epoch}) from {what} did not finish: {_ranks_text(missing)}",
+                step=plan.step,
+                failures=missing,
+            )
         failed = {r: o.error for r, o in sorted(outcomes.items()) if not o.ok}
         if not failed:
-            return agree.decide(rnd, "publish", f"every rank holds step {plan.step} from {what}", step=plan.step)
+            return agree.decide(
+                rnd, "publish", f"every rank holds step {plan.step} from {what}", step=plan.step
+            )
         tried = f"{what} failed on {_ranks_text(failed)}"
         if plan.source == "live":
             found, where = self._newest_checkpoint(uri)
             if found is not None:
-                return agree.decide(rnd, "fetch", f"namespace {ns!r}: {tried}; fetching the newest complete "
-                                    f"checkpoint, step {found[0]} at {found[1]}", step=found[0],
-                                    source="checkpoint", uri=found[1])
-            return agree.decide(rnd, "fail", f"namespace {ns!r}: no step can be recovered by every rank of session "
-                                f"epoch {s.epoch}: the newest committed step is {plan.step}, {tried}, and {where}",
-                                step=plan.step, failures=failed)
-        return agree.decide(rnd, "fail", f"namespace {ns!r}: step {plan.step} cannot be recovered by every rank of "
-                            f"session epoch {s.epoch}: {tried} (before: {plan.reason})", step=plan.step,
-                            failures=failed)
+                return agree.decide(
+                    rnd,
+                    "fetch",
+                    f"namespace {ns!r}: {tried}; fetching the newest complete "
+                    f"checkpoint, step {found[0]} at {found[1]}",
+                    step=found[0],
+                    source="checkpoint",
+                    uri=found[1],
+                )
+            return agree.decide(
+                rnd,
+                "fail",
+                f"namespace {ns!r}: no step can be recovered by every rank of session "
+                f"epoch {s.epoch}: the newest committed step is {plan.step}, {tried}, and {where}",
+                step=plan.step,
+                failures=failed,
+            )
+        return agree.decide(
+            rnd,
+            "fail",
+            f"namespace {ns!r}: step {plan.step} cannot be recovered by every rank of "
+            f"session epoch {s.epoch}: {tried} (before: {plan.reason})",
+            step=plan.step,
+            failures=failed,
+        )
 
     def _await_plan(self, rnd: int, deadline: float, timeout: float) -> RecoveryPlan:
         """Ranks > 0: the plan of round ``rnd``; past the deadline, this rank writes a failure
@@ -279,10 +361,17 @@ class Recovery:
         if plan is not None:
             return plan
         why = f"wrote no recovery plan for round {rnd} within {timeout:g}s (rank {s.rank} gave up waiting)"
-        return agree.decide(rnd, "fail", f"namespace {self.ctx.namespace!r}: recovery of session epoch {s.epoch} "
-                            f"did not finish: rank 0 {why}", failures={0: why})
+        return agree.decide(
+            rnd,
+            "fail",
+            f"namespace {self.ctx.namespace!r}: recovery of session epoch {s.epoch} "
+            f"did not finish: rank 0 {why}",
+            failures={0: why},
+        )
 
-    def _fetch(self, tensors: Mapping[str, TensorLike], plan: RecoveryPlan, deadline: float) -> Exception | None:
+    def _fetch(
+        self, tensors: Mapping[str, TensorLike], plan: RecoveryPlan, deadline: float
+    ) -> Exception | None:
         """Fill the tensors with the plan's step from its source; the error, or None when done."""
         try:
             if plan.source == "live":
@@ -294,11 +383,22 @@ class Recovery:
                 raise RecoveryError(f"fetched step {got} instead of step {plan.step}")
             self._fetched_meta = self._meta_of_fetched(plan)
         except Exception as exc:  # reported to the other ranks; raised (as RecoveryError) by all of them
-            log.warning("rank %d: recovery round %d: step %s from %s failed: %s", self.ctx.rank, plan.round,
-                        plan.step, _source_text(plan), _why(exc))
+            log.warning(
+                "rank %d: recovery round %d: step %s from %s failed: %s",
+                self.ctx.rank,
+                plan.round,
+                plan.step,
+                _source_text(plan),
+                _why(exc),
+            )
             return exc
-        log.info("rank %d: recovery round %d: holds step %d from %s", self.ctx.rank, plan.round, got,
-                 _source_text(plan))
+        log.info(
+            "rank %d: recovery round %d: holds step %d from %s",
+            self.ctx.rank,
+            plan.round,
+            got,
+            _source_text(plan),
+        )
         return None
 
     def _meta_of_fetched(self, plan: RecoveryPlan) -> bytes | None:
@@ -315,7 +415,9 @@ class Recovery:
         try:
             if uri is not None:
                 steps = ckpt.list_checkpoints(uri)
-                return ((steps[-1], str(uri)) if steps else None), f"no complete checkpoint exists under {uri}"
+                return (
+                    (steps[-1], str(uri)) if steps else None
+                ), f"no complete checkpoint exists under {uri}"
             known = self.ctx.catalog.checkpoints.list()
             return ((known[-1].step, known[-1].uri) if known else None), "the catalog knows no checkpoint"
         except Exception as exc:  # the plan says why instead: the other ranks must not wait for it
@@ -349,26 +451,42 @@ def _await_commit(ctx: StoreContext, step: int, timeout: float) -> Version:
         except VersionNotFound:
             pass
         missing = sorted(set(range(s.world_size)) - pieces_present(cat.client, step, s.epoch))
-        what = (f"namespace {ns!r}: step {step} is not committed and cannot be checkpointed: pieces of ranks "
-                f"{missing} (of {s.world_size}) are missing")
+        what = (
+            f"namespace {ns!r}: step {step} is not committed and cannot be checkpointed: pieces of ranks "
+            f"{missing} (of {s.world_size}) are missing"
+        )
         now_epoch, latest = cat.sessions.epoch(), cat.versions.latest()
         if now_epoch != s.epoch:
-            raise CheckpointNotCommitted(f"{what}, and session epoch {s.epoch} was fenced by epoch {now_epoch}",
-                                         step=step, missing=missing, reason="fenced")
+            raise CheckpointNotCommitted(
+                f"{what}, and session epoch {s.epoch} was fenced by epoch {now_epoch}",
+                step=step,
+                missing=missing,
+                reason="fenced",
+            )
         if latest is not None and latest > step:
-            raise CheckpointNotCommitted(f"{what}, and step {latest} is already committed (steps only move "
-                                         "forward: it can never commit; or it did, and the catalog's version "
-                                         "retention dropped it)", step=step, missing=missing, reason="stale")
+            raise CheckpointNotCommitted(
+                f"{what}, and step {latest} is already committed (steps only move "
+                "forward: it can never commit; or it did, and the catalog's version "
+                "retention dropped it)",
+                step=step,
+                missing=missing,
+                reason="stale",
+            )
         # A rank that is no live member either has not joined yet (sessions open at the first
         # put) or has left; once a step of this epoch committed, every rank had joined.
         gone = sorted(set(missing) - cat.sessions.live_ranks(s.epoch) - {s.rank})
         if gone and latest is not None and commit_epoch(cat.client, latest) == s.epoch:
-            raise CheckpointNotCommitted(f"{what}, and ranks {gone} left the session (their leases expired)",
-                                         step=step, missing=missing, reason="rank_gone")
+            raise CheckpointNotCommitted(
+                f"{what}, and ranks {gone} left the session (their leases expired)",
+                step=step,
+                missing=missing,
+                reason="rank_gone",
+            )
         left = deadline - time.monotonic()
         if left <= 0:
-            raise CheckpointNotCommitted(f"{what} after waiting {timeout:g}s", step=step, missing=missing,
-                                         reason="timeout")
+            raise CheckpointNotCommitted(
+                f"{what} after waiting {timeout:g}s", step=step, missing=missing, reason="timeout"
+            )
         try:
             cat.versions.wait_for(step, min(left, 0.5))
         except WaitTimeout:
@@ -383,7 +501,7 @@ def _same_root(a: str, root: str) -> bool:
         return False
 
 
-def _then(part: "Future[Any]", finish: Callable[[], bool]) -> "Future[bool]":
+def _then(part: Future[Any], finish: Callable[[], bool]) -> Future[bool]:
     """A future of ``finish()`` once ``part`` completed; errors of either reach the caller."""
     done: Future[bool] = Future()
 
@@ -404,7 +522,7 @@ _ERROR_CHARS = 600  # of one rank's error in a plan record
 def _why(exc: BaseException) -> str:
     """``<type>: <message>`` of a rank's failure, bounded in length."""
     text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS - 3] + "..."
+    return text if len(text) <= _ERROR_CHARS else text[: _ERROR_CHARS - 3] + "..."
 
 
 def _ranks_text(why: Mapping[int, str]) -> str:
@@ -423,9 +541,17 @@ class StoreRecovery:
 
     _recovery: Recovery
 
-    def checkpoint(self, step: int, uri: str, *, asynchronous: bool = False,
-                   progress: Progress | None = None, timeout: float = 60.0, keep_last: int | None = None,
-                   keep_every: int | None = None) -> Any:
+    def checkpoint(
+        self,
+        step: int,
+        uri: str,
+        *,
+        asynchronous: bool = False,
+        progress: Progress | None = None,
+        timeout: float = 60.0,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+    ) -> Any:
         """Write this rank's shards of version ``step`` to storage (any ``pyarrow.fs`` URI or local
         path); the rank that completes the set commits it and records it in the catalog. Every
         publisher rank calls it, right after its ``put(step)``: it first waits (up to ``timeout``)
@@ -455,8 +581,15 @@ class StoreRecovery:
         """
         return self._recovery.checkpoint(step, uri, asynchronous, progress, timeout, keep_last, keep_every)
 
-    def restore(self, buffers: Mapping[str, Any], *, uri: str | None = None, step: int | None = None,
-                progress: Progress | None = None, non_tensors: NonTensors = "error") -> int:
+    def restore(
+        self,
+        buffers: Mapping[str, Any],
+        *,
+        uri: str | None = None,
+        step: int | None = None,
+        progress: Progress | None = None,
+        non_tensors: NonTensors = "error",
+    ) -> int:
         """Fill preallocated buffers of any layout from a checkpoint: ``uri`` (newest complete step
         there, or ``step``), else the newest complete checkpoint the catalog knows. ``progress``:
         ``progress(done_bytes, total_bytes)`` as bytes are copied (:mod:`astate_store.model.progress`).
@@ -468,8 +601,14 @@ class StoreRecovery:
         buffers = normalize(buffers, "restore(buffers)", non_tensors)
         return self._recovery.restore(buffers, uri, step, progress)
 
-    def recover(self, tensors: Mapping[str, Any], *, timeout: float = 60.0, uri: str | None = None,
-                non_tensors: NonTensors = "error") -> int | None:
+    def recover(
+        self,
+        tensors: Mapping[str, Any],
+        *,
+        timeout: float = 60.0,
+        uri: str | None = None,
+        non_tensors: NonTensors = "error",
+    ) -> int | None:
         """For a (re)started publisher rank: fence the previous session, fill this rank's
         preallocated ``tensors`` with the newest committed state — from live sources (surviving
         replicas, consumers that re-serve it) or else the newest complete checkpoint — and

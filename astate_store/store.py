@@ -12,29 +12,30 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from astate_store import metrics
 from astate_store.catalog import Catalog
 from astate_store.catalog.config import EtcdConfig
 from astate_store.context import StoreContext, StoreOptions, TransportFactory
+from astate_store.errors import LayoutError
+from astate_store.etcd.supervisor import shared_endpoint
 from astate_store.get import kv
-from astate_store import metrics
 from astate_store.get.consumer import Consumer
 from astate_store.get.conversion import Converter
-from astate_store.etcd.supervisor import shared_endpoint
-from astate_store.errors import LayoutError
-from astate_store.model.layout import TensorLike, check_step
 from astate_store.metrics import Stats
+from astate_store.model.layout import TensorLike, check_step
 from astate_store.model.progress import Progress
+from astate_store.model.state_dict import NonTensors, StateDictConverter, normalize
+from astate_store.model.usermeta import decode_meta, encode_meta
 from astate_store.put.publisher import Publisher
-from astate_store.recovery import Recovery, StoreRecovery
 from astate_store.put.registry import Registry
 from astate_store.put.serving import Serving
-from astate_store.model.state_dict import NonTensors, StateDictConverter, normalize
-from astate_store.transport.topology import AffinityChoice
-from astate_store.model.usermeta import decode_meta, encode_meta
+from astate_store.recovery import Recovery, StoreRecovery
 from astate_store.transport import Transport
+from astate_store.transport.topology import AffinityChoice
 
 if TYPE_CHECKING:
     import torch
@@ -44,10 +45,21 @@ __all__ = ["connect", "Store", "StagingInfo"]
 log = logging.getLogger("astate_store")
 
 
-def connect(namespace: str, *, etcd: str | Sequence[str] | EtcdConfig | None = None, etcd_ca: str | None = None,
-            etcd_cert: str | None = None, etcd_key: str | None = None, etcd_user: str | None = None,
-            etcd_password: str | None = None, rank: int | None = None, world_size: int | None = None,
-            metrics_port: int | None = None, metrics_addr: str | None = None, **options: Any) -> "Store":
+def connect(
+    namespace: str,
+    *,
+    etcd: str | Sequence[str] | EtcdConfig | None = None,
+    etcd_ca: str | None = None,
+    etcd_cert: str | None = None,
+    etcd_key: str | None = None,
+    etcd_user: str | None = None,
+    etcd_password: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    metrics_port: int | None = None,
+    metrics_addr: str | None = None,
+    **options: Any,
+) -> Store:
     """Open the store of one namespace (one versioned state, e.g. ``"policy"``).
 
     Args:
@@ -79,8 +91,15 @@ def connect(namespace: str, *, etcd: str | Sequence[str] | EtcdConfig | None = N
     """
     if not etcd:
         etcd = None  # "" or []: as if not given (the embedded etcd)
-    config = EtcdConfig.from_args(etcd, ca=etcd_ca, cert=etcd_cert, key=etcd_key, user=etcd_user,
-                                  password=etcd_password, default_endpoint=shared_endpoint)
+    config = EtcdConfig.from_args(
+        etcd,
+        ca=etcd_ca,
+        cert=etcd_cert,
+        key=etcd_key,
+        user=etcd_user,
+        password=etcd_password,
+        default_endpoint=shared_endpoint,
+    )
     r = int(os.environ.get("RANK", 0)) if rank is None else rank
     w = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     if metrics_port is None and os.environ.get("ASTATE_METRICS_PORT", "").strip():
@@ -89,8 +108,9 @@ def connect(namespace: str, *, etcd: str | Sequence[str] | EtcdConfig | None = N
             raise ValueError(f"ASTATE_METRICS_PORT must be a port number (0: any free port), got {env!r}")
         metrics_port = int(env)
     addr = metrics_addr or os.environ.get("ASTATE_METRICS_ADDR") or "127.0.0.1"
-    return Store(namespace, etcd=config, rank=r, world_size=w, metrics_port=metrics_port, metrics_addr=addr,
-                 **options)
+    return Store(
+        namespace, etcd=config, rank=r, world_size=w, metrics_port=metrics_port, metrics_addr=addr, **options
+    )
 
 
 @dataclass(frozen=True)
@@ -126,10 +146,20 @@ class Store(StoreRecovery):
         ValueError: a bad ``replicas`` or ``replica_timeout``.
     """
 
-    def __init__(self, namespace: str, *, endpoint: str | EtcdConfig | None = None, etcd: EtcdConfig | None = None,
-                 rank: int = 0, world_size: int = 1, session_id: str | None = None,
-                 options: StoreOptions | None = None, catalog: Catalog | None = None,
-                 transport_factory: TransportFactory | None = None, **fields: Any):
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        endpoint: str | EtcdConfig | None = None,
+        etcd: EtcdConfig | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        session_id: str | None = None,
+        options: StoreOptions | None = None,
+        catalog: Catalog | None = None,
+        transport_factory: TransportFactory | None = None,
+        **fields: Any,
+    ):
         self.namespace, self.rank, self.world_size = namespace, rank, world_size
         if options is not None and fields:
             raise TypeError(f"give options= or option keywords ({sorted(fields)}), not both")
@@ -137,7 +167,9 @@ class Store(StoreRecovery):
         # catalog / transport_factory: parts shared by many stores of one process (SessionHub,
         # hub.py); a store given a catalog needs no endpoint.
         if catalog is None and (endpoint is None) == (etcd is None):
-            raise TypeError("Store needs exactly one of endpoint= (a string or EtcdConfig) and etcd= (an EtcdConfig)")
+            raise TypeError(
+                "Store needs exactly one of endpoint= (a string or EtcdConfig) and etcd= (an EtcdConfig)"
+            )
         # The process's metrics server first: a taken port fails before anything is created.
         self.metrics_port: int | None = None
         """The port this process serves ``/metrics`` on (None: this store did not ask for it)."""
@@ -145,33 +177,55 @@ class Store(StoreRecovery):
             try:
                 self.metrics_port = metrics.serve(opts.metrics_port, opts.metrics_addr)
             except OSError as exc:  # observability must not stop a trainer: say so, and go on
-                log.warning("namespace %s: cannot serve metrics on %s:%s (%s); no /metrics from this process "
-                            "(give each process on a host its own port, or 0)", namespace, opts.metrics_addr,
-                            opts.metrics_port, exc)
+                log.warning(
+                    "namespace %s: cannot serve metrics on %s:%s (%s); no /metrics from this process "
+                    "(give each process on a host its own port, or 0)",
+                    namespace,
+                    opts.metrics_addr,
+                    opts.metrics_port,
+                    exc,
+                )
         if catalog is None:
             config = EtcdConfig.parse(etcd if etcd is not None else endpoint)  # type: ignore[arg-type]
             catalog = Catalog(config, namespace, retention=opts.retention, lease_ttl=opts.lease_ttl)
         self.catalog = catalog
         self._ctx = StoreContext(
-            namespace, self.catalog, opts, rank=rank, world_size=world_size,
+            namespace,
+            self.catalog,
+            opts,
+            rank=rank,
+            world_size=world_size,
             session_id=session_id or os.environ.get("ASTATE_SESSION_ID") or _torchrun_session(),
             affinity=opts.affinity_config(),
-            **({} if transport_factory is None else {"transport_factory": transport_factory}))
+            **({} if transport_factory is None else {"transport_factory": transport_factory}),
+        )
         registry = Registry(lambda: self._ctx.transport)
         self._publisher = Publisher(self._ctx, registry)
         self._converter = Converter(self._ctx)
         self._consumer = Consumer(self._ctx, self._converter)
         self._ctx.staging_bytes = lambda: (self._publisher.staging[0], self._converter.staging_bytes)
-        self._serving = Serving(self._ctx, registry,
-                                lambda: (self._consumer.delivered_step, self._consumer.buffers.entries))
-        self._recovery = Recovery(self._ctx, self._publisher,
-                                  lambda bufs, step, timeout: self.get_into(bufs, step=step, timeout=timeout))
+        self._serving = Serving(
+            self._ctx, registry, lambda: (self._consumer.delivered_step, self._consumer.buffers.entries)
+        )
+        self._recovery = Recovery(
+            self._ctx,
+            self._publisher,
+            lambda bufs, step, timeout: self.get_into(bufs, step=step, timeout=timeout),
+        )
         # put / get_into take state_dict()-like mappings (DTensors, nested dicts): converted once per
         # call, reusing last call's objects so the validation caches hit (state_dict.py)
-        self._put_sd, self._get_sd = StateDictConverter("put(tensors)"), StateDictConverter("get_into(buffers)")
+        self._put_sd, self._get_sd = (
+            StateDictConverter("put(tensors)"),
+            StateDictConverter("get_into(buffers)"),
+        )
         self._closed = False
-        log.info("namespace %s: store opened (rank %d of %d, etcd %s)", namespace, rank, world_size,
-                 self.catalog.endpoint)
+        log.info(
+            "namespace %s: store opened (rank %d of %d, etcd %s)",
+            namespace,
+            rank,
+            world_size,
+            self.catalog.endpoint,
+        )
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -203,7 +257,9 @@ class Store(StoreRecovery):
         nbytes, slots, device = self._publisher.staging
         return StagingInfo(nbytes, slots, device, self._converter.staging_bytes)
 
-    def meta(self, step: int | None = None, *, rank: int | None = None, uri: str | None = None) -> dict[str, Any]:
+    def meta(
+        self, step: int | None = None, *, rank: int | None = None, uri: str | None = None
+    ) -> dict[str, Any]:
         """The small dict publisher rank ``rank`` (default: this store's rank) gave as
         ``put(step, ..., meta=...)``; ``{}`` when it gave none.
 
@@ -246,8 +302,15 @@ class Store(StoreRecovery):
 
     # ---- publishing ----------------------------------------------------------------------
 
-    def put(self, step: int, tensors: Mapping[str, Any], *, copy: bool = True, non_tensors: NonTensors = "error",
-            meta: Mapping[str, Any] | None = None) -> bool:
+    def put(
+        self,
+        step: int,
+        tensors: Mapping[str, Any],
+        *,
+        copy: bool = True,
+        non_tensors: NonTensors = "error",
+        meta: Mapping[str, Any] | None = None,
+    ) -> bool:
         """Publish this rank's piece of version ``step``.
 
         Args:
@@ -304,9 +367,15 @@ class Store(StoreRecovery):
 
     # ---- consuming -----------------------------------------------------------------------
 
-    def get_into(self, buffers: Mapping[str, Any], *, step: int | None = None,
-                 timeout: float | None = None, non_tensors: NonTensors = "error",
-                 progress: Progress | None = None) -> int:
+    def get_into(
+        self,
+        buffers: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        timeout: float | None = None,
+        non_tensors: NonTensors = "error",
+        progress: Progress | None = None,
+    ) -> int:
         """Pull the newest committed version >= ``step`` into preallocated buffers, in place.
 
         Args:
@@ -356,7 +425,7 @@ class Store(StoreRecovery):
         """Withdraw every re-served step; returns readers that had not finished within the wait."""
         return self._serving.withdraw()
 
-    def keys(self, step: int | None = None) -> "dict[str, kv.KeyInfo]":
+    def keys(self, step: int | None = None) -> dict[str, kv.KeyInfo]:
         """What committed version ``step`` holds (the newest when None; ``{}`` before the first
         commit): name -> :class:`~astate_store.get.kv.KeyInfo` (``global_shape``, ``dtype``,
         ``nbytes``), read from the version's manifests — so it works after its writer is gone.
@@ -368,13 +437,20 @@ class Store(StoreRecovery):
             step = check_step(step, LayoutError)
         return kv.keys(self.catalog, step)
 
-    def get(self, names: "Sequence[str] | str | None" = None, *, step: int | None = None,
-            timeout: float | None = None, device: Any = "cpu", progress: Progress | None = None
-            ) -> "tuple[int, dict[str, torch.Tensor]]":
+    def get(
+        self,
+        names: Sequence[str] | str | None = None,
+        *,
+        step: int | None = None,
+        timeout: float | None = None,
+        device: Any = "cpu",
+        progress: Progress | None = None,
+    ) -> tuple[int, dict[str, torch.Tensor]]:
         """Allocate and fetch: the newest committed version >= ``step`` as whole tensors (their
         global shape and published dtype) on ``device``, all of one step. ``names``: a subset
-        (default every tensor); ``progress`` as in :meth:`get_into`. One :meth:`get_into` fills them, from the publishers, replica
-        servers or re-serving consumers; when the newest version changes its tensors between
+        (default every tensor); ``progress`` as in :meth:`get_into`. One :meth:`get_into` fills
+        them, from the publishers, replica servers or re-serving consumers; when the newest version changes
+        its tensors between
         the listing and the pull, ``get`` lists it again (bounded).
 
         Returns:
@@ -385,8 +461,15 @@ class Store(StoreRecovery):
             WaitTimeout, PeerUnreachable, TornReadError: as :meth:`get_into`.
         """
         step, timeout = _check_wait(step, timeout, "get")
-        return kv.get(self.catalog, lambda bufs, s, t, p: self.get_into(bufs, step=s, timeout=t, progress=p), names,
-                      step=step, timeout=timeout, device=device, progress=progress)
+        return kv.get(
+            self.catalog,
+            lambda bufs, s, t, p: self.get_into(bufs, step=s, timeout=t, progress=p),
+            names,
+            step=step,
+            timeout=timeout,
+            device=device,
+            progress=progress,
+        )
 
     # ---- lifetime ------------------------------------------------------------------------
 
@@ -427,7 +510,10 @@ class Store(StoreRecovery):
             except Exception as exc:  # closing goes on: an unreachable etcd must not keep a rank alive
                 log.warning("close(drain=True): drain failed: %s", exc)
         self._closed = True
-        for what, release in (("re-served buffers", self._serving.withdraw), ("published steps", self._publisher.retire_all)):
+        for what, release in (
+            ("re-served buffers", self._serving.withdraw),
+            ("published steps", self._publisher.retire_all),
+        ):
             try:
                 release()
             except Exception as exc:  # closing goes on; readers of that memory then fail or retry
@@ -436,14 +522,17 @@ class Store(StoreRecovery):
         self._converter.close()
         self._consumer.close()
         # the converters keep the last call's tensors: drop them with the store (see Publisher.close)
-        self._put_sd, self._get_sd = StateDictConverter("put(tensors)"), StateDictConverter("get_into(buffers)")
+        self._put_sd, self._get_sd = (
+            StateDictConverter("put(tensors)"),
+            StateDictConverter("get_into(buffers)"),
+        )
         self.catalog.close()
         self._ctx.close_transport()
         self._publisher.close()
         self._ctx.stats.close()  # its counters stay in /metrics; its gauges leave
         log.info("namespace %s: store closed", self.namespace)
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -461,7 +550,9 @@ def _check_wait(step: object, timeout: object, what: str) -> tuple[int | None, f
         step = check_step(step, LayoutError)
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-            raise LayoutError(f"{what}(timeout=...) must be None or a number of seconds >= 0, got {timeout!r}")
+            raise LayoutError(
+                f"{what}(timeout=...) must be None or a number of seconds >= 0, got {timeout!r}"
+            )
         timeout = float(timeout)
     return step, timeout  # type: ignore[return-value]
 
@@ -471,4 +562,3 @@ def _torchrun_session() -> str | None:
     if run:
         return f"{run}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return None
-

@@ -56,7 +56,9 @@ def publisher(endpoint: str, ns: str, device: str, n: int, numel: int, out: Any,
         out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
 
 
-def _pull_case(endpoint: str, src_device: str, dst_device: str, n: int, numel: int, iters: int) -> dict[str, Any]:
+def _pull_case(
+    endpoint: str, src_device: str, dst_device: str, n: int, numel: int, iters: int
+) -> dict[str, Any]:
     from astate_store.store import Store
 
     ns = f"gpu-{uuid.uuid4().hex[:8]}"
@@ -78,15 +80,25 @@ def _pull_case(endpoint: str, src_device: str, dst_device: str, n: int, numel: i
                 store.get_into(bufs, step=2, timeout=300)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            bad = [name for i, (name, b) in enumerate(bufs.items())
-                   if not torch.equal(b, _values(i, numel, dst_device))]
+            bad = [
+                name
+                for i, (name, b) in enumerate(bufs.items())
+                if not torch.equal(b, _values(i, numel, dst_device))
+            ]
             peers = [store.transport.endpoint_info(x)[:300] for x in store.transport.peers]
         steady = times[1:]
         med = statistics.median(steady)
-        return {"gbps": round(nbytes / med / 1e9, 3), "seconds": round(med, 4),
-                "first_step_seconds": round(times[0], 4), "times": [round(t, 4) for t in steady],
-                "put_seconds": payload["put_seconds"], "verified": not bad, "mismatched": bad[:5],
-                "bytes": nbytes, "endpoint": peers[:1]}
+        return {
+            "gbps": round(nbytes / med / 1e9, 3),
+            "seconds": round(med, 4),
+            "first_step_seconds": round(times[0], 4),
+            "times": [round(t, 4) for t in steady],
+            "put_seconds": payload["put_seconds"],
+            "verified": not bad,
+            "mismatched": bad[:5],
+            "bytes": nbytes,
+            "endpoint": peers[:1],
+        }
     finally:
         stop.set()
         p.join(60)
@@ -109,8 +121,10 @@ def _copy_refs(nbytes: int, dev: str) -> dict[str, float]:
             b = min(b, time.perf_counter() - t0)
         return round(nbytes / b / 1e9, 3)
 
-    out = {"h2d_copy_gbps": best(lambda: dst_d.copy_(src_h, non_blocking=True)),
-           "d2d_copy_gbps": best(lambda: dst_d.copy_(src_d))}
+    out = {
+        "h2d_copy_gbps": best(lambda: dst_d.copy_(src_h, non_blocking=True)),
+        "d2d_copy_gbps": best(lambda: dst_d.copy_(src_d)),
+    }
     return out  # the buffers go with this frame (main empties the cache after)
 
 
@@ -128,8 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown case(s) {sorted(unknown)}")
     if not torch.cuda.is_available():
-        print(json.dumps({"error": "torch sees no CUDA device (torch.cuda.is_available() is False)",
-                          "torch": torch.__version__, "torch_cuda": torch.version.cuda}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "error": "torch sees no CUDA device (torch.cuda.is_available() is False)",
+                    "torch": torch.__version__,
+                    "torch_cuda": torch.version.cuda,
+                }
+            ),
+            flush=True,
+        )
         return 2
     from astate_store.etcd.embedded import EmbeddedEtcd
 
@@ -137,8 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = numel * 4 * args.tensors
     ndev = torch.cuda.device_count()
     dst = "cuda:1" if ndev > 1 else "cuda:0"
-    out: dict[str, Any] = {"bytes": nbytes, "tensors": args.tensors, "devices": ndev,
-                           "device_name": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    out: dict[str, Any] = {
+        "bytes": nbytes,
+        "tensors": args.tensors,
+        "devices": ndev,
+        "device_name": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }
     out.update(_copy_refs(nbytes, dst))
     torch.cuda.empty_cache()
     res: dict[str, Any] = {}

@@ -21,13 +21,13 @@ import statistics
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import numpy as np
-import torch
+from typing import Any
 
 import _sync_workers as W
+import numpy as np
+import torch
 
 ALIGN = 256  # staging.ALIGN: the snapshot pool's shard alignment
 TP = 2
@@ -71,15 +71,20 @@ def build_work(gib: float) -> Work:
         for name, (shape, kind) in spec.items():
             box = W.box_of("megatron", shape, kind, rank, TP)
             mine.append((name, box, off))
-            records.append(ShardRecord(name, "float32", shape, Box(*box), contiguous_strides(box[1]), rank, 0, off))
+            records.append(
+                ShardRecord(name, "float32", shape, Box(*box), contiguous_strides(box[1]), rank, 0, off)
+            )
             off += _aligned(int(np.prod(box[1])) * 4)
         shards.append(mine)
         region_bytes.append(max(off, ALIGN))
     dst_offsets, off, request = {}, 0, []
     for name, (shape, _) in spec.items():
         dst_offsets[name] = off
-        request.append(ShardRecord(name, "float32", shape, Box((0,) * len(shape), shape), contiguous_strides(shape),
-                                   0, 0, off))
+        request.append(
+            ShardRecord(
+                name, "float32", shape, Box((0,) * len(shape), shape), contiguous_strides(shape), 0, 0, off
+            )
+        )
         off += _aligned(int(np.prod(shape)) * 4)
     plan = plan_consumer(group_layouts(records), request).reads
     if plan["convert"].any() or (plan["src_region"] != 0).any():
@@ -99,7 +104,7 @@ def make_region(work: Work, rank: int) -> torch.Tensor:
     buf = torch.zeros(work.region_bytes[rank], dtype=torch.uint8)
     for name, box, off in work.shards[rank]:
         n = int(np.prod(box[1])) * 4
-        W.fill_values(buf[off:off + n].view(torch.float32).view(box[1]), name, box, work.spec[name][0])
+        W.fill_values(buf[off : off + n].view(torch.float32).view(box[1]), name, box, work.spec[name][0])
     return buf
 
 
@@ -107,7 +112,7 @@ def dst_views(work: Work, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
     for name, (shape, _) in work.spec.items():
         off, n = work.dst_offsets[name], int(np.prod(shape)) * 4
-        out[name] = flat[off:off + n].view(torch.float32).view(shape)
+        out[name] = flat[off : off + n].view(torch.float32).view(shape)
     return out
 
 
@@ -141,9 +146,15 @@ def timed_runs(work: Work, flat: torch.Tensor, once: Callable[[], None], iters: 
     once()
     bad += [b for b in verify(work, flat) if b not in bad]
     med = statistics.median(times)
-    return {"gbps": round(work.nbytes / med / 1e9, 3), "seconds": round(med, 4),
-            "best_gbps": round(work.nbytes / min(times) / 1e9, 3), "first_seconds": round(first, 4),
-            "times": [round(t, 4) for t in times], "verified": not bad, "mismatched": bad[:5]}
+    return {
+        "gbps": round(work.nbytes / med / 1e9, 3),
+        "seconds": round(med, 4),
+        "best_gbps": round(work.nbytes / min(times) / 1e9, 3),
+        "first_seconds": round(first, 4),
+        "times": [round(t, 4) for t in times],
+        "verified": not bad,
+        "mismatched": bad[:5],
+    }
 
 
 def _answer(out: Any, role: str, fn: Callable[[], Any]) -> None:
@@ -172,10 +183,22 @@ def ours_publisher(rank: int, cfg: dict[str, Any], out: Any, stop: Any) -> None:
 
         work = build_work(cfg["gib"])
         region = make_region(work, rank)
-        params = {name: Shard(region[off:off + int(np.prod(box[1])) * 4].view(torch.float32).view(box[1]),
-                              box[0], work.spec[name][0]) for name, box, off in work.shards[rank]}
-        store = Store(cfg["ns"], endpoint=cfg["endpoint"], rank=rank, world_size=TP, transport=cfg["transport"],
-                      session_id=cfg["ns"] + "-trainer")
+        params = {
+            name: Shard(
+                region[off : off + int(np.prod(box[1])) * 4].view(torch.float32).view(box[1]),
+                box[0],
+                work.spec[name][0],
+            )
+            for name, box, off in work.shards[rank]
+        }
+        store = Store(
+            cfg["ns"],
+            endpoint=cfg["endpoint"],
+            rank=rank,
+            world_size=TP,
+            transport=cfg["transport"],
+            session_id=cfg["ns"] + "-trainer",
+        )
         t0 = time.perf_counter()
         store.put(1, params)
         return {"put_seconds": round(time.perf_counter() - t0, 4)}
@@ -210,8 +233,12 @@ def ours_consumer(cfg: dict[str, Any], pubs: dict[int, Any], out: Any) -> None:
             res["rows_per_pull"] = rows[0] // (cfg["iters"] + 2)
             t = store.transport
             res["streamed_bytes_per_pull"] = getattr(t, "streamed_bytes", 0) // (cfg["iters"] + 2)
-            res["paths"] = sorted({"streamed" if i.streamed else "direct" if i.direct else "ucx"
-                                   for i in (t.peer_info(p) for p in t.peers)})  # type: ignore[attr-defined]
+            res["paths"] = sorted(
+                {
+                    "streamed" if i.streamed else "direct" if i.direct else "ucx"
+                    for i in (t.peer_info(p) for p in t.peers)
+                }
+            )  # type: ignore[attr-defined]
         finally:
             store.close()
         return res
@@ -273,9 +300,12 @@ def nixl_consumer(cfg: dict[str, Any], pubs: dict[int, Any], out: Any) -> None:
             name = agent.add_remote_agent(pubs[rank]["meta"])
             r = work.reads[rank]
             n = len(r)
-            local = np.stack([flat.data_ptr() + r[:, 1], r[:, 2], np.zeros(n, np.int64)], axis=1).astype(np.uint64)
-            remote = np.stack([pubs[rank]["base"] + r[:, 0], r[:, 2], np.zeros(n, np.int64)],
-                              axis=1).astype(np.uint64)
+            local = np.stack([flat.data_ptr() + r[:, 1], r[:, 2], np.zeros(n, np.int64)], axis=1).astype(
+                np.uint64
+            )
+            remote = np.stack([pubs[rank]["base"] + r[:, 0], r[:, 2], np.zeros(n, np.int64)], axis=1).astype(
+                np.uint64
+            )
             lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM")
             rh = agent.prep_xfer_dlist(name, remote, "DRAM")
             while True:  # metadata loads asynchronously: the remote side may not be ready yet
@@ -365,9 +395,15 @@ def mooncake_consumer(cfg: dict[str, Any], pubs: dict[int, Any], out: Any) -> No
             r = work.reads[rank]
             mine = []
             for i in range(0, len(r), MOONCAKE_BATCH):
-                b = r[i:i + MOONCAKE_BATCH]
-                mine.append((pubs[rank]["target"], (flat.data_ptr() + b[:, 1]).tolist(),
-                             (pubs[rank]["base"] + b[:, 0]).tolist(), b[:, 2].tolist()))
+                b = r[i : i + MOONCAKE_BATCH]
+                mine.append(
+                    (
+                        pubs[rank]["target"],
+                        (flat.data_ptr() + b[:, 1]).tolist(),
+                        (pubs[rank]["base"] + b[:, 0]).tolist(),
+                        b[:, 2].tolist(),
+                    )
+                )
             batches.append(mine)
         errors: list[str] = []
 

@@ -166,8 +166,14 @@ class _Trainer:
             t = torch.empty(box[1], dtype=dtype)
             fill_values(t, name, box, shape)
             self.params[name] = Shard(t, box[0], shape)
-        self.store = Store(cfg["ns"], endpoint=endpoint, rank=rank, world_size=self.tp,
-                           transport=cfg["transport"], session_id=cfg["ns"] + "-trainer")
+        self.store = Store(
+            cfg["ns"],
+            endpoint=endpoint,
+            rank=rank,
+            world_size=self.tp,
+            transport=cfg["transport"],
+            session_id=cfg["ns"] + "-trainer",
+        )
         self.nbytes = sum(p.tensor.numel() * p.tensor.element_size() for p in self.params.values())
 
     def put(self, step: int) -> dict[str, Any]:
@@ -207,8 +213,12 @@ class _Rollout:
             t.zero_()  # a live model's weights: pages already touched (first touch is not the sync's)
             self.bufs[name] = Shard(t, box[0], shape) if box[1] != shape else t
         self.nbytes = sum(self._t(b).numel() * self._t(b).element_size() for b in self.bufs.values())
-        self.store = Store(cfg["ns"], endpoint=endpoint, transport=cfg["transport"],
-                           **({"staging_cap_bytes": cfg["staging_cap"]} if cfg.get("staging_cap") else {}))
+        self.store = Store(
+            cfg["ns"],
+            endpoint=endpoint,
+            transport=cfg["transport"],
+            **({"staging_cap_bytes": cfg["staging_cap"]} if cfg.get("staging_cap") else {}),
+        )
         # Instrument the transport (no library change): time and rows inside the batched UCX get.
         tr = self.store.transport
         orig = tr.get
@@ -257,9 +267,19 @@ class _Rollout:
         if prof is not None:
             prof.disable()
             prof.dump_stats(self.profile_first)
-        return {"t0": t0, "t1": t1, "step": got, "transport_s": self.get_s, "rows": self.get_rows,
-                "calls": self.get_calls, "user_s": c1.user - c0.user, "sys_s": c1.system - c0.system,
-                "gc_s": self.gc_s, "nbytes": self.nbytes, "stats": dataclasses.asdict(self.store.stats)}
+        return {
+            "t0": t0,
+            "t1": t1,
+            "step": got,
+            "transport_s": self.get_s,
+            "rows": self.get_rows,
+            "calls": self.get_calls,
+            "user_s": c1.user - c0.user,
+            "sys_s": c1.system - c0.system,
+            "gc_s": self.gc_s,
+            "nbytes": self.nbytes,
+            "stats": dataclasses.asdict(self.store.stats),
+        }
 
     def _first_profiler(self) -> Any:
         """A running cProfile for this rollout's first pull when ``--profile-dir`` asked (the
@@ -283,8 +303,11 @@ class _Rollout:
         return {"seconds": out}
 
     def checksum(self) -> dict[str, int]:
-        return {n: bit_checksum(self._t(b)) for n, b in self.bufs.items()
-                if not (self.spec[n][1] == "rep" and self.rank != 0)}
+        return {
+            n: bit_checksum(self._t(b))
+            for n, b in self.bufs.items()
+            if not (self.spec[n][1] == "rep" and self.rank != 0)
+        }
 
     def profile(self, step: int, path: str) -> dict[str, Any]:
         """cProfile one more steady-state get_into (same step again: plan and connection cached)."""

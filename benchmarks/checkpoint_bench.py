@@ -27,7 +27,8 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -67,15 +68,24 @@ def main() -> None:
     for t in full.values():
         t.uniform_()
     half = rows // 2
-    parts = [ck.local_shards({n: Shard(t[r * half:(r + 1) * half], (r * half, 0), shape) for n, t in full.items()},
-                             rank=r) for r in range(2)]
+    parts = [
+        ck.local_shards(
+            {n: Shard(t[r * half : (r + 1) * half], (r * half, 0), shape) for n, t in full.items()}, rank=r
+        )
+        for r in range(2)
+    ]
     root = tempfile.mkdtemp(prefix="astate-ckpt-bench-", dir=args.dir)
-    out: dict[str, Any] = {"bytes": nbytes, "tensors": args.tensors, "shape": list(shape), "ranks": 2,
-                           "reps": args.reps,
-                           "cache": "writes: page cache, from a clean (synced) state; reads: warm page cache",
-                           "cpus": os.cpu_count(),
-                           "torch_threads": torch.get_num_threads(),
-                           "checksum": ck.DEFAULT_CHECKSUM}
+    out: dict[str, Any] = {
+        "bytes": nbytes,
+        "tensors": args.tensors,
+        "shape": list(shape),
+        "ranks": 2,
+        "reps": args.reps,
+        "cache": "writes: page cache, from a clean (synced) state; reads: warm page cache",
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "checksum": ck.DEFAULT_CHECKSUM,
+    }
     step = [0]
     try:
         fs = pafs.LocalFileSystem()
@@ -83,9 +93,11 @@ def main() -> None:
         def fresh(d: str) -> Callable[[], None]:
             """Each case deletes only its own previous output, so every case reuses the pages it
             freed, then syncs: every timed write starts with no dirty pages pending."""
+
             def run() -> None:
                 shutil.rmtree(d, ignore_errors=True)
                 os.sync()
+
             return run
 
         def ckpt(d: str, checksum: str | None = None, fsync: bool = False) -> Callable[[], None]:
@@ -94,6 +106,7 @@ def main() -> None:
                 for r in range(2):
                     ck.write_part(d, step[0], r, 2, parts[r], checksum=checksum, fsync=fsync)
                 assert ck.try_commit(d, step[0], 2, fsync=fsync)
+
             return run
 
         def plain(d: str, fsync: bool = False) -> Callable[[], None]:
@@ -105,18 +118,22 @@ def main() -> None:
                         for rec, t in parts[r]:
                             flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
                             for i in range(0, len(flat), 16 << 20):
-                                f.write(flat[i:i + (16 << 20)])
+                                f.write(flat[i : i + (16 << 20)])
                     if fsync:
                         fd = os.open(p, os.O_RDONLY)
                         os.fsync(fd)
                         os.close(fd)
+
             return run
 
         # Writes, interleaved per rep so checkpoint and plain see the same machine state.
         writes: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
-        for key, fn, d in (("write_s", ckpt, "w"), ("plain_write_s", plain, "p"),
-                           ("write_fsync_s", lambda d: ckpt(d, fsync=True), "wf"),
-                           ("plain_write_fsync_s", lambda d: plain(d, fsync=True), "pf")):
+        for key, fn, d in (
+            ("write_s", ckpt, "w"),
+            ("plain_write_s", plain, "p"),
+            ("write_fsync_s", lambda d: ckpt(d, fsync=True), "wf"),
+            ("plain_write_fsync_s", lambda d: plain(d, fsync=True), "pf"),
+        ):
             writes[key] = (fn(os.path.join(root, d)), fresh(os.path.join(root, d)))
         other = ck.DEFAULT_CHECKSUM != "crc32"
         if other:
@@ -145,19 +162,24 @@ def main() -> None:
                 pos = 0
                 for rec, _ in parts[r]:
                     n = rec.nbytes
-                    dst[rec.name][r * half:(r + 1) * half].reshape(-1).view(torch.uint8).copy_(src[pos:pos + n])
+                    dst[rec.name][r * half : (r + 1) * half].reshape(-1).view(torch.uint8).copy_(
+                        src[pos : pos + n]
+                    )
                     pos += n
                 del src
                 mm.close()
 
         ch = cols // 2
-        col_bufs = [{n: Shard(torch.from_numpy(np.zeros((rows, ch), np.float32)), (0, c * ch), shape) for n in full}
-                    for c in range(2)]
+        col_bufs = [
+            {n: Shard(torch.from_numpy(np.zeros((rows, ch), np.float32)), (0, c * ch), shape) for n in full}
+            for c in range(2)
+        ]
 
         def reshard(step: int, verify: bool = True) -> Callable[[], None]:
             def run() -> None:
                 for c in range(2):
                     ck.restore(root, col_bufs[c], step=step, verify=verify)
+
             return run
 
         bf = {n: torch.zeros(shape, dtype=torch.bfloat16) for n in full}

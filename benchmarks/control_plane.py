@@ -43,8 +43,11 @@ Spec = list[tuple[str, tuple[int, ...], str, int]]
 
 def deepseek_v3_hf(layers: int = 61, experts: int = 256, dense_layers: int = 3) -> Spec:
     """HF names of DeepSeek-V3 (FP8 weights with block scales), shapes shrunk to a few bytes."""
-    out: Spec = [("model.embed_tokens.weight", (4, 2), "bfloat16", -1), ("model.norm.weight", (2,), "bfloat16", -1),
-                 ("lm_head.weight", (4, 2), "bfloat16", -1)]
+    out: Spec = [
+        ("model.embed_tokens.weight", (4, 2), "bfloat16", -1),
+        ("model.norm.weight", (2,), "bfloat16", -1),
+        ("lm_head.weight", (4, 2), "bfloat16", -1),
+    ]
 
     def fp8(prefix: str, expert: int) -> None:
         out.append((prefix + ".weight", (2, 2), "float8_e4m3fn", expert))
@@ -52,10 +55,12 @@ def deepseek_v3_hf(layers: int = 61, experts: int = 256, dense_layers: int = 3) 
 
     for layer in range(layers):
         p = f"model.layers.{layer}"
-        out += [(p + ".input_layernorm.weight", (2,), "bfloat16", -1),
-                (p + ".post_attention_layernorm.weight", (2,), "bfloat16", -1),
-                (p + ".self_attn.q_a_layernorm.weight", (2,), "bfloat16", -1),
-                (p + ".self_attn.kv_a_layernorm.weight", (2,), "bfloat16", -1)]
+        out += [
+            (p + ".input_layernorm.weight", (2,), "bfloat16", -1),
+            (p + ".post_attention_layernorm.weight", (2,), "bfloat16", -1),
+            (p + ".self_attn.q_a_layernorm.weight", (2,), "bfloat16", -1),
+            (p + ".self_attn.kv_a_layernorm.weight", (2,), "bfloat16", -1),
+        ]
         for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
             fp8(f"{p}.self_attn.{proj}", -1)
         mlp = ("gate_proj", "up_proj", "down_proj")
@@ -63,8 +68,10 @@ def deepseek_v3_hf(layers: int = 61, experts: int = 256, dense_layers: int = 3) 
             for proj in mlp:
                 fp8(f"{p}.mlp.{proj}", -1)
             continue
-        out += [(p + ".mlp.gate.weight", (4, 2), "bfloat16", -1),
-                (p + ".mlp.gate.e_score_correction_bias", (4,), "float32", -1)]
+        out += [
+            (p + ".mlp.gate.weight", (4, 2), "bfloat16", -1),
+            (p + ".mlp.gate.e_score_correction_bias", (4,), "float32", -1),
+        ]
         for proj in mlp:
             fp8(f"{p}.mlp.shared_experts.{proj}", -1)
         for e in range(experts):
@@ -75,14 +82,24 @@ def deepseek_v3_hf(layers: int = 61, experts: int = 256, dense_layers: int = 3) 
 
 def dense(layers: int = 80) -> Spec:
     """A Llama-style dense model; every matrix is split over the ranks on dim 0 (expert -2)."""
-    out: Spec = [("model.embed_tokens.weight", (64, 2), "bfloat16", -2), ("model.norm.weight", (2,), "bfloat16", -1),
-                 ("lm_head.weight", (64, 2), "bfloat16", -2)]
+    out: Spec = [
+        ("model.embed_tokens.weight", (64, 2), "bfloat16", -2),
+        ("model.norm.weight", (2,), "bfloat16", -1),
+        ("lm_head.weight", (64, 2), "bfloat16", -2),
+    ]
     for layer in range(layers):
         p = f"model.layers.{layer}"
-        out += [(p + ".input_layernorm.weight", (2,), "bfloat16", -1),
-                (p + ".post_attention_layernorm.weight", (2,), "bfloat16", -1)]
-        out += [(f"{p}.self_attn.{n}.weight", (64, 2), "bfloat16", -2) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        out += [(f"{p}.mlp.{n}.weight", (64, 2), "bfloat16", -2) for n in ("gate_proj", "up_proj", "down_proj")]
+        out += [
+            (p + ".input_layernorm.weight", (2,), "bfloat16", -1),
+            (p + ".post_attention_layernorm.weight", (2,), "bfloat16", -1),
+        ]
+        out += [
+            (f"{p}.self_attn.{n}.weight", (64, 2), "bfloat16", -2)
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ]
+        out += [
+            (f"{p}.mlp.{n}.weight", (64, 2), "bfloat16", -2) for n in ("gate_proj", "up_proj", "down_proj")
+        ]
     return out
 
 
@@ -107,17 +124,23 @@ def _tensors(spec: Spec, rank: int, ranks: int, *, consumer: bool) -> dict[str, 
                 out[name] = torch.zeros(shape, dtype=torch_dtype(dt))
         elif expert == -2:  # split on dim 0
             rows = shape[0] // ranks
-            out[name] = Shard(torch.zeros((rows,) + shape[1:], dtype=torch_dtype(dt)), (rank * rows, 0), shape)
+            out[name] = Shard(
+                torch.zeros((rows,) + shape[1:], dtype=torch_dtype(dt)), (rank * rows, 0), shape
+            )
         else:
             out[name] = torch.zeros(shape, dtype=torch_dtype(dt))
     return out
 
 
-def publisher(endpoint: str, ns: str, rank: int, ranks: int, args: argparse.Namespace, cmds: Any, out: Any) -> None:
+def publisher(
+    endpoint: str, ns: str, rank: int, ranks: int, args: argparse.Namespace, cmds: Any, out: Any
+) -> None:
     from astate_store.store import Store
 
     tensors = _tensors(model(args), rank, ranks, consumer=False)
-    store = Store(ns, endpoint=endpoint, rank=rank, world_size=ranks, transport="shm", session_id=ns, lease_ttl=30)
+    store = Store(
+        ns, endpoint=endpoint, rank=rank, world_size=ranks, transport="shm", session_id=ns, lease_ttl=30
+    )
     out.put(("ready", rank, len(tensors)))
     while True:
         cmd = cmds.get()
@@ -131,7 +154,9 @@ def publisher(endpoint: str, ns: str, rank: int, ranks: int, args: argparse.Name
     store.close()
 
 
-def consumer(endpoint: str, ns: str, index: int, ranks: int, args: argparse.Namespace, cmds: Any, out: Any) -> None:
+def consumer(
+    endpoint: str, ns: str, index: int, ranks: int, args: argparse.Namespace, cmds: Any, out: Any
+) -> None:
     from astate_store.store import Store
 
     bufs = _tensors(model(args), 0, ranks, consumer=True)
@@ -155,7 +180,9 @@ def _etcd_bytes(endpoint: str) -> int:
     text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(("etcd_network_client_grpc_sent_bytes_total", "etcd_network_client_grpc_received_bytes_total")):
+        if line.startswith(
+            ("etcd_network_client_grpc_sent_bytes_total", "etcd_network_client_grpc_received_bytes_total")
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return int(total)
 
@@ -164,7 +191,9 @@ def _record_bytes(endpoint: str, ns: str) -> int:
     import pyetcd
 
     host, _, port = endpoint.rpartition(":")
-    client = pyetcd.client(host=host, port=int(port), grpc_options=[("grpc.max_receive_message_length", 1 << 30)])
+    client = pyetcd.client(
+        host=host, port=int(port), grpc_options=[("grpc.max_receive_message_length", 1 << 30)]
+    )
     total = 0
     for family in ("layouts", "manifests"):
         for value, _meta in client.get_prefix(f"/astate/{ns}/{family}/"):
@@ -196,11 +225,23 @@ def main() -> None:
 
     ns = f"cp-{os.getpid()}"
     with EmbeddedEtcd() as etcd:
-        pq, cq, out = [CTX.Queue() for _ in range(args.ranks)], [CTX.Queue() for _ in range(args.consumers)], CTX.Queue()
-        procs = [CTX.Process(target=publisher, args=(etcd.endpoint, ns, r, args.ranks, args, pq[r], out), daemon=True)
-                 for r in range(args.ranks)]
-        procs += [CTX.Process(target=consumer, args=(etcd.endpoint, ns, c, args.ranks, args, cq[c], out), daemon=True)
-                  for c in range(args.consumers)]
+        pq, cq, out = (
+            [CTX.Queue() for _ in range(args.ranks)],
+            [CTX.Queue() for _ in range(args.consumers)],
+            CTX.Queue(),
+        )
+        procs = [
+            CTX.Process(
+                target=publisher, args=(etcd.endpoint, ns, r, args.ranks, args, pq[r], out), daemon=True
+            )
+            for r in range(args.ranks)
+        ]
+        procs += [
+            CTX.Process(
+                target=consumer, args=(etcd.endpoint, ns, c, args.ranks, args, cq[c], out), daemon=True
+            )
+            for c in range(args.consumers)
+        ]
         for p in procs:
             p.start()
         try:
@@ -220,18 +261,26 @@ def main() -> None:
                 step_bytes.append(_etcd_bytes(etcd.endpoint) - before)
             steady_p = [m for s in puts[1:] for m in s]
             steady_g = [m for s in gets[1:] for m in s]
-            print(json.dumps({
-                "model": args.model, "tensors": tensors, "ranks": args.ranks, "consumers": args.consumers,
-                "first_get_seconds": round(statistics.median(m[2] for m in gets[0]), 3),
-                "steady_get_seconds": round(statistics.median(m[2] for m in steady_g), 4),
-                "first_put_seconds": round(max(m[2] for m in puts[0]), 3),
-                "steady_put_seconds": round(statistics.median(m[2] for m in steady_p), 4),
-                "etcd_round_trips_put": statistics.median(m[3] for m in steady_p),
-                "etcd_round_trips_get": statistics.median(m[3] for m in steady_g),
-                "metadata_bytes_per_step": int(statistics.median(step_bytes[1:])),
-                "layout_bytes": _record_bytes(etcd.endpoint, ns),
-                "cpus": os.cpu_count(),
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "model": args.model,
+                        "tensors": tensors,
+                        "ranks": args.ranks,
+                        "consumers": args.consumers,
+                        "first_get_seconds": round(statistics.median(m[2] for m in gets[0]), 3),
+                        "steady_get_seconds": round(statistics.median(m[2] for m in steady_g), 4),
+                        "first_put_seconds": round(max(m[2] for m in puts[0]), 3),
+                        "steady_put_seconds": round(statistics.median(m[2] for m in steady_p), 4),
+                        "etcd_round_trips_put": statistics.median(m[3] for m in steady_p),
+                        "etcd_round_trips_get": statistics.median(m[3] for m in steady_g),
+                        "metadata_bytes_per_step": int(statistics.median(step_bytes[1:])),
+                        "layout_bytes": _record_bytes(etcd.endpoint, ns),
+                        "cpus": os.cpu_count(),
+                    }
+                ),
+                flush=True,
+            )
         finally:
             for q in pq + cq:
                 q.put(("exit",))

@@ -46,7 +46,8 @@ import time
 import traceback
 import uuid
 from collections import Counter
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
@@ -57,8 +58,17 @@ if os.path.dirname(_HERE) not in sys.path:
 import tests.support.fault_workers as W  # noqa: E402
 from tests.support.fault_workers import Actor, Died, Hang, Pool, SetupError  # noqa: E402
 
-FIELDS = ("trials", "completed_correct", "typed_errors", "wrong_bytes", "hangs", "lost_versions", "crashes",
-          "violations", "harness_errors")
+FIELDS = (
+    "trials",
+    "completed_correct",
+    "typed_errors",
+    "wrong_bytes",
+    "hangs",
+    "lost_versions",
+    "crashes",
+    "violations",
+    "harness_errors",
+)
 RETIRE_TIMEOUT = 3.0
 RETIRE_SLACK = 10.0  # a put may take retire_timeout plus this before it counts as blocked
 TRIAL_TIMEOUT = 150.0
@@ -75,7 +85,7 @@ class Trial:
     """What one trial saw. Classified at the end as exactly one of correct / typed / wrong /
     hang / crash / violation / harness; ``wrong`` counts wrong pulls and ``lost`` lost steps."""
 
-    def __init__(self, suite: "Suite", case: str, index: int, timeout: float = TRIAL_TIMEOUT):
+    def __init__(self, suite: Suite, case: str, index: int, timeout: float = TRIAL_TIMEOUT):
         self.suite, self.case, self.index = suite, case, index
         self.deadline = time.monotonic() + timeout
         self.actors: list[Actor] = []
@@ -118,8 +128,10 @@ class Trial:
             if res.get("exact"):
                 return True
             self.wrong += 1
-            self.notes.append(f"WRONG BYTES: {what}: step {res.get('step')} reported, buffers {res.get('bad')} differ"
-                              f" ({res.get('looks_like')})")
+            self.notes.append(
+                f"WRONG BYTES: {what}: step {res.get('step')} reported, buffers {res.get('bad')} differ"
+                f" ({res.get('looks_like')})"
+            )
             return False
         self.error(what, r)
         return False
@@ -157,7 +169,9 @@ class Trial:
                 lost.append((s, f"read_version: {readable[s]}"))
         self.lost += len(lost)
         for s, why in lost:
-            self.notes.append(f"LOST VERSION {s}: {why} (committed {sorted(set(committed))}, view {dict(view)})")
+            self.notes.append(
+                f"LOST VERSION {s}: {why} (committed {sorted(set(committed))}, view {dict(view)})"
+            )
 
     def outcome(self) -> str:
         if self.harness:
@@ -214,7 +228,7 @@ class Entry:
             self.typed_kinds.update(t.typed[-1:])
         if kind != "correct":
             for n in ([t.hang] if t.hang else []) + t.harness + t.notes:
-                line = f"trial {t.index}: {n}"[:3000 if n.startswith("HANG stacks") else 1200]
+                line = f"trial {t.index}: {n}"[: 3000 if n.startswith("HANG stacks") else 1200]
                 if n.split(" ", 1)[0].isupper() or n in t.harness:  # a finding: WRONG, CRASH, HANG, LOST...
                     if len(self.details) < 24 and line not in self.details:
                         self.details.append(line)
@@ -241,10 +255,24 @@ class Entry:
 class Suite:
     """Shared state of one run: the actor pool, the shared etcd, a temp dir."""
 
-    def __init__(self, *, endpoint: str | None = None, trials: int = 3, soak_steps: int = 1000,
-                 fuzz_examples: int = 100, churn_steps: int = 6, spares: int = 2, seed: int | None = None):
+    def __init__(
+        self,
+        *,
+        endpoint: str | None = None,
+        trials: int = 3,
+        soak_steps: int = 1000,
+        fuzz_examples: int = 100,
+        churn_steps: int = 6,
+        spares: int = 2,
+        seed: int | None = None,
+    ):
         self.tmp = tempfile.mkdtemp(prefix="astate-faults-")
-        self.trials, self.soak_steps, self.fuzz_examples, self.churn_steps = trials, soak_steps, fuzz_examples, churn_steps
+        self.trials, self.soak_steps, self.fuzz_examples, self.churn_steps = (
+            trials,
+            soak_steps,
+            fuzz_examples,
+            churn_steps,
+        )
         self.seed = random.randrange(1 << 30) if seed is None else seed
         self.rng = random.Random(self.seed)
         self._etcd: Any = None
@@ -265,7 +293,9 @@ class Suite:
             self._etcd.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def trial(self, entry: Entry, index: int, fn: Callable[[Trial], None], timeout: float = TRIAL_TIMEOUT) -> Trial:
+    def trial(
+        self, entry: Entry, index: int, fn: Callable[[Trial], None], timeout: float = TRIAL_TIMEOUT
+    ) -> Trial:
         t = Trial(self, entry.name, index, timeout)
         try:
             fn(t)
@@ -320,8 +350,16 @@ def _open_pubs(t: Trial, ep: str, ns: str, world: int, **kw: Any) -> list[Actor]
     return pubs
 
 
-def _put_all(t: Trial, pubs: Sequence[Actor], step: int, committed: list[int], *, cap: float = 90.0,
-             must: bool = True, **kw: Any) -> list[dict[str, Any]]:
+def _put_all(
+    t: Trial,
+    pubs: Sequence[Actor],
+    step: int,
+    committed: list[int],
+    *,
+    cap: float = 90.0,
+    must: bool = True,
+    **kw: Any,
+) -> list[dict[str, Any]]:
     """Every rank puts ``step``; records a commit; returns the replies."""
     ids = [a.send("pub_put", "p", step, **kw) for a in pubs]
     replies = [a.result(rid, t.left(cap)) for a, rid in zip(pubs, ids)]
@@ -352,6 +390,7 @@ def case_publisher_kill(suite: Suite, entry: Entry, replicas: bool) -> None:
     transport kills it as its batched read starts, or a few ms in). Without replicas the pull must
     be exact (it won the race) or PeerUnreachable; with a re-serving consumer it should fail over."""
     for i in range(suite.trials):
+
         def run(t: Trial) -> None:
             transport = ("shm", "tcp")[i % 2]
             delay = (0.0, 0.003, 0.02)[i % 3]
@@ -361,25 +400,58 @@ def case_publisher_kill(suite: Suite, entry: Entry, replicas: bool) -> None:
             _put_all(t, pubs, 1, committed)
             if replicas:
                 rep = t.take()
-                rep.must("con_open", "r", ep, ns, size="big", transport=transport, lease_ttl=3.0, timeout=t.left(60))
-                if not t.pull("re-server's pull", rep.call("con_pull", "r", "whole", step=1, timeout=t.left(60))):
+                rep.must(
+                    "con_open",
+                    "r",
+                    ep,
+                    ns,
+                    size="big",
+                    transport=transport,
+                    lease_ttl=3.0,
+                    timeout=t.left(60),
+                )
+                if not t.pull(
+                    "re-server's pull", rep.call("con_pull", "r", "whole", step=1, timeout=t.left(60))
+                ):
                     return
                 rep.must("con_serve", "r", 1, timeout=t.left(30))
             con = t.take()
-            con.must("con_open", "c", ep, ns, size="big", transport=transport, read_timeout=10.0, lease_ttl=3.0,
-                     timeout=t.left(60))
+            con.must(
+                "con_open",
+                "c",
+                ep,
+                ns,
+                size="big",
+                transport=transport,
+                read_timeout=10.0,
+                lease_ttl=3.0,
+                timeout=t.left(60),
+            )
             victim = pubs[1]
-            r = con.call("con_pull", "c", "whole", step=1, kill_pid=victim.pid, kill_delay=delay,
-                         timeout=t.left(60))
+            r = con.call(
+                "con_pull", "c", "whole", step=1, kill_pid=victim.pid, kill_delay=delay, timeout=t.left(60)
+            )
             t.pull(f"pull while rank 1 is SIGKILLed ({transport}, +{delay * 1000:.0f} ms)", r)
             victim.proc.wait(15)
             victim.dead = True
-            con.must("con_open", "c2", ep, ns, size="big", transport=transport, read_timeout=10.0, lease_ttl=3.0,
-                     timeout=t.left(60))
-            t.pull("fresh pull after the kill", con.call("con_pull", "c2", "cols0", step=1, timeout=t.left(60)))
+            con.must(
+                "con_open",
+                "c2",
+                ep,
+                ns,
+                size="big",
+                transport=transport,
+                read_timeout=10.0,
+                lease_ttl=3.0,
+                timeout=t.left(60),
+            )
+            t.pull(
+                "fresh pull after the kill", con.call("con_pull", "c2", "cols0", step=1, timeout=t.left(60))
+            )
             view = _view(t, con, "c2", [1])
             if view is not None:
                 t.check_lost(view, committed, 4)
+
         suite.trial(entry, i, run)
 
 
@@ -389,15 +461,20 @@ def case_consumer_kill(suite: Suite, entry: Entry) -> None:
     ``retire_timeout`` (plus slack), and later pulls stay exact."""
     worst: list[float] = []
     for i in range(suite.trials):
+
         def run(t: Trial) -> None:
             copy = i % 2 == 0
             hold = (20.0, 20.0, 0.0)[i % 3]
             ep, ns = suite.endpoint, suite.ns("ck")
             committed: list[int] = []
-            pubs = _open_pubs(t, ep, ns, 1, size="big", transport="shm", retire_timeout=RETIRE_TIMEOUT, lease_ttl=5.0)
+            pubs = _open_pubs(
+                t, ep, ns, 1, size="big", transport="shm", retire_timeout=RETIRE_TIMEOUT, lease_ttl=5.0
+            )
             _put_all(t, pubs, 1, committed, copy=copy)
             victim = t.take()
-            victim.must("con_open", "v", ep, ns, size="big", transport="shm", lease_ttl=30.0, timeout=t.left(60))
+            victim.must(
+                "con_open", "v", ep, ns, size="big", transport="shm", lease_ttl=30.0, timeout=t.left(60)
+            )
             victim.send("con_pull", "v", "whole", step=1, wait=30, hold=hold, announce=True)
             ev = victim.event(t.left(60))
             if ev.get("event") != "pulling":
@@ -412,13 +489,16 @@ def case_consumer_kill(suite: Suite, entry: Entry) -> None:
             worst.append(longest)
             t.extra["put_seconds_max"] = round(longest, 2)
             if longest > RETIRE_TIMEOUT + RETIRE_SLACK:
-                t.violate(f"a put blocked {longest:.1f}s with a dead reader (retire_timeout {RETIRE_TIMEOUT}s)")
+                t.violate(
+                    f"a put blocked {longest:.1f}s with a dead reader (retire_timeout {RETIRE_TIMEOUT}s)"
+                )
             con = t.take()
             con.must("con_open", "c", ep, ns, size="big", transport="shm", timeout=t.left(60))
             t.pull("pull after the puts", con.call("con_pull", "c", "cols1", step=3, timeout=t.left(60)))
             view = _view(t, con, "c", [1, 2, 3])
             if view is not None:
                 t.check_lost(view, committed, 4)
+
         suite.trial(entry, i, run)
     entry.extra["retire_timeout"] = RETIRE_TIMEOUT
 
@@ -432,8 +512,14 @@ def _after_outage(t: Any, pubs: Any, con: Any, ep: str, ns: str, committed: list
         t.check_lost(view, committed, 16)
 
 
-def _steady(t: Trial, pubs: Sequence[Actor], con: Actor, steps: Iterator[int] | Sequence[int], committed: list[int],
-            layout: str = "whole") -> None:
+def _steady(
+    t: Trial,
+    pubs: Sequence[Actor],
+    con: Actor,
+    steps: Iterator[int] | Sequence[int],
+    committed: list[int],
+    layout: str = "whole",
+) -> None:
     for s in steps:
         _put_all(t, pubs, s, committed, must=False)
         t.pull(f"pull {s}", con.call("con_pull", "c", layout, step=s, wait=30, timeout=t.left(60)))
@@ -444,6 +530,7 @@ def case_etcd_restart(suite: Suite, entry: Entry) -> None:
     the same data dir and port — while a consumer waits for the next step and the publisher puts
     it. Puts and pulls must carry on (or fail typed), and no committed version may be lost."""
     for i in range(suite.trials):
+
         def run(t: Trial) -> None:
             mode = ("pause", "kill", "term")[i % 3]
             etcd = W.EtcdProcess(suite.tmp).start()
@@ -452,7 +539,9 @@ def case_etcd_restart(suite: Suite, entry: Entry) -> None:
                 committed: list[int] = []
                 pubs = _open_pubs(t, ep, ns, 1, size="small", transport="shm", retention=16, lease_ttl=10.0)
                 con = t.take()
-                con.must("con_open", "c", ep, ns, size="small", transport="shm", lease_ttl=10.0, timeout=t.left(60))
+                con.must(
+                    "con_open", "c", ep, ns, size="small", transport="shm", lease_ttl=10.0, timeout=t.left(60)
+                )
                 _steady(t, pubs, con, range(1, 4), committed)
                 pid = con.send("con_pull", "c", "cols0", step=4, wait=60)
                 if mode == "pause":
@@ -474,6 +563,7 @@ def case_etcd_restart(suite: Suite, entry: Entry) -> None:
                 t.extra.setdefault("modes", mode)
             finally:
                 etcd.stop()
+
         suite.trial(entry, i, run)
 
 
@@ -483,6 +573,7 @@ def case_etcd_member_loss(suite: Suite, entry: Entry) -> None:
     from tests.support.etcd_cluster import EtcdCluster
 
     for i in range(suite.trials):
+
         def run(t: Trial) -> None:
             cluster = EtcdCluster(3).start()
             try:
@@ -490,13 +581,18 @@ def case_etcd_member_loss(suite: Suite, entry: Entry) -> None:
                 committed: list[int] = []
                 pubs = _open_pubs(t, ep, ns, 1, size="small", transport="shm", retention=16, lease_ttl=10.0)
                 con = t.take()
-                con.must("con_open", "c", ep, ns, size="small", transport="shm", lease_ttl=10.0, timeout=t.left(60))
+                con.must(
+                    "con_open", "c", ep, ns, size="small", transport="shm", lease_ttl=10.0, timeout=t.left(60)
+                )
                 _steady(t, pubs, con, range(1, 4), committed)
-                used = {"publisher": pubs[0].must("member_in_use", "p", timeout=t.left(30)),
-                        "consumer": con.must("member_in_use", "c", timeout=t.left(30))}
+                used = {
+                    "publisher": pubs[0].must("member_in_use", "p", timeout=t.left(30)),
+                    "consumer": con.must("member_in_use", "c", timeout=t.left(30)),
+                }
                 which = ("publisher", "consumer", "other")[i % 3]
-                victim = used.get(which) or next((m for m in cluster.endpoints if m not in used.values()),
-                                                 cluster.endpoints[0])
+                victim = used.get(which) or next(
+                    (m for m in cluster.endpoints if m not in used.values()), cluster.endpoints[0]
+                )
                 pid = con.send("con_pull", "c", "cols1", step=4, wait=60)
                 cluster.kill(cluster.index_of(victim))
                 r = pubs[0].call("pub_put", "p", 4, timeout=t.left(90))
@@ -507,6 +603,7 @@ def case_etcd_member_loss(suite: Suite, entry: Entry) -> None:
                 _after_outage(t, pubs, con, ep, ns, committed)
             finally:
                 cluster.stop()
+
         suite.trial(entry, i, run)
 
 
@@ -548,8 +645,12 @@ class Hosts:
             raise
 
     def _tc(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run(["ip", "netns", "exec", self.a, "tc", "qdisc", *args], check=check, capture_output=True,
-                              timeout=20)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.a, "tc", "qdisc", *args],
+            check=check,
+            capture_output=True,
+            timeout=20,
+        )
 
     def netem_available(self) -> bool:
         """Whether ``tc netem`` works here (the kernel may lack sch_netem)."""
@@ -597,8 +698,11 @@ def case_netns_link_cut(suite: Suite, entry: Entry) -> None:
         entry.skipped = str(exc)
         return
     if not netem:
-        entry.extra["netem"] = "unavailable (no sch_netem in this kernel): that trial cuts B's end of the link instead"
+        entry.extra["netem"] = (
+            "unavailable (no sch_netem in this kernel): that trial cuts B's end of the link instead"
+        )
     for i in range(suite.trials):
+
         def run(t: Trial) -> None:
             how = ("down", "netem" if netem else "down_b", "down")[i % 3]
             stay = i % 3 == 2
@@ -614,14 +718,27 @@ def case_netns_link_cut(suite: Suite, entry: Entry) -> None:
                 con = t.take_in(hosts.b, env)
                 ns = suite.ns("nl")
                 committed: list[int] = []
-                pub.must("pub_open", "p", ep, ns, size="big", transport="tcp", lease_ttl=10.0, timeout=t.left(60))
-                con.must("con_open", "c", ep, ns, size="big", transport="tcp", read_timeout=8.0, lease_ttl=10.0,
-                         timeout=t.left(60))
+                pub.must(
+                    "pub_open", "p", ep, ns, size="big", transport="tcp", lease_ttl=10.0, timeout=t.left(60)
+                )
+                con.must(
+                    "con_open",
+                    "c",
+                    ep,
+                    ns,
+                    size="big",
+                    transport="tcp",
+                    read_timeout=8.0,
+                    lease_ttl=10.0,
+                    timeout=t.left(60),
+                )
                 _steady(t, [pub], con, [1], committed)
                 paths = con.must("peer_paths", "c", timeout=t.left(30))
                 t.extra["data_path"] = [(p["direct"], p["lanes"][:120]) for p in paths]
                 if any(p["direct"] for p in paths):
-                    t.harness.append(f"the consumer reads host A's memory directly, not over the link: {paths}")
+                    t.harness.append(
+                        f"the consumer reads host A's memory directly, not over the link: {paths}"
+                    )
                 _put_all(t, [pub], 2, committed)
                 pid = con.send("con_pull", "c", "whole", step=2, wait=40, announce=True, hold=hold)
                 ev = con.event(t.left(60))
@@ -638,7 +755,10 @@ def case_netns_link_cut(suite: Suite, entry: Entry) -> None:
                     t.pull(f"pull across the cut ({how}{', stays cut' if stay else ', back after 3 s'})", r)
                 finally:
                     hosts.restore(how)
-                t.pull("pull after the link is back", con.call("con_pull", "c", "cols1", step=2, timeout=t.left(60)))
+                t.pull(
+                    "pull after the link is back",
+                    con.call("con_pull", "c", "cols1", step=2, timeout=t.left(60)),
+                )
                 view = _view(t, con, "c", [1, 2])
                 if view is not None:
                     t.check_lost(view, committed, 4)
@@ -646,6 +766,7 @@ def case_netns_link_cut(suite: Suite, entry: Entry) -> None:
                 for a in t.actors:  # netns actors are never reused
                     a.kill()
                 hosts.close()
+
         suite.trial(entry, i, run)
 
 
@@ -659,25 +780,49 @@ def case_churn(suite: Suite, entry: Entry) -> None:
     ``get_into`` (the documented withdraw) — while a long-lived consumer is reading the step it
     serves (held 1 s after planning). Every pull must be exact or typed."""
     for i in range(suite.trials):
+
         def run(t: Trial) -> None:
             ep, ns = suite.endpoint, suite.ns("ch")
             committed: list[int] = []
             pubs = _open_pubs(t, ep, ns, 2, size="small", transport="shm", lease_ttl=5.0, retire_timeout=5.0)
             long_, joiner, server = t.take(), t.take(), t.take()
-            long_.must("con_open", "L", ep, ns, size="small", transport="shm", read_timeout=10.0, timeout=t.left(60))
+            long_.must(
+                "con_open", "L", ep, ns, size="small", transport="shm", read_timeout=10.0, timeout=t.left(60)
+            )
             _put_all(t, pubs, 1, committed)
             prev: str | None = None
             for s in range(1, suite.churn_steps + 1):
                 lay = W.LAYOUTS[(s + i) % len(W.LAYOUTS)]
-                joiner.must("con_open", f"x{s}", ep, ns, size="small", transport="shm", read_timeout=10.0,
-                            timeout=t.left(60))
-                t.pull(f"joiner pull {s} ({lay})", joiner.call("con_pull", f"x{s}", lay, step=s, timeout=t.left(60)))
+                joiner.must(
+                    "con_open",
+                    f"x{s}",
+                    ep,
+                    ns,
+                    size="small",
+                    transport="shm",
+                    read_timeout=10.0,
+                    timeout=t.left(60),
+                )
+                t.pull(
+                    f"joiner pull {s} ({lay})",
+                    joiner.call("con_pull", f"x{s}", lay, step=s, timeout=t.left(60)),
+                )
                 joiner.must("close", f"x{s}", timeout=t.left(30))
                 key = f"y{s}"
-                server.must("con_open", key, ep, ns, size="small", transport="shm", read_timeout=10.0,
-                            timeout=t.left(60))
-                if not t.pull(f"re-server pull {s}", server.call("con_pull", key, "whole", step=s, reuse_from=prev,
-                                                                 timeout=t.left(60))):
+                server.must(
+                    "con_open",
+                    key,
+                    ep,
+                    ns,
+                    size="small",
+                    transport="shm",
+                    read_timeout=10.0,
+                    timeout=t.left(60),
+                )
+                if not t.pull(
+                    f"re-server pull {s}",
+                    server.call("con_pull", key, "whole", step=s, reuse_from=prev, timeout=t.left(60)),
+                ):
                     break
                 server.must("con_serve", key, s, timeout=t.left(30))
                 lid = long_.send("con_pull", "L", "whole", step=s, wait=30, hold=1.0, announce=True)
@@ -686,21 +831,33 @@ def case_churn(suite: Suite, entry: Entry) -> None:
                 by_close = (s + i) % 2 == 0
                 if by_close:  # leave, and reuse the buffers at once for the next step
                     server.must("close", key, keep_buffers=True, timeout=t.left(30))
-                    server.must("con_open", key + "r", ep, ns, size="small", transport="shm", timeout=t.left(60))
-                    t.pull(f"re-server rejoins with its buffers, pull {s + 1}",
-                           server.call("con_pull", key + "r", "whole", step=s + 1, reuse_from=key, timeout=t.left(60)))
+                    server.must(
+                        "con_open", key + "r", ep, ns, size="small", transport="shm", timeout=t.left(60)
+                    )
+                    t.pull(
+                        f"re-server rejoins with its buffers, pull {s + 1}",
+                        server.call(
+                            "con_pull", key + "r", "whole", step=s + 1, reuse_from=key, timeout=t.left(60)
+                        ),
+                    )
                     server.must("close", key + "r", keep_buffers=True, timeout=t.left(30))
                     prev = key + "r"
                 else:  # the documented way: the next get_into withdraws the offer first
-                    t.pull(f"re-server pulls {s + 1} (withdraws {s})",
-                           server.call("con_pull", key, "whole", step=s + 1, timeout=t.left(60)))
+                    t.pull(
+                        f"re-server pulls {s + 1} (withdraws {s})",
+                        server.call("con_pull", key, "whole", step=s + 1, timeout=t.left(60)),
+                    )
                     server.must("close", key, keep_buffers=True, timeout=t.left(30))
                     prev = key
-                t.pull(f"long-lived consumer pull {s} while the re-server left "
-                       f"({'close' if by_close else 'get_into'})", long_.result(lid, t.left(60)))
+                t.pull(
+                    f"long-lived consumer pull {s} while the re-server left "
+                    f"({'close' if by_close else 'get_into'})",
+                    long_.result(lid, t.left(60)),
+                )
             view = _view(t, long_, "L", sorted(set(committed))[-4:])
             if view is not None:
                 t.check_lost(view, committed, 4)
+
         suite.trial(entry, i, run, timeout=TRIAL_TIMEOUT + 10 * suite.churn_steps)
 
 
@@ -709,6 +866,7 @@ def case_zombie(suite: Suite, entry: Entry) -> None:
     step, or before the new session's first commit): every write must be StaleSessionError and
     none may commit; consumers get the new session's bytes."""
     for i in range(suite.trials):
+
         def run(t: Trial) -> None:
             a = t.take()
             r = a.call("zombie", suite.endpoint, suite.ns("zo"), i, timeout=t.left(90))
@@ -721,7 +879,9 @@ def case_zombie(suite: Suite, entry: Entry) -> None:
                         t.violate(f"{step['what']} was accepted ({step.get('result')})")
                     elif step.get("etype") != "StaleSessionError":
                         if step.get("typed"):
-                            t.violate(f"{step['what']}: {step['etype']} instead of StaleSessionError: {step['msg']}")
+                            t.violate(
+                                f"{step['what']}: {step['etype']} instead of StaleSessionError: {step['msg']}"
+                            )
                         else:
                             t.error(step["what"], step)
                     else:
@@ -729,12 +889,15 @@ def case_zombie(suite: Suite, entry: Entry) -> None:
                 elif step.get("what") == "catalog":
                     if step["zombie_commits"]:
                         t.wrong += len(step["zombie_commits"])
-                        t.notes.append(f"WRONG BYTES: zombie steps {step['zombie_commits']} committed ({step})")
+                        t.notes.append(
+                            f"WRONG BYTES: zombie steps {step['zombie_commits']} committed ({step})"
+                        )
                 elif step.get("pull"):
                     t.pulls += 1
                     if not step["exact"] or step["step"] != step["expected_step"]:
                         t.wrong += 1
                         t.notes.append(f"WRONG BYTES: {step}")
+
         suite.trial(entry, i, run)
 
 
@@ -748,7 +911,9 @@ def _account_results(t: Trial, results: Sequence[Mapping[str, Any]]) -> None:
                 t.pulls += 1
                 if not r.get("exact"):
                     t.wrong += 1
-                    t.notes.append(f"WRONG BYTES: {r['what']}: step {r.get('step')}, buffers {r.get('bad')} differ")
+                    t.notes.append(
+                        f"WRONG BYTES: {r['what']}: step {r.get('step')}, buffers {r.get('bad')} differ"
+                    )
         elif "etype" in r:
             t.error(r["what"], r)
 
@@ -760,6 +925,7 @@ def case_hostile_records(suite: Suite, entry: Entry) -> None:
     names = [n for n, _ in W.HOSTILE_RECORDS]
     entry.extra["inputs"] = len(names)
     for i, name in enumerate(names):
+
         def run(t: Trial) -> None:
             a = t.take()
             r = a.call("hostile_record", suite.endpoint, name, timeout=t.left(90))
@@ -767,6 +933,7 @@ def case_hostile_records(suite: Suite, entry: Entry) -> None:
                 t.error(f"{name} (set-up)", r)
                 return
             _account_results(t, [dict(x, what=f"{name}: {x['what']}") for x in r["result"]])
+
         suite.trial(entry, i, run, timeout=120)
 
 
@@ -779,6 +946,7 @@ def case_hostile_api(suite: Suite, entry: Entry, chunk: int = 7) -> None:
 
     def one_by_one(group: Sequence[str]) -> None:
         for name in group:
+
             def run(t: Trial) -> None:
                 a = t.take()
                 r = a.call("hostile_api", suite.endpoint, [name], timeout=t.left(60))
@@ -786,11 +954,12 @@ def case_hostile_api(suite: Suite, entry: Entry, chunk: int = 7) -> None:
                     t.error(f"{name} (set-up)", r)
                     return
                 _account_results(t, [dict(x, what=f"{name}: {x['what']}") for x in r["result"][name]])
+
             suite.trial(entry, index[0], run, timeout=90)
             index[0] += 1
 
     for k in range(0, len(names), chunk):
-        group = names[k:k + chunk]
+        group = names[k : k + chunk]
         a = suite.pool.take()
         try:
             r = a.call("hostile_api", suite.endpoint, group, timeout=60 + 15 * len(group))
@@ -835,8 +1004,12 @@ def case_fuzz(suite: Suite, entry: Entry) -> None:
             continue
         res = r["result"]
         per[target] = {k: res[k] for k in ("trials", "ok", "typed", "crashes")}
-        for k, f in (("trials", "trials"), ("ok", "completed_correct"), ("typed", "typed_errors"),
-                     ("crashes", "crashes")):
+        for k, f in (
+            ("trials", "trials"),
+            ("ok", "completed_correct"),
+            ("typed", "typed_errors"),
+            ("crashes", "crashes"),
+        ):
             entry.counts[f] += res[k]
         for c in res["crash_examples"]:
             examples.append({"target": target, **c})
@@ -878,8 +1051,19 @@ def case_soak(suite: Suite, entry: Entry) -> None:
         pub = setup.take()
         long_ = setup.take()
         churn = setup.take()
-        pub.must("pub_open", "p", ep, ns, rank=0, world=1, session=ns, size="small", transport="shm", lease_ttl=5.0,
-                 timeout=120)
+        pub.must(
+            "pub_open",
+            "p",
+            ep,
+            ns,
+            rank=0,
+            world=1,
+            session=ns,
+            size="small",
+            transport="shm",
+            lease_ttl=5.0,
+            timeout=120,
+        )
         long_.must("con_open", "L", ep, ns, size="small", transport="shm", read_timeout=10.0, timeout=60)
     except Exception as exc:  # set-up of the soak itself
         setup.harness.append(f"soak set-up: {type(exc).__name__}: {exc}")
@@ -902,14 +1086,28 @@ def case_soak(suite: Suite, entry: Entry) -> None:
                 # from the re-server, then the re-server leaves); otherwise alongside the churn.
                 lid = None if serve_step else long_.send("con_pull", "L", "whole", step=s, wait=30)
                 key = f"x{s}"
-                churn.must("con_open", key, ep, ns, size="small", transport="shm", read_timeout=10.0, lease_ttl=5.0,
-                           timeout=t.left(60))
-                t.pull(f"churn pull {s} ({lay})", churn.call("con_pull", key, lay, step=s, timeout=t.left(60)))
+                churn.must(
+                    "con_open",
+                    key,
+                    ep,
+                    ns,
+                    size="small",
+                    transport="shm",
+                    read_timeout=10.0,
+                    lease_ttl=5.0,
+                    timeout=t.left(60),
+                )
+                t.pull(
+                    f"churn pull {s} ({lay})", churn.call("con_pull", key, lay, step=s, timeout=t.left(60))
+                )
                 if serve_step:
                     if serving is not None:
                         churn.must("close", serving, timeout=t.left(30))
                         serving = None
-                    t.pull(f"re-server pull {s}", churn.call("con_pull", key, "whole", step=s, timeout=t.left(60)))
+                    t.pull(
+                        f"re-server pull {s}",
+                        churn.call("con_pull", key, "whole", step=s, timeout=t.left(60)),
+                    )
                     churn.must("con_serve", key, s, timeout=t.left(30))
                     serving = key
                 else:
@@ -918,7 +1116,11 @@ def case_soak(suite: Suite, entry: Entry) -> None:
                     lid = long_.send("con_pull", "L", "whole", step=s, wait=30)
                 t.pull(f"long-lived pull {s}", long_.result(lid, t.left(60)))
                 if s % every == 0 or s == steps:
-                    for role, (a, k) in (("publisher", (pub, "p")), ("consumer", (long_, "L")), ("churn", (churn, None))):
+                    for role, (a, k) in (
+                        ("publisher", (pub, "p")),
+                        ("consumer", (long_, "L")),
+                        ("churn", (churn, None)),
+                    ):
                         samples[role].append((s, a.must("probe", k, timeout=t.left(30))))
             except Hang as exc:
                 t.hang = f"HANG {exc}"
@@ -928,7 +1130,11 @@ def case_soak(suite: Suite, entry: Entry) -> None:
                 t.notes.append(f"CRASH a process died on its own: {exc}")
                 aborted = True
             except SetupError as exc:
-                (t.typed.append(str(exc.reply.get("etype"))) if exc.reply.get("typed") else t.crash.append(str(exc)))
+                (
+                    t.typed.append(str(exc.reply.get("etype")))
+                    if exc.reply.get("typed")
+                    else t.crash.append(str(exc))
+                )
                 t.notes.append(f"{'' if exc.reply.get('typed') else 'CRASH '}{exc}")
             except Exception as exc:
                 t.harness.append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-800:]}")
@@ -951,8 +1157,10 @@ def case_soak(suite: Suite, entry: Entry) -> None:
             else:
                 a.close(timeout=15)
     entry.extra["steps"] = steps
-    entry.extra["steps_per_second"] = round(len(samples["publisher"]) and (
-        (samples["publisher"][-1][0]) / max(1e-9, time.monotonic() - t_start)), 2)
+    entry.extra["steps_per_second"] = round(
+        len(samples["publisher"]) and ((samples["publisher"][-1][0]) / max(1e-9, time.monotonic() - t_start)),
+        2,
+    )
     entry.extra["warmup_steps"] = warm
     entry.extra["samples"] = len(samples["publisher"])
     slopes: dict[str, Any] = {}
@@ -1009,11 +1217,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=3, help="trials per fault case (default 3)")
     ap.add_argument("--only", default=None, help=f"comma list of cases: {','.join(CASES)}")
     ap.add_argument("--soak-steps", type=int, default=1000, help="steps of the soak (default 1000)")
-    ap.add_argument("--fuzz-examples", type=int, default=None,
-                    help="hypothesis examples per decoder (default 100 x trials)")
+    ap.add_argument(
+        "--fuzz-examples",
+        type=int,
+        default=None,
+        help="hypothesis examples per decoder (default 100 x trials)",
+    )
     ap.add_argument("--churn-steps", type=int, default=6, help="steps per churn trial (default 6)")
     ap.add_argument("--seed", type=int, default=None, help="fuzz seed (default random; reported)")
-    ap.add_argument("--etcd", default=None, help="use this etcd (host:port) instead of a private embedded one")
+    ap.add_argument(
+        "--etcd", default=None, help="use this etcd (host:port) instead of a private embedded one"
+    )
     args = ap.parse_args(argv)
     names = list(CASES) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
@@ -1023,25 +1237,47 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     tag = orphans.tag_children()  # every process started from here on carries the tag (the orphan check)
     t0 = time.monotonic()
-    suite = Suite(endpoint=args.etcd, trials=args.trials, soak_steps=args.soak_steps,
-                  fuzz_examples=args.fuzz_examples or 100 * args.trials, churn_steps=args.churn_steps, seed=args.seed)
+    suite = Suite(
+        endpoint=args.etcd,
+        trials=args.trials,
+        soak_steps=args.soak_steps,
+        fuzz_examples=args.fuzz_examples or 100 * args.trials,
+        churn_steps=args.churn_steps,
+        seed=args.seed,
+    )
     cases = []
     try:
         for name in names:
             cases.append(run_case(suite, name))
-            print(f"# {name}: " + json.dumps({k: cases[-1].get(k) for k in FIELDS + ('skipped',)
-                                              if cases[-1].get(k) is not None}), file=sys.stderr, flush=True)
+            print(
+                f"# {name}: "
+                + json.dumps(
+                    {k: cases[-1].get(k) for k in FIELDS + ("skipped",) if cases[-1].get(k) is not None}
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         suite.close()
     # Nothing this run started may outlive it (issue 29): etcds in netns hosts, actors, clusters.
     left = orphans.leftovers(tag, wait=20.0)
     orphans.end_leftovers(left, tag)
     orphans.untag(tag)
-    out = {"suite": "fault_suite", "trials": args.trials, "soak_steps": args.soak_steps, "seed": suite.seed,
-           "seconds": round(time.monotonic() - t0, 1), "cases": cases, "totals": totals(cases), "orphans": left}
+    out = {
+        "suite": "fault_suite",
+        "trials": args.trials,
+        "soak_steps": args.soak_steps,
+        "seed": suite.seed,
+        "seconds": round(time.monotonic() - t0, 1),
+        "cases": cases,
+        "totals": totals(cases),
+        "orphans": left,
+    }
     print(json.dumps(out))
     t = out["totals"]
-    return 0 if all(t[f] == 0 for f in ("wrong_bytes", "hangs", "lost_versions", "crashes")) and not left else 1
+    return (
+        0 if all(t[f] == 0 for f in ("wrong_bytes", "hangs", "lost_versions", "crashes")) and not left else 1
+    )
 
 
 if __name__ == "__main__":

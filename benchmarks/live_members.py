@@ -34,11 +34,27 @@ def commit(cat: Catalog, world: int) -> None:
     c, raw = cat.client, cat.client.raw
     lid = mid = "0" * 24
     for r in range(world):
-        raw.put(c.key("versions", pad20(STEP), "pieces", pad20(EPOCH), pad20(r)), codec.encode("piece", {
-            "step": STEP, "epoch": EPOCH, "rank": r, "world_size": world, "layout_id": lid, "base_offset": 0,
-            "manifest_id": mid}))
-    raw.put(c.key("versions", pad20(STEP), "commit"), codec.encode("commit", {
-        "step": STEP, "epoch": EPOCH, "world_size": world, "committed_at": time.time()}))
+        raw.put(
+            c.key("versions", pad20(STEP), "pieces", pad20(EPOCH), pad20(r)),
+            codec.encode(
+                "piece",
+                {
+                    "step": STEP,
+                    "epoch": EPOCH,
+                    "rank": r,
+                    "world_size": world,
+                    "layout_id": lid,
+                    "base_offset": 0,
+                    "manifest_id": mid,
+                },
+            ),
+        )
+    raw.put(
+        c.key("versions", pad20(STEP), "commit"),
+        codec.encode(
+            "commit", {"step": STEP, "epoch": EPOCH, "world_size": world, "committed_at": time.time()}
+        ),
+    )
 
 
 def members(cat: Catalog, world: int) -> int:
@@ -85,11 +101,17 @@ def main() -> None:
                 t, n_missing = timed_reads(without, a.reads // 3)
                 none.append(t)
             assert m_missing == 0 and n_missing == world, (m_missing, n_missing)
-            row = {"bench": "live_members", "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                   "load1": os.getloadavg()[0], "ranks": world, "reads": a.reads,
-                   "median_ms_members": round(statistics.median(ms) * 1e3, 3),
-                   "median_ms_none": round(statistics.median(none) * 1e3, 3),
-                   "ratio": round(statistics.median(ms) / statistics.median(none), 3), "member_bytes": nbytes}
+            row = {
+                "bench": "live_members",
+                "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                "load1": os.getloadavg()[0],
+                "ranks": world,
+                "reads": a.reads,
+                "median_ms_members": round(statistics.median(ms) * 1e3, 3),
+                "median_ms_none": round(statistics.median(none) * 1e3, 3),
+                "ratio": round(statistics.median(ms) / statistics.median(none), 3),
+                "member_bytes": nbytes,
+            }
             print(json.dumps(row), flush=True)
             with open(a.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -56,7 +56,8 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
@@ -71,14 +72,16 @@ TIMEOUT = 600.0
 # Peers that need CUDA (measured on this kind of machine; see docs/performance.md): reported as null.
 CUDA_ONLY = {
     "torchstore": "torchstore 0.1.2 pins a CUDA torch 2.9.0 and torchmonarch; its import fails without "
-                  "libcuda.so.1 (no GPU here)",
+    "libcuda.so.1 (no GPU here)",
     "checkpoint_engine": "checkpoint-engine 0.4.2 installs on CPU torch but its ParameterServer accepts only "
-                         "CUDA/NPU devices",
+    "CUDA/NPU devices",
 }
 SYSTEMS = ("ours", "nixl", "mooncake", "stream", "memcpy", "gloo")
 IMPORTS = {"nixl": "nixl_cu12", "mooncake": "mooncake.engine"}
-INSTALL_HINT = {"nixl": "pip install nixl-cu12 (torch pinned first), or pip install -e .[peers]",
-                "mooncake": "pip install mooncake-transfer-engine-non-cuda and apt-get install libibverbs1"}
+INSTALL_HINT = {
+    "nixl": "pip install nixl-cu12 (torch pinned first), or pip install -e .[peers]",
+    "mooncake": "pip install mooncake-transfer-engine-non-cuda and apt-get install libibverbs1",
+}
 
 
 def _log(msg: str) -> None:
@@ -100,7 +103,9 @@ def _free_port(host: str = "127.0.0.1") -> int:
 
 def importable(module: str) -> str | None:
     """None if ``module`` imports in a fresh interpreter, else the reason (last line of the error)."""
-    r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120
+    )
     if r.returncode == 0:
         return None
     lines = [ln for ln in (r.stderr or "").strip().splitlines() if ln.strip()]
@@ -169,7 +174,7 @@ def _netns_exec(netns: str) -> str:
     return path
 
 
-def run_system(kind: str, cfg: dict[str, Any], hosts: "Hosts") -> dict[str, Any]:
+def run_system(kind: str, cfg: dict[str, Any], hosts: Hosts) -> dict[str, Any]:
     """Two trainer ranks, then the rollout; the rollout's timed, verified result."""
     g = Group()
     try:
@@ -187,7 +192,7 @@ def run_system(kind: str, cfg: dict[str, Any], hosts: "Hosts") -> dict[str, Any]
         g.close()
 
 
-def run_gloo(nbytes: int, iters: int, hosts: "Hosts") -> dict[str, Any]:
+def run_gloo(nbytes: int, iters: int, hosts: Hosts) -> dict[str, Any]:
     g = Group()
     port = _free_port() if hosts.a is None else random.randint(20000, 40000)
     try:
@@ -196,8 +201,12 @@ def run_gloo(nbytes: int, iters: int, hosts: "Hosts") -> dict[str, Any]:
         res = g.answers(2)
         per = [max(a, b) for a, b in zip(res["gloo0"]["times"], res["gloo1"]["times"])]
         med = statistics.median(per)
-        return {"gbps": round(nbytes / med / 1e9, 3), "seconds": round(med, 4),
-                "best_gbps": round(nbytes / min(per) / 1e9, 3), "verified": res["gloo1"]["ok"]}
+        return {
+            "gbps": round(nbytes / med / 1e9, 3),
+            "seconds": round(med, 4),
+            "best_gbps": round(nbytes / min(per) / 1e9, 3),
+            "verified": res["gloo1"]["ok"],
+        }
     except Exception as exc:  # noqa: BLE001
         return {"error": str(exc)[:2000]}
     finally:
@@ -220,7 +229,7 @@ class Hosts:
         self.b_dev: str | None = None
         self._links: list[str] = []
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         if not self.two:
             return self
         if os.geteuid() != 0:
@@ -276,16 +285,30 @@ class Etcd:
 # ------------------------------------------------------------------------------------ main
 
 
-def configs(args: argparse.Namespace, hosts: Hosts, endpoint: str | None) -> Iterator[tuple[str, dict[str, Any]]]:
+def configs(
+    args: argparse.Namespace, hosts: Hosts, endpoint: str | None
+) -> Iterator[tuple[str, dict[str, Any]]]:
     tcp = args.transport == "tcp" or hosts.two
     base = {"gib": args.gib, "iters": args.iters}
     if endpoint is not None:
-        yield "ours", dict(base, ns=f"peers-{uuid.uuid4().hex[:8]}", endpoint=endpoint,
-                           transport="tcp" if tcp else "shm")
+        yield (
+            "ours",
+            dict(
+                base, ns=f"peers-{uuid.uuid4().hex[:8]}", endpoint=endpoint, transport="tcp" if tcp else "shm"
+            ),
+        )
     # the same UCX settings our tcp mode uses (1 MiB segments: ~4x the default here)
     ucx_tcp = {"UCX_TLS": "tcp,self", "UCX_TCP_TX_SEG_SIZE": "1M", "UCX_TCP_RX_SEG_SIZE": "1M"}
-    yield "nixl", dict(base, prog_thread=False, pub_prog_thread=tcp, env=ucx_tcp if tcp else {},
-                       pub_poll_s=float(os.environ.get("PEERS_NIXL_POLL_S", "0.001")))
+    yield (
+        "nixl",
+        dict(
+            base,
+            prog_thread=False,
+            pub_prog_thread=tcp,
+            env=ucx_tcp if tcp else {},
+            pub_poll_s=float(os.environ.get("PEERS_NIXL_POLL_S", "0.001")),
+        ),
+    )
     yield "mooncake", dict(base, host=hosts.a_addr, con_host=hosts.b_addr)
     if tcp:
         yield "stream", dict(base, host=hosts.a_addr)
@@ -295,9 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0, help="model size in GiB of fp32 (default 2)")
     ap.add_argument("--iters", type=int, default=5, help="timed runs per system after a checked warm-up")
-    ap.add_argument("--transport", default="shm", choices=["shm", "tcp"], help="one host: shared memory or tcp")
-    ap.add_argument("--hosts", type=int, default=1, choices=[1, 2],
-                    help="2: trainers and rollout in two network namespaces over a veth link (tcp; root)")
+    ap.add_argument(
+        "--transport", default="shm", choices=["shm", "tcp"], help="one host: shared memory or tcp"
+    )
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        choices=[1, 2],
+        help="2: trainers and rollout in two network namespaces over a veth link (tcp; root)",
+    )
     ap.add_argument("--only", default=",".join(SYSTEMS), help="comma list of systems to run")
     args = ap.parse_args(argv)
     if args.gib <= 0 or args.iters < 1:
@@ -308,9 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     work = P.build_work(args.gib)
     out: dict[str, Any] = {
-        "bytes": work.nbytes, "reads": work.n_reads, "reads_per_rank": [len(r) for r in work.reads],
-        "gib": args.gib, "transport": "tcp" if args.hosts == 2 else args.transport, "hosts": args.hosts,
-        "iters": args.iters, "host_cpus": os.cpu_count(),
+        "bytes": work.nbytes,
+        "reads": work.n_reads,
+        "reads_per_rank": [len(r) for r in work.reads],
+        "gib": args.gib,
+        "transport": "tcp" if args.hosts == 2 else args.transport,
+        "hosts": args.hosts,
+        "iters": args.iters,
+        "host_cpus": os.cpu_count(),
         "layout": "sync_bench transformer, Megatron TP=2 trainer -> TP=1 rollout, fp32",
     }
     del work
@@ -342,8 +377,10 @@ def main(argv: list[str] | None = None) -> int:
                 etcd.__exit__()
         if "memcpy" in only:
             systems["memcpy"] = measure_memcpy(out["bytes"])
-            systems["memcpy"]["what"] = ("torch copy_ of the same bytes, one process, best of 4 (gbps_streaming: "
-                                         "our copy loop's non-temporal stores, one row)")
+            systems["memcpy"]["what"] = (
+                "torch copy_ of the same bytes, one process, best of 4 (gbps_streaming: "
+                "our copy loop's non-temporal stores, one row)"
+            )
         if "gloo" in only:
             systems["gloo"] = run_gloo(out["bytes"], max(3, args.iters), hosts)
     finally:
@@ -353,8 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         ok = isinstance(s, dict) and "gbps" in s and s.get("verified", True)
         out[f"{name}_gbps"] = s["gbps"] if ok else None
         if not ok and name not in reasons:
-            reasons[name] = ("not run (--only)" if s is None else
-                             s.get("error", "result not verified: bytes differ") if isinstance(s, dict) else "?")
+            reasons[name] = (
+                "not run (--only)"
+                if s is None
+                else s.get("error", "result not verified: bytes differ")
+                if isinstance(s, dict)
+                else "?"
+            )
     if args.transport == "shm" and args.hosts == 1:
         reasons.setdefault("stream", "a tcp socket stream: run in the tcp modes only")
     for other in ("nixl", "mooncake", "stream", "memcpy", "gloo"):

@@ -17,8 +17,9 @@ Times: ``plan_seconds`` = pass 1 (balance + pre-pack decision) + pass 2 (final p
 packed copies as sources, all reads counted exactly; reads are materialized per consumer on
 demand, ``materialize_seconds_one`` is one consumer's array). Pass 2 reuses pass 1's stages up to
 balancing while pass 1's plan is alive (the planner memoizes them on the identity of its inputs),
-so it pays for matching the packed copies, their templates, merging and totals only. ``plan_cpu_seconds`` is the same
-span in this process's CPU time (what the wall time would be on an idle core; the machine is
+so it pays for matching the packed copies, their templates, merging and totals only.
+``plan_cpu_seconds`` is the same span in this process's CPU time (what the wall time would be on an idle
+core; the machine is
 shared). ``--config`` picks one of the three configurations of issue 30.
 """
 
@@ -43,6 +44,7 @@ BLOCK = 128
 
 # ----------------------------------------------------------------------------------------------
 # Model description: tensors with trainer / rollout split rules
+
 
 class TSpec:
     __slots__ = ("name", "shape", "dtype", "train", "roll", "layer", "fuse", "unit")
@@ -99,20 +101,54 @@ def model_tensors(model: str, dtype: str) -> tuple[list[TSpec], int]:
             _linear(t, a + "o_proj.weight", H, heads * vd, wd, l, {1: "tp"}, {1: "tp"})
             m = p + "mlp."
             if l == 0:
-                _linear(t, m + "gate_proj.weight", dense_i, H, wd, l, {0: "tp"}, {0: "tp"}, fuse=(m + "gu", 0, 2, 0))
-                _linear(t, m + "up_proj.weight", dense_i, H, wd, l, {0: "tp"}, {0: "tp"}, fuse=(m + "gu", 1, 2, 0))
+                _linear(
+                    t,
+                    m + "gate_proj.weight",
+                    dense_i,
+                    H,
+                    wd,
+                    l,
+                    {0: "tp"},
+                    {0: "tp"},
+                    fuse=(m + "gu", 0, 2, 0),
+                )
+                _linear(
+                    t, m + "up_proj.weight", dense_i, H, wd, l, {0: "tp"}, {0: "tp"}, fuse=(m + "gu", 1, 2, 0)
+                )
                 _linear(t, m + "down_proj.weight", H, dense_i, wd, l, {1: "tp"}, {1: "tp"})
                 continue
             t.append(TSpec(m + "gate.weight", (E, H), bf, {}, {}, l))
             t.append(TSpec(m + "gate.e_score_correction_bias", (E,), "float32", {}, {}, l))
             x = m + "experts."
-            _linear(t, x + "gate_proj.weight", moe_i, H, wd, l, {0: "ep", 1: "tp"}, {1: "tp"},
-                    fuse=(x + "w13", 0, 2, 1), experts=E)
-            _linear(t, x + "up_proj.weight", moe_i, H, wd, l, {0: "ep", 1: "tp"}, {1: "tp"},
-                    fuse=(x + "w13", 1, 2, 1), experts=E)
+            _linear(
+                t,
+                x + "gate_proj.weight",
+                moe_i,
+                H,
+                wd,
+                l,
+                {0: "ep", 1: "tp"},
+                {1: "tp"},
+                fuse=(x + "w13", 0, 2, 1),
+                experts=E,
+            )
+            _linear(
+                t,
+                x + "up_proj.weight",
+                moe_i,
+                H,
+                wd,
+                l,
+                {0: "ep", 1: "tp"},
+                {1: "tp"},
+                fuse=(x + "w13", 1, 2, 1),
+                experts=E,
+            )
             _linear(t, x + "down_proj.weight", H, moe_i, wd, l, {0: "ep", 2: "tp"}, {2: "tp"}, experts=E)
             s = m + "shared_experts."
-            _linear(t, s + "gate_proj.weight", moe_i, H, wd, l, {0: "tp"}, {0: "tp"}, fuse=(s + "gu", 0, 2, 0))
+            _linear(
+                t, s + "gate_proj.weight", moe_i, H, wd, l, {0: "tp"}, {0: "tp"}, fuse=(s + "gu", 0, 2, 0)
+            )
             _linear(t, s + "up_proj.weight", moe_i, H, wd, l, {0: "tp"}, {0: "tp"}, fuse=(s + "gu", 1, 2, 0))
             _linear(t, s + "down_proj.weight", H, moe_i, wd, l, {1: "tp"}, {1: "tp"})
         t.append(TSpec("model.norm.weight", (H,), bf, {}, {}, L))
@@ -126,9 +162,42 @@ def model_tensors(model: str, dtype: str) -> tuple[list[TSpec], int]:
             t.append(TSpec(p + "input_layernorm.weight", (H,), bf, {}, {}, l))
             a = p + "self_attn."
             u = {0: hd}
-            _linear(t, a + "q_proj.weight", heads * hd, H, wd, l, {0: "tp"}, {0: "tp"}, fuse=(a + "qkv", 0, 3, 0), unit=u)
-            _linear(t, a + "k_proj.weight", kvh * hd, H, wd, l, {0: "tp"}, {0: "tp"}, fuse=(a + "qkv", 1, 3, 0), unit=u)
-            _linear(t, a + "v_proj.weight", kvh * hd, H, wd, l, {0: "tp"}, {0: "tp"}, fuse=(a + "qkv", 2, 3, 0), unit=u)
+            _linear(
+                t,
+                a + "q_proj.weight",
+                heads * hd,
+                H,
+                wd,
+                l,
+                {0: "tp"},
+                {0: "tp"},
+                fuse=(a + "qkv", 0, 3, 0),
+                unit=u,
+            )
+            _linear(
+                t,
+                a + "k_proj.weight",
+                kvh * hd,
+                H,
+                wd,
+                l,
+                {0: "tp"},
+                {0: "tp"},
+                fuse=(a + "qkv", 1, 3, 0),
+                unit=u,
+            )
+            _linear(
+                t,
+                a + "v_proj.weight",
+                kvh * hd,
+                H,
+                wd,
+                l,
+                {0: "tp"},
+                {0: "tp"},
+                fuse=(a + "qkv", 2, 3, 0),
+                unit=u,
+            )
             _linear(t, a + "o_proj.weight", H, heads * hd, wd, l, {1: "tp"}, {1: "tp"}, unit={1: hd})
             t.append(TSpec(p + "post_attention_layernorm.weight", (H,), bf, {}, {}, l))
             m = p + "mlp."
@@ -261,8 +330,12 @@ def build(args):
     for k in range(rtp):
         boxes = [(s, _local_box(s, s.roll, {"tp": k}, {"tp": rtp})) for s in specs]
         placed, _ = _place(boxes, 0)
-        per_rank.append(tuple(ShardRecord(s.name, s.dtype, s.shape, box, strides, k, 0, off)
-                              for s, box, strides, off in placed))
+        per_rank.append(
+            tuple(
+                ShardRecord(s.name, s.dtype, s.shape, box, strides, k, 0, off)
+                for s, box, strides, off in placed
+            )
+        )
     requests = {}
     for inst in range(args.rollout_instances):
         for k in range(rtp):
@@ -270,9 +343,13 @@ def build(args):
     topo = None
     if args.topology:
         gph = args.gpus_per_host
-        src = {r: Placement(f"t{r // gph}", numa=(r % gph) * 2 // gph, nic=f"rail{r % gph}")
-               for r in range(args.trainer_gpus)}
-        con = {c: Placement(f"r{c // gph}", numa=(c % gph) * 2 // gph, nic=f"rail{c % gph}") for c in requests}
+        src = {
+            r: Placement(f"t{r // gph}", numa=(r % gph) * 2 // gph, nic=f"rail{r % gph}")
+            for r in range(args.trainer_gpus)
+        }
+        con = {
+            c: Placement(f"r{c // gph}", numa=(c % gph) * 2 // gph, nic=f"rail{c % gph}") for c in requests
+        }
         topo = Fabric(src, con)
     return specs, layouts, requests, topo, dp
 
@@ -290,19 +367,47 @@ def simulate_publishers(items: dict) -> list:
 
 #: The three configurations of issue 30 (``--config``); explicit options override them.
 CONFIGS = {
-    "kimi-k2": dict(model="kimi-k2", dtype="fp8", trainer_gpus=256, trainer_tp=8, trainer_ep=8, trainer_pp=4,
-                    rollout_instances=16, rollout_tp=16),
-    "deepseek-v3": dict(model="deepseek-v3", dtype="fp8", trainer_gpus=128, trainer_tp=8, trainer_ep=8,
-                        trainer_pp=2, rollout_instances=8, rollout_tp=8),
-    "dense-70b": dict(model="dense-70b", dtype="bf16", trainer_gpus=64, trainer_tp=8, trainer_ep=1, trainer_pp=2,
-                      rollout_instances=32, rollout_tp=2),
+    "kimi-k2": dict(
+        model="kimi-k2",
+        dtype="fp8",
+        trainer_gpus=256,
+        trainer_tp=8,
+        trainer_ep=8,
+        trainer_pp=4,
+        rollout_instances=16,
+        rollout_tp=16,
+    ),
+    "deepseek-v3": dict(
+        model="deepseek-v3",
+        dtype="fp8",
+        trainer_gpus=128,
+        trainer_tp=8,
+        trainer_ep=8,
+        trainer_pp=2,
+        rollout_instances=8,
+        rollout_tp=8,
+    ),
+    "dense-70b": dict(
+        model="dense-70b",
+        dtype="bf16",
+        trainer_gpus=64,
+        trainer_tp=8,
+        trainer_ep=1,
+        trainer_pp=2,
+        rollout_instances=32,
+        rollout_tp=2,
+    ),
 }
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", choices=sorted(CONFIGS), default=None,
-                    help="one of the named configurations (explicit options given after it override it)")
+    ap.add_argument(
+        "--config",
+        choices=sorted(CONFIGS),
+        default=None,
+        help="one of the named configurations (explicit options given after it override it)",
+    )
     ap.add_argument("--model", choices=["kimi-k2", "deepseek-v3", "dense-70b"], default="kimi-k2")
     ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")
     ap.add_argument("--trainer-gpus", type=int, default=256)
@@ -313,16 +418,22 @@ def main(argv=None):
     ap.add_argument("--rollout-tp", type=int, default=16)
     ap.add_argument("--nic-gbps", type=float, default=400.0, help="per GPU link, Gbit/s")
     ap.add_argument("--gpus-per-host", type=int, default=8)
-    ap.add_argument("--consumers-reserve", action="store_true",
-                    help="P2P fan-out: the first half of the rollout instances (wave 1) reads from the trainer; "
-                         "their buffers are then republished as replicas and wave 2 reads from them "
-                         "(sequential waves, makespan = wave 1 + wave 2)")
+    ap.add_argument(
+        "--consumers-reserve",
+        action="store_true",
+        help="P2P fan-out: the first half of the rollout instances (wave 1) reads from the trainer; "
+        "their buffers are then republished as replicas and wave 2 reads from them "
+        "(sequential waves, makespan = wave 1 + wave 2)",
+    )
     ap.add_argument("--topology", action="store_true", help="pass host/NUMA/rail placements to the planner")
     ap.add_argument("--balance", choices=["greedy", "rotation"], default="greedy")
     args = ap.parse_args(argv)
     if args.config is not None:
-        given = {a.split("=")[0][2:].replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
-                 if a.startswith("--")}
+        given = {
+            a.split("=")[0][2:].replace("-", "_")
+            for a in (argv if argv is not None else sys.argv[1:])
+            if a.startswith("--")
+        }
         for k, v in CONFIGS[args.config].items():
             if k not in given:
                 setattr(args, k, v)
@@ -368,8 +479,16 @@ def main(argv=None):
     last = list(requests)[-1]
     my_packed = [p for p in packed if last in p.consumers]
     t9 = time.perf_counter()
-    cp = plan_consumer(layouts, requests[last], consumer=last, rotation=last // args.rollout_tp, stagger=last,
-                       topology=topo, cost=cost, packed=my_packed)
+    cp = plan_consumer(
+        layouts,
+        requests[last],
+        consumer=last,
+        rotation=last // args.rollout_tp,
+        stagger=last,
+        topology=topo,
+        cost=cost,
+        packed=my_packed,
+    )
     t10 = time.perf_counter()
 
     bw = args.nic_gbps / 8 * 1e9
@@ -380,11 +499,21 @@ def main(argv=None):
     makespan = max(src_link.max(), dst.max()) / bw
     lower = max(dst.max() / bw, total / (n_src_links * bw))
     out = {
-        "config": args.config, "model": args.model, "dtype": args.dtype, "trainer_gpus": args.trainer_gpus, "trainer_tp": args.trainer_tp,
-        "trainer_ep": args.trainer_ep, "trainer_pp": args.trainer_pp, "trainer_dp": dp,
-        "rollout_instances": args.rollout_instances, "rollout_tp": args.rollout_tp, "balance": args.balance,
-        "topology": bool(args.topology), "consumers_reserve": False,
-        "tensors": len(specs), "params": int(sum(math.prod(s.shape) for s in specs if not s.name.endswith("_scale_inv"))),
+        "config": args.config,
+        "model": args.model,
+        "dtype": args.dtype,
+        "trainer_gpus": args.trainer_gpus,
+        "trainer_tp": args.trainer_tp,
+        "trainer_ep": args.trainer_ep,
+        "trainer_pp": args.trainer_pp,
+        "trainer_dp": dp,
+        "rollout_instances": args.rollout_instances,
+        "rollout_tp": args.rollout_tp,
+        "balance": args.balance,
+        "topology": bool(args.topology),
+        "consumers_reserve": False,
+        "tensors": len(specs),
+        "params": int(sum(math.prod(s.shape) for s in specs if not s.name.endswith("_scale_inv"))),
         "plan_seconds": round((t1 - t0) + (t3 - t2), 4),
         "plan_cpu_seconds": round((c1 - c0) + (c3 - c2), 4),
         "plan_seconds_pass1": round(t1 - t0, 4),
@@ -406,7 +535,9 @@ def main(argv=None):
         "makespan_seconds": round(makespan, 4),
         "lower_bound_seconds": round(lower, 4),
         "ratio": round(makespan / lower, 4),
-        "per_read_overhead_seconds_max_consumer": round(max(gp.read_counts().values()) * cost.per_read_seconds, 4),
+        "per_read_overhead_seconds_max_consumer": round(
+            max(gp.read_counts().values()) * cost.per_read_seconds, 4
+        ),
         "build_seconds": round(t_build, 2),
     }
     print(json.dumps(out))
@@ -433,10 +564,19 @@ def reserve(args, specs, layouts, requests, topo, dp, cost, t_build):
     for c, recs in req1.items():
         for r in recs:
             by_name.setdefault(r.name, []).append(
-                ShardRecord(r.name, r.dtype, r.global_shape, r.box, r.strides, PEER_RANK + c, r.region, r.byte_offset))
-    peer_layouts = {n: TensorLayout(n, layouts[n].dtype, layouts[n].global_shape,
-                                    tuple(sorted(v, key=lambda x: (x.box.offsets, x.box.sizes, x.rank))))
-                    for n, v in by_name.items()}
+                ShardRecord(
+                    r.name, r.dtype, r.global_shape, r.box, r.strides, PEER_RANK + c, r.region, r.byte_offset
+                )
+            )
+    peer_layouts = {
+        n: TensorLayout(
+            n,
+            layouts[n].dtype,
+            layouts[n].global_shape,
+            tuple(sorted(v, key=lambda x: (x.box.offsets, x.box.sizes, x.rank))),
+        )
+        for n, v in by_name.items()
+    }
     gpb = plan_global(peer_layouts, req2, cost=cost, balance=args.balance) if req2 else None
     reads = gpa.total_reads + (gpb.total_reads if gpb else 0)
     t3 = time.perf_counter()
@@ -453,15 +593,23 @@ def reserve(args, specs, layouts, requests, topo, dp, cost, t_build):
     # with re-serving, wave-1 consumer links count as sources too
     lower = max(max(dst_a.max(), dst_b.max()) / bw, total / ((n_src + n_cons) * bw))
     out = {
-        "model": args.model, "dtype": args.dtype, "trainer_gpus": args.trainer_gpus, "trainer_dp": dp,
-        "rollout_instances": args.rollout_instances, "rollout_tp": rtp, "consumers_reserve": True,
-        "wave1_instances": w1, "plan_seconds": round((t1 - t0) + (t3 - t2), 4), "reads": int(reads),
+        "model": args.model,
+        "dtype": args.dtype,
+        "trainer_gpus": args.trainer_gpus,
+        "trainer_dp": dp,
+        "rollout_instances": args.rollout_instances,
+        "rollout_tp": rtp,
+        "consumers_reserve": True,
+        "wave1_instances": w1,
+        "plan_seconds": round((t1 - t0) + (t3 - t2), 4),
+        "reads": int(reads),
         "bytes_total": int(total),
         "max_src_bytes": int(max(src_a.max(), src_b.max())),
         "mean_src_bytes": int(total / (n_src + len(req1))),  # trainer links + re-serving wave-1 links
         "max_dst_bytes": int(max(dst_a.max(), dst_b.max())),
         "mean_dst_bytes": int(total / n_cons),
-        "wave1_seconds": round(t_a, 4), "wave2_seconds": round(t_b, 4),
+        "wave1_seconds": round(t_a, 4),
+        "wave2_seconds": round(t_b, 4),
         "makespan_seconds": round(t_a + t_b, 4),
         "lower_bound_seconds": round(lower, 4),
         "ratio": round((t_a + t_b) / lower, 4),

@@ -23,8 +23,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(_HERE, "results")
@@ -47,7 +48,9 @@ RUNS = (
     Run("plan_scale", ("plan_scale.py", "--config", "dense-70b"), 900, tag={"config": "dense-70b"}),
     Run("sessions", ("sessions.py",), 1500, records_itself=True),
     # the single-threaded steady put (p50 / p99); 100 sessions read back keep it short
-    Run("sessions", ("sessions.py", "--threads", "1", "--recover-sessions", "100"), 1500, records_itself=True),
+    Run(
+        "sessions", ("sessions.py", "--threads", "1", "--recover-sessions", "100"), 1500, records_itself=True
+    ),
     Run("sync_bench", ("sync_bench.py",), 1800),
     Run("control_plane", ("control_plane.py",), 1800),
     Run("checkpoint_bench", ("checkpoint_bench.py",), 1200),
@@ -65,8 +68,8 @@ class Figure:
     label: str
     file: str
     key: str
-    op: Optional[str] = None
-    target: Optional[float] = None
+    op: str | None = None
+    target: float | None = None
     match: Callable[[dict[str, Any]], bool] = lambda d: True
 
 
@@ -81,29 +84,73 @@ def _threads(n: int) -> Callable[[dict[str, Any]], bool]:
 _SHM = lambda d: d.get("transport", "shm") != "tcp"  # noqa: E731 (the same-host run)
 
 FIGURES = (
-    Figure("plan_seconds, Kimi-K2 fp8, 256 GPUs -> 16 x TP16", "plan_scale", "plan_seconds", "<", 2.0,
-           _cfg("kimi-k2")),
-    Figure("plan_cpu_seconds, Kimi-K2 (this process's CPU)", "plan_scale", "plan_cpu_seconds", "<", 2.0,
-           _cfg("kimi-k2")),
+    Figure(
+        "plan_seconds, Kimi-K2 fp8, 256 GPUs -> 16 x TP16",
+        "plan_scale",
+        "plan_seconds",
+        "<",
+        2.0,
+        _cfg("kimi-k2"),
+    ),
+    Figure(
+        "plan_cpu_seconds, Kimi-K2 (this process's CPU)",
+        "plan_scale",
+        "plan_cpu_seconds",
+        "<",
+        2.0,
+        _cfg("kimi-k2"),
+    ),
     Figure("balance ratio, Kimi-K2", "plan_scale", "ratio", "<=", 1.1, _cfg("kimi-k2")),
-    Figure("plan_seconds, DeepSeek-V3 fp8, 128 GPUs -> 8 x TP8", "plan_scale", "plan_seconds", "<", 2.0,
-           _cfg("deepseek-v3")),
+    Figure(
+        "plan_seconds, DeepSeek-V3 fp8, 128 GPUs -> 8 x TP8",
+        "plan_scale",
+        "plan_seconds",
+        "<",
+        2.0,
+        _cfg("deepseek-v3"),
+    ),
     Figure("balance ratio, DeepSeek-V3", "plan_scale", "ratio", "<=", 1.1, _cfg("deepseek-v3")),
-    Figure("plan_seconds, dense 70B bf16, 64 GPUs -> 32 x TP2", "plan_scale", "plan_seconds", "<", 2.0,
-           _cfg("dense-70b")),
+    Figure(
+        "plan_seconds, dense 70B bf16, 64 GPUs -> 32 x TP2",
+        "plan_scale",
+        "plan_seconds",
+        "<",
+        2.0,
+        _cfg("dense-70b"),
+    ),
     Figure("balance ratio, dense 70B", "plan_scale", "ratio", "<=", 1.1, _cfg("dense-70b")),
-    Figure("sessions: 1,000 x 3 puts, 8 threads, seconds", "sessions", "total_seconds", "<=", 10.0, _threads(8)),
+    Figure(
+        "sessions: 1,000 x 3 puts, 8 threads, seconds", "sessions", "total_seconds", "<=", 10.0, _threads(8)
+    ),
     Figure("sessions: put p50 (8 threads), s", "sessions", "put_seconds_p50", None, None, _threads(8)),
-    Figure("sessions: read 1,000 back from a replica server, s", "sessions", "recover_seconds", "<=", 10.0,
-           _threads(8)),
+    Figure(
+        "sessions: read 1,000 back from a replica server, s",
+        "sessions",
+        "recover_seconds",
+        "<=",
+        10.0,
+        _threads(8),
+    ),
     Figure("sessions: steady put p50, 1 thread, s", "sessions", "put_seconds_p50", "<=", 0.002, _threads(1)),
     Figure("sessions: steady put p99, 1 thread, s", "sessions", "put_seconds_p99", "<=", 0.010, _threads(1)),
     Figure("sync: ratio_memcpy (pull / torch copy_)", "sync_bench", "ratio_memcpy", ">=", 0.9, _SHM),
-    Figure("sync: ratio_memcpy_streaming (pull / streaming copy)", "sync_bench", "ratio_memcpy_streaming", ">=",
-           0.9, _SHM),
+    Figure(
+        "sync: ratio_memcpy_streaming (pull / streaming copy)",
+        "sync_bench",
+        "ratio_memcpy_streaming",
+        ">=",
+        0.9,
+        _SHM,
+    ),
     Figure("sync: sync_gbps (same-host pull)", "sync_bench", "sync_gbps", None, None, _SHM),
-    Figure("sync: memcpy_streaming_gbps (one buffer, NT stores)", "sync_bench", "memcpy_streaming_gbps", None,
-           None, _SHM),
+    Figure(
+        "sync: memcpy_streaming_gbps (one buffer, NT stores)",
+        "sync_bench",
+        "memcpy_streaming_gbps",
+        None,
+        None,
+        _SHM,
+    ),
     Figure("sync: ratio_put_memcpy", "sync_bench", "ratio_put_memcpy", ">=", 0.8, _SHM),
     Figure("sync: ratio_gloo", "sync_bench", "ratio_gloo", ">=", 3.0, _SHM),
     Figure("sync: ratio_many_tensors", "sync_bench", "ratio_many_tensors", ">=", 0.8, _SHM),
@@ -111,7 +158,9 @@ FIGURES = (
     Figure("sync: ratio_convert", "sync_bench", "ratio_convert", ">=", 0.7, _SHM),
     Figure("control plane: first get_into, s", "control_plane", "first_get_seconds", "<=", 10.0),
     Figure("control plane: steady get_into, s", "control_plane", "steady_get_seconds", "<=", 0.1),
-    Figure("control plane: etcd round trips per steady put", "control_plane", "etcd_round_trips_put", "<=", 2),
+    Figure(
+        "control plane: etcd round trips per steady put", "control_plane", "etcd_round_trips_put", "<=", 2
+    ),
     Figure("checkpoint: ratio_write", "checkpoint_bench", "ratio_write"),
     Figure("checkpoint: ratio_restore", "checkpoint_bench", "ratio_restore"),
     Figure("peers: ratio_nixl", "peers", "ratio_nixl", ">=", 1.5),
@@ -137,7 +186,7 @@ def _lines(name: str) -> list[dict[str, Any]]:
     return out
 
 
-def _met(value: Any, op: Optional[str], target: Optional[float]) -> str:
+def _met(value: Any, op: str | None, target: float | None) -> str:
     if op is None or target is None:
         return "—"
     if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -165,16 +214,22 @@ def report() -> str:
         if d.get("load"):
             when += f" ({d['load']})"
         target = "—" if fig.op is None else f"{fig.op} {fig.target}"
-        rows.append(f"| {fig.label} | {_fmt(v)} | {target} | {_met(v, fig.op, fig.target)} | {when} | "
-                    f"`results/{fig.file}.jsonl` |")
-    head = [f"# Benchmark figures ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
-            "The newest line of each results file (`python benchmarks/report.py`; `make bench` runs every "
-            "benchmark once first). Load: the 1-minute load average when the benchmark started, on a host "
-            f"with {os.cpu_count()} CPUs.", ""]
+        rows.append(
+            f"| {fig.label} | {_fmt(v)} | {target} | {_met(v, fig.op, fig.target)} | {when} | "
+            f"`results/{fig.file}.jsonl` |"
+        )
+    head = [
+        f"# Benchmark figures ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)",
+        "",
+        "The newest line of each results file (`python benchmarks/report.py`; `make bench` runs every "
+        "benchmark once first). Load: the 1-minute load average when the benchmark started, on a host "
+        f"with {os.cpu_count()} CPUs.",
+        "",
+    ]
     return "\n".join(head + rows) + "\n"
 
 
-def _last_json(text: str) -> Optional[dict[str, Any]]:
+def _last_json(text: str) -> dict[str, Any] | None:
     for line in reversed(text.splitlines()):
         if line.startswith("{"):
             try:
@@ -184,7 +239,7 @@ def _last_json(text: str) -> Optional[dict[str, Any]]:
     return None
 
 
-def run_all(only: Optional[set[str]] = None) -> None:
+def run_all(only: set[str] | None = None) -> None:
     """Each benchmark of ``RUNS`` once, in turn; its line appended to its results file."""
     os.makedirs(RESULTS, exist_ok=True)
     for r in RUNS:
@@ -195,8 +250,13 @@ def run_all(only: Optional[set[str]] = None) -> None:
         print(f"[report] {r.name}: {' '.join(r.args)} ({load})", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         try:
-            p = subprocess.run([sys.executable, os.path.join(_HERE, r.args[0]), *r.args[1:]], capture_output=True,
-                               text=True, timeout=r.timeout, cwd=os.path.join(_HERE, ".."))
+            p = subprocess.run(
+                [sys.executable, os.path.join(_HERE, r.args[0]), *r.args[1:]],
+                capture_output=True,
+                text=True,
+                timeout=r.timeout,
+                cwd=os.path.join(_HERE, ".."),
+            )
             got = _last_json(p.stdout)
             if got is None:
                 got = {"error": f"rc {p.returncode}, no JSON line: {p.stderr.strip()[-300:]}"}

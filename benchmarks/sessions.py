@@ -86,13 +86,21 @@ def writer(args: argparse.Namespace) -> None:
             list(pool.map(agent, range(args.sessions)))
     puts_s = time.perf_counter() - t1
     rpcs = sum(s.stats.etcd_rpcs for s in stores)
-    print(json.dumps({"open_seconds": round(open_s, 3), "puts_seconds": round(puts_s, 3),
-                      "put_seconds_p50": round(_percentile(lat, 0.5), 5),
-                      "put_seconds_p99": round(_percentile(lat, 0.99), 5),
-                      "put_rpcs_mean": round(rpcs / max(1, len(lat)), 2),
-                      "writer_threads": threading.active_count(),
-                      "lease_shared": {s.catalog.session.lease_id for s in stores} == {hub.lease_id},
-                      "transport_shared": all(s.transport.shared is hub.transport for s in stores)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "open_seconds": round(open_s, 3),
+                "puts_seconds": round(puts_s, 3),
+                "put_seconds_p50": round(_percentile(lat, 0.5), 5),
+                "put_seconds_p99": round(_percentile(lat, 0.99), 5),
+                "put_rpcs_mean": round(rpcs / max(1, len(lat)), 2),
+                "writer_threads": threading.active_count(),
+                "lease_shared": {s.catalog.session.lease_id for s in stores} == {hub.lease_id},
+                "transport_shared": all(s.transport.shared is hub.transport for s in stores),
+            }
+        ),
+        flush=True,
+    )
     time.sleep(3600)
 
 
@@ -106,8 +114,11 @@ def reader(args: argparse.Namespace) -> None:
         try:
             step, got = s.get(timeout=args.read_timeout)
             want, meta = session_state(i, args.steps)
-            return step == args.steps and all(torch.equal(got[k], v) for k, v in want.items()) \
+            return (
+                step == args.steps
+                and all(torch.equal(got[k], v) for k, v in want.items())
                 and s.meta(step) == meta
+            )
         finally:
             s.close()
 
@@ -128,7 +139,7 @@ def _server_holds(client: Any, prefix: str, step: int) -> int:
     for kv in resp.kvs:
         k = kv.key.decode()
         if want in k:
-            held.add(k[len("/astate/"):].split("/", 1)[0])
+            held.add(k[len("/astate/") :].split("/", 1)[0])
     return len(held)
 
 
@@ -142,10 +153,29 @@ def _server_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _spawn(role: str, args: argparse.Namespace, extra: list[str]) -> subprocess.Popen[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--etcd", args.etcd, "--prefix", args.prefix,
-           "--sessions", str(args.sessions), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--recover-sessions", str(args.recover_sessions), "--lease-ttl", str(args.lease_ttl),
-           "--read-timeout", str(args.read_timeout), *extra]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--role",
+        role,
+        "--etcd",
+        args.etcd,
+        "--prefix",
+        args.prefix,
+        "--sessions",
+        str(args.sessions),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        "--recover-sessions",
+        str(args.recover_sessions),
+        "--lease-ttl",
+        str(args.lease_ttl),
+        "--read-timeout",
+        str(args.read_timeout),
+        *extra,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
@@ -168,14 +198,22 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=8, help="concurrent agents putting in the writer")
-    ap.add_argument("--recover-sessions", type=int, default=None,
-                    help="sessions read back from the replica server after the kill (default: all)")
+    ap.add_argument(
+        "--recover-sessions",
+        type=int,
+        default=None,
+        help="sessions read back from the replica server after the kill (default: all)",
+    )
     ap.add_argument("--lease-ttl", type=float, default=10.0)
     ap.add_argument("--read-timeout", type=float, default=30.0)
     ap.add_argument("--hold-timeout", type=float, default=300.0, help="seconds to wait for the server")
     ap.add_argument("--memory-bytes", default="2G", help="the replica server's budget")
-    ap.add_argument("--server-direct", default="on", choices=("on", "off"),
-                    help="the replica server's same-host fast path (see _server_env)")
+    ap.add_argument(
+        "--server-direct",
+        default="on",
+        choices=("on", "off"),
+        help="the replica server's same-host fast path (see _server_env)",
+    )
     ap.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results")
     args = ap.parse_args()
     if args.recover_sessions is None:
@@ -188,28 +226,46 @@ def main() -> None:
     etcd_server = None
     if args.etcd is None:
         from astate_store.etcd.embedded import EmbeddedEtcd
+
         etcd_server = EmbeddedEtcd().start()
         args.etcd = etcd_server.endpoint
     args.prefix = args.prefix or f"bench{uuid.uuid4().hex[:6]}-"
     procs: list[subprocess.Popen[str]] = []
     try:
-        server = subprocess.Popen([sys.executable, "-m", "astate_store.servers.replica", "--etcd", args.etcd,
-                                   "--namespace-prefix", args.prefix + "r", "--memory-bytes", args.memory_bytes,
-                                   "--lease-ttl", str(args.lease_ttl)], env=_server_env(args))
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "astate_store.servers.replica",
+                "--etcd",
+                args.etcd,
+                "--namespace-prefix",
+                args.prefix + "r",
+                "--memory-bytes",
+                args.memory_bytes,
+                "--lease-ttl",
+                str(args.lease_ttl),
+            ],
+            env=_server_env(args),
+        )
         procs.append(server)
         w = _spawn("writer", args, [])
         procs.append(w)
         result = _json_line(w, "writer")
         t_done = time.perf_counter()
         from astate_store.catalog.client import EtcdClient
+
         client = EtcdClient(args.etcd, "_bench", lease_ttl=10, op_timeout=5, retry_deadline=15)
         held = 0
         while time.perf_counter() - t_done < args.hold_timeout:
             held = _server_holds(client, args.prefix, args.steps)
             if held >= args.recover_sessions:
                 break
-            print(f"server holds {held}/{args.recover_sessions} ({time.perf_counter() - t_done:.0f}s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"server holds {held}/{args.recover_sessions} ({time.perf_counter() - t_done:.0f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(0.5)
         hold_s = time.perf_counter() - t_done
         client.close(revoke=False)
@@ -220,16 +276,28 @@ def main() -> None:
         procs.append(r)
         got = _json_line(r, "reader")
         recover_s = time.perf_counter() - t_kill
-        out = {"sessions": args.sessions, "steps": args.steps, "threads": args.threads,
-               "open_seconds": result["open_seconds"], "put_seconds_p50": result["put_seconds_p50"],
-               "put_seconds_p99": result["put_seconds_p99"], "puts_seconds": result["puts_seconds"],
-               "total_seconds": round(result["open_seconds"] + result["puts_seconds"], 3),
-               "put_rpcs_mean": result["put_rpcs_mean"], "writer_threads": result["writer_threads"],
-               "lease_shared": result["lease_shared"], "transport_shared": result["transport_shared"],
-               "recover_sessions": args.recover_sessions, "server_held": held,
-               "server_hold_seconds": round(hold_s, 3), "recover_seconds": round(recover_s, 3),
-               "recovered_ok": got["ok"], "recover_bad": got["bad"], "server_direct": args.server_direct,
-               "host_cpus": os.cpu_count()}
+        out = {
+            "sessions": args.sessions,
+            "steps": args.steps,
+            "threads": args.threads,
+            "open_seconds": result["open_seconds"],
+            "put_seconds_p50": result["put_seconds_p50"],
+            "put_seconds_p99": result["put_seconds_p99"],
+            "puts_seconds": result["puts_seconds"],
+            "total_seconds": round(result["open_seconds"] + result["puts_seconds"], 3),
+            "put_rpcs_mean": result["put_rpcs_mean"],
+            "writer_threads": result["writer_threads"],
+            "lease_shared": result["lease_shared"],
+            "transport_shared": result["transport_shared"],
+            "recover_sessions": args.recover_sessions,
+            "server_held": held,
+            "server_hold_seconds": round(hold_s, 3),
+            "recover_seconds": round(recover_s, 3),
+            "recovered_ok": got["ok"],
+            "recover_bad": got["bad"],
+            "server_direct": args.server_direct,
+            "host_cpus": os.cpu_count(),
+        }
         line = json.dumps(out)
         print(line, flush=True)
         if not args.no_record:

@@ -45,8 +45,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 for p in (str(_HERE), str(_HERE.parent)):
@@ -138,9 +139,10 @@ class Soak:
         self.tmp = tempfile.mkdtemp(prefix="astate-soak-")
         self.uri = os.path.join(self.tmp, "ckpt")
         # auto-compaction: without it etcd keeps every revision and its db grows with every put
-        self.etcd = EmbeddedEtcd(data_dir=os.path.join(self.tmp, "etcd"),
-                                 extra_args=["--auto-compaction-mode", "revision",
-                                             "--auto-compaction-retention", "1000"]).start()
+        self.etcd = EmbeddedEtcd(
+            data_dir=os.path.join(self.tmp, "etcd"),
+            extra_args=["--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000"],
+        ).start()
         self.ep = self.etcd.endpoint
         import pyetcd  # type: ignore[import-not-found]
 
@@ -166,15 +168,29 @@ class Soak:
         self.pubs = [self.pool.take() for _ in range(WORLD)]
         session = f"{self.ns}-g{self.gen}"
         for r, a in enumerate(self.pubs):
-            a.must("pub_open", "p", self.ep, self.ns, rank=r, world=WORLD, session=session, size="small",
-                   transport="shm", lease_ttl=5.0, affinity=False, timeout=120)
+            a.must(
+                "pub_open",
+                "p",
+                self.ep,
+                self.ns,
+                rank=r,
+                world=WORLD,
+                session=session,
+                size="small",
+                transport="shm",
+                lease_ttl=5.0,
+                affinity=False,
+                timeout=120,
+            )
         if recover:
             ids = [a.send("pub_recover", "p", timeout=90) for a in self.pubs]
             res = [a.result(i, 120) for a, i in zip(self.pubs, ids)]
             for r in res:
                 if not r["ok"] or not r["result"]["exact"]:
                     self.errors.append(f"recover (group {self.gen}): {r}"[:400])
-            self.recoveries.append({"group": self.gen, "steps": [r.get("result", {}).get("step") for r in res]})
+            self.recoveries.append(
+                {"group": self.gen, "steps": [r.get("result", {}).get("step") for r in res]}
+            )
 
     def kill_group(self) -> None:
         for a in self.pubs:
@@ -190,8 +206,12 @@ class Soak:
 
     def checkpoint(self, s: int) -> None:
         a = self.args
-        ids = [p.send("pub_checkpoint", "p", s, self.uri, keep_last=a.keep_last, keep_every=a.keep_every,
-                      timeout=60) for p in self.pubs]
+        ids = [
+            p.send(
+                "pub_checkpoint", "p", s, self.uri, keep_last=a.keep_last, keep_every=a.keep_every, timeout=60
+            )
+            for p in self.pubs
+        ]
         res = [p.result(i, 180) for p, i in zip(self.pubs, ids)]
         for r in res:
             if not r["ok"]:
@@ -219,8 +239,17 @@ class Soak:
     def churn(self, s: int) -> None:
         con = self.cons[s % 2]
         key, lay = f"c{s}", W.LAYOUTS[s % len(W.LAYOUTS)]
-        con.must("con_open", key, self.ep, self.ns, size="small", transport="shm", read_timeout=20.0,
-                 lease_ttl=5.0, timeout=60)
+        con.must(
+            "con_open",
+            key,
+            self.ep,
+            self.ns,
+            size="small",
+            transport="shm",
+            read_timeout=20.0,
+            lease_ttl=5.0,
+            timeout=60,
+        )
         r = con.call("con_pull", key, lay, step=s, wait=60, timeout=120)
         if not r["ok"] or not r["result"]["exact"] or r["result"]["step"] < s:
             self.errors.append(f"pull {s} ({lay}): {r}"[:400])
@@ -263,8 +292,12 @@ def growth(samples: Sequence[dict[str, Any]], proc: str, field: str, warm: int) 
     first, last = _median([v for _, v in pts[:5]]), _median([v for _, v in pts[-5:]])
     slope = W.slope_per_100([float(x) for x, _ in pts], [float(v) for _, v in pts]) or 0.0
     span = pts[-1][0] - pts[0][0]
-    return {"after_warmup": first, "end": last, "growth": round((last - first) / first, 4) if first else None,
-            "trend": round(slope * span / 100 / first, 4) if first else None}
+    return {
+        "after_warmup": first,
+        "end": last,
+        "growth": round((last - first) / first, 4) if first else None,
+        "trend": round(slope * span / 100 / first, 4) if first else None,
+    }
 
 
 def retention_allows(s: int, args: argparse.Namespace) -> int:
@@ -285,13 +318,14 @@ def judge(soak: Soak, args: argparse.Namespace, warm: int) -> dict[str, Any]:
                 worst = g["growth"]
         out[key] = worst
     after = [r for r in soak.samples if r["step"] >= warm]
-    early = [r for r in after if r["step"] < warm + 200]
     why: list[str] = []
     per_ckpt = max((r["ckpt_bytes"] / r["ckpt_steps"] for r in soak.samples if r["ckpt_steps"]), default=0)
     for r in soak.samples:
         allow = retention_allows(r["step"], args)
         if r["ckpt_steps"] > allow:
-            why.append(f"step {r['step']}: {r['ckpt_steps']} checkpoints on storage, retention allows {allow}")
+            why.append(
+                f"step {r['step']}: {r['ckpt_steps']} checkpoints on storage, retention allows {allow}"
+            )
         if per_ckpt and r["ckpt_bytes"] > allow * per_ckpt * 1.01:
             why.append(f"step {r['step']}: {r['ckpt_bytes']} checkpoint bytes > {allow} x {per_ckpt:.0f}")
     # A sample right after a restart still holds the SIGKILLed group's leased records (members, layouts,
@@ -302,8 +336,10 @@ def judge(soak: Soak, args: argparse.Namespace, warm: int) -> dict[str, Any]:
     top_steady = max((r["etcd_keys"] for r in early_steady), default=0)
     for r in restarts:
         if r["etcd_keys"] > 2 * top_steady:
-            why.append(f"etcd keys at restart step {r['step']}: {r['etcd_keys']}, more than twice the steady "
-                       f"{top_steady}")
+            why.append(
+                f"etcd keys at restart step {r['step']}: {r['etcd_keys']}, more than twice the steady "
+                f"{top_steady}"
+            )
     fams = {f for r in after for f in r["etcd_families"]}
     for f in sorted(fams):
         base = max((r["etcd_families"].get(f, 0) for r in early_steady), default=0)
@@ -311,17 +347,26 @@ def judge(soak: Soak, args: argparse.Namespace, warm: int) -> dict[str, Any]:
         if f.endswith("/checkpoints"):  # one record per checkpoint, the policy's bound at each sample
             over = [r for r in steady if r["etcd_families"].get(f, 0) > retention_allows(r["step"], args)]
             if over:
-                why.append(f"etcd keys {f}: {over[0]['etcd_families'][f]} at step {over[0]['step']}, retention "
-                           f"allows {retention_allows(over[0]['step'], args)}")
+                why.append(
+                    f"etcd keys {f}: {over[0]['etcd_families'][f]} at step {over[0]['step']}, retention "
+                    f"allows {retention_allows(over[0]['step'], args)}"
+                )
         elif top > base:
-            why.append(f"etcd keys {f}: {top} after warm-up, more than the {base} of the first 200 steps after it")
+            why.append(
+                f"etcd keys {f}: {top} after warm-up, more than the {base} of the first 200 steps after it"
+            )
     out["bounded"] = not why
     out["unbounded"] = why[:20]
-    out["etcd_keys"] = {"steady_after_warmup": top_steady, "steady_end": steady[-1]["etcd_keys"] if steady else None,
-                        "max_at_restarts": max((r["etcd_keys"] for r in restarts), default=None)}
-    out["etcd_db"] = {"after_warmup": after[0]["db_size"] if after else None,
-                      "end": soak.samples[-1]["db_size"] if soak.samples else None,
-                      "in_use_end": soak.samples[-1]["db_in_use"] if soak.samples else None}
+    out["etcd_keys"] = {
+        "steady_after_warmup": top_steady,
+        "steady_end": steady[-1]["etcd_keys"] if steady else None,
+        "max_at_restarts": max((r["etcd_keys"] for r in restarts), default=None),
+    }
+    out["etcd_db"] = {
+        "after_warmup": after[0]["db_size"] if after else None,
+        "end": soak.samples[-1]["db_size"] if soak.samples else None,
+        "in_use_end": soak.samples[-1]["db_in_use"] if soak.samples else None,
+    }
     return out
 
 
@@ -337,7 +382,11 @@ def step(soak: Soak, args: argparse.Namespace, s: int, t0: float) -> None:
     if s % args.sample_every == 0 or s == 1:
         soak.sample(s)
     if args.verbose and s % 50 == 0:
-        print(f"# step {s}: {time.monotonic() - t0:.0f}s, errors {len(soak.errors)}", file=sys.stderr, flush=True)
+        print(
+            f"# step {s}: {time.monotonic() - t0:.0f}s, errors {len(soak.errors)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -366,12 +415,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     left = orphans.leftovers(tag, wait=20.0)
     orphans.end_leftovers(left, tag)
     orphans.untag(tag)
-    out: dict[str, Any] = {"bench": "soak", "date": time.strftime("%Y-%m-%d %H:%M"),
-                           "load": [round(x, 2) for x in os.getloadavg()], "steps": args.steps,
-                           "warmup_steps": warm, "seconds": round(time.monotonic() - t0, 1),
-                           "publishers": WORLD, "ckpt_every": args.ckpt_every, "restart_every": args.restart_every,
-                           "keep_last": args.keep_last, "keep_every": args.keep_every,
-                           "retention_in_store": soak.retention_in_store}
+    out: dict[str, Any] = {
+        "bench": "soak",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "load": [round(x, 2) for x in os.getloadavg()],
+        "steps": args.steps,
+        "warmup_steps": warm,
+        "seconds": round(time.monotonic() - t0, 1),
+        "publishers": WORLD,
+        "ckpt_every": args.ckpt_every,
+        "restart_every": args.restart_every,
+        "keep_last": args.keep_last,
+        "keep_every": args.keep_every,
+        "retention_in_store": soak.retention_in_store,
+    }
     out.update(judge(soak, args, warm))
     out.update(orphans=left, errors=soak.errors, recoveries=soak.recoveries, samples=soak.samples)
     return out
@@ -395,8 +452,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out != "-":
         with open(args.out, "a") as f:
             f.write(line + "\n")
-    summary = {k: out[k] for k in ("steps", "seconds", "rss_growth", "fds_growth", "threads_growth", "bounded",
-                                   "orphans", "retention_in_store")}
+    summary = {
+        k: out[k]
+        for k in (
+            "steps",
+            "seconds",
+            "rss_growth",
+            "fds_growth",
+            "threads_growth",
+            "bounded",
+            "orphans",
+            "retention_in_store",
+        )
+    }
     summary["errors"] = out["errors"][:3]
     print(json.dumps(summary))
     ok = not out["errors"] and out["bounded"] and not out["orphans"]

@@ -35,9 +35,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(_HERE, ".."))
 
-import torch  # noqa: E402
-
 import peers  # noqa: E402
+import torch  # noqa: E402
 
 CTX = mp.get_context("spawn")
 TENSORS = 16
@@ -81,8 +80,14 @@ def consumer(endpoint: str, ns: str, gib: float, pulls: int, lanes: int, out: An
         ok = all(bool(torch.equal(bufs[f"w{i}"], ref + i)) for i in range(TENSORS))
         transport = store._ctx.transport
         streamed = transport.streamed_bytes == (pulls + 2) * n * 4 * TENSORS  # no pull fell back to UCX
-        out.put({"first": times[0], "median": statistics.median(times[1:]), "verified": ok and streamed,
-                 "lanes": transport._stream_reader.lanes})
+        out.put(
+            {
+                "first": times[0],
+                "median": statistics.median(times[1:]),
+                "verified": ok and streamed,
+                "lanes": transport._stream_reader.lanes,
+            }
+        )
     finally:
         store.close()
 
@@ -100,7 +105,9 @@ def _start(target: Any, args: tuple[Any, ...], netns: str | None) -> Any:
     return p
 
 
-def run_consumer(endpoint: str, ns: str, gib: float, pulls: int, lanes: int, netns: str | None) -> dict[str, Any]:
+def run_consumer(
+    endpoint: str, ns: str, gib: float, pulls: int, lanes: int, netns: str | None
+) -> dict[str, Any]:
     out = CTX.Queue()
     p = _start(consumer, (endpoint, ns, gib, pulls, lanes, out), netns)
     try:
@@ -120,16 +127,28 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the settings, alternating")
     ap.add_argument("--lanes", default=None, help="comma list of lane settings (default: 1 and the default)")
     ap.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
-    ap.add_argument("--hosts", type=int, default=1, choices=[1, 2],
-                    help="2: publisher and consumers in two network namespaces over veth (root)")
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        choices=[1, 2],
+        help="2: publisher and consumers in two network namespaces over veth (root)",
+    )
     args = ap.parse_args()
     from astate_store.transport.stream import default_lanes
 
     default = default_lanes()
     settings = [int(x) for x in args.lanes.split(",")] if args.lanes else sorted({1, default})
     nbytes = _numel(args.gib) * 4 * TENSORS
-    result: dict[str, Any] = {"bench": "stream_lanes", "bytes": nbytes, "cores": len(os.sched_getaffinity(0)),
-                              "hosts": args.hosts, "lanes_default": default, "rounds": [], "verified": True}
+    result: dict[str, Any] = {
+        "bench": "stream_lanes",
+        "bytes": nbytes,
+        "cores": len(os.sched_getaffinity(0)),
+        "hosts": args.hosts,
+        "lanes_default": default,
+        "rounds": [],
+        "verified": True,
+    }
     with peers.Hosts(args.hosts == 2) as hosts, peers.Etcd(hosts) as endpoint:
         ns = f"lanes-{os.getpid()}"
         ready, done = CTX.Queue(), CTX.Queue()
@@ -151,7 +170,9 @@ def main() -> None:
             if pub.is_alive():
                 pub.kill()
         gloo = None if args.no_gloo else peers.run_gloo(nbytes, 5, hosts)
-    result["gbps"] = {str(k): round(statistics.median(r[str(k)] for r in result["rounds"]), 3) for k in settings}
+    result["gbps"] = {
+        str(k): round(statistics.median(r[str(k)] for r in result["rounds"]), 3) for k in settings
+    }
     result["first_pull_seconds"] = {str(k): round(statistics.median(v), 3) for k, v in firsts.items()}
     if 1 in settings and default in settings:
         result["ratio_lanes"] = round(result["gbps"][str(default)] / result["gbps"]["1"], 3)

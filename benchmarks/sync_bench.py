@@ -16,7 +16,8 @@ group vs trainer group.
 Cases (``--cases``, comma list; default all):
   issue 4   tp1 / tp1_thp               rollout TP=1, 1 process, whole model (torch.empty / huge-page buffers)
             column_split / column_split_thp   2 processes, every matrix split on its last dim
-  issue 5   many_tensors / single_tensor   10,000 tensors vs one tensor of the same bytes, dim-0 split, TP=1 pull
+  issue 5   many_tensors / single_tensor   10,000 tensors vs one tensor of the same bytes, dim-0 split,
+            TP=1 pull
             (single_tensor_thp: the same with huge-page buffers)
             column_reshard / row_reshard   trainer splits every matrix on dim 0; 2 rollout processes split
                                             it on the last dim (strided reads) / on dim 0 (contiguous)
@@ -61,10 +62,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(_HERE, ".."))
 
+import _sync_workers as W  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import _sync_workers as W  # noqa: E402
 from astate_store.etcd.embedded import EmbeddedEtcd  # noqa: E402
 
 CTX = mp.get_context("spawn")
@@ -81,20 +82,54 @@ GROUPS: dict[str, dict[str, Any]] = {
 CASES: dict[str, dict[str, Any]] = {
     "tp1": {"group": "megatron_fp32", "parts": 1, "rule": "whole", "dtype": "float32", "alloc": "torch"},
     "tp1_thp": {"group": "megatron_fp32", "parts": 1, "rule": "whole", "dtype": "float32", "alloc": "thp"},
-    "column_split": {"group": "megatron_fp32", "parts": 2, "rule": "lastdim", "dtype": "float32", "alloc": "torch"},
-    "column_split_thp": {"group": "megatron_fp32", "parts": 2, "rule": "lastdim", "dtype": "float32",
-                         "alloc": "thp"},
-    "convert_bf16": {"group": "megatron_fp32", "parts": 1, "rule": "whole", "dtype": "bfloat16", "alloc": "torch"},
-    "same_bf16": {"group": "megatron_bf16", "parts": 1, "rule": "whole", "dtype": "bfloat16", "alloc": "torch"},
-    "column_reshard": {"group": "dim0_fp32", "parts": 2, "rule": "lastdim", "dtype": "float32", "alloc": "torch"},
+    "column_split": {
+        "group": "megatron_fp32",
+        "parts": 2,
+        "rule": "lastdim",
+        "dtype": "float32",
+        "alloc": "torch",
+    },
+    "column_split_thp": {
+        "group": "megatron_fp32",
+        "parts": 2,
+        "rule": "lastdim",
+        "dtype": "float32",
+        "alloc": "thp",
+    },
+    "convert_bf16": {
+        "group": "megatron_fp32",
+        "parts": 1,
+        "rule": "whole",
+        "dtype": "bfloat16",
+        "alloc": "torch",
+    },
+    "same_bf16": {
+        "group": "megatron_bf16",
+        "parts": 1,
+        "rule": "whole",
+        "dtype": "bfloat16",
+        "alloc": "torch",
+    },
+    "column_reshard": {
+        "group": "dim0_fp32",
+        "parts": 2,
+        "rule": "lastdim",
+        "dtype": "float32",
+        "alloc": "torch",
+    },
     "row_reshard": {"group": "dim0_fp32", "parts": 2, "rule": "dim0", "dtype": "float32", "alloc": "torch"},
     "many_tensors": {"group": "many", "parts": 1, "rule": "whole", "dtype": "float32", "alloc": "torch"},
     "single_tensor": {"group": "single", "parts": 1, "rule": "whole", "dtype": "float32", "alloc": "torch"},
     "single_tensor_thp": {"group": "single", "parts": 1, "rule": "whole", "dtype": "float32", "alloc": "thp"},
 }
-TARGETS = {"ratio_memcpy": 0.9, "ratio_put_memcpy": 0.8, "ratio_gloo": 3.0, "ratio_many_tensors": 0.8,
-           "ratio_column_vs_row": 0.7,
-           "ratio_convert": 0.7}
+TARGETS = {
+    "ratio_memcpy": 0.9,
+    "ratio_put_memcpy": 0.8,
+    "ratio_gloo": 3.0,
+    "ratio_many_tensors": 0.8,
+    "ratio_column_vs_row": 0.7,
+    "ratio_convert": 0.7,
+}
 
 
 def _log(msg: str) -> None:
@@ -148,7 +183,7 @@ def measure_memcpy(nbytes: int, reps: int = 4) -> dict[str, Any]:
         native().copy_rows(plan, threads=copy_threads(), streaming=1)
         b = min(b, time.perf_counter() - t0)
     out["gbps_streaming"] = _gbps(nbytes, b)
-    del src, dst
+    del plan  # src and dst go with this frame (best() closes over them)
     gc.collect()
     return out
 
@@ -190,8 +225,12 @@ def measure_gloo(nbytes: int, iters: int) -> dict[str, Any]:
                 p.kill()
     per_iter = [max(a, b) for a, b in zip(res[0]["times"], res[1]["times"])]
     med = statistics.median(per_iter)
-    return {"gbps": _gbps(nbytes, med), "seconds": round(med, 4), "iters": len(per_iter),
-            "ok": res[0]["ok"] and res[1]["ok"]}
+    return {
+        "gbps": _gbps(nbytes, med),
+        "seconds": round(med, 4),
+        "iters": len(per_iter),
+        "ok": res[0]["ok"] and res[1]["ok"],
+    }
 
 
 # ------------------------------------------------------------------------------------ the pool
@@ -205,14 +244,24 @@ class Pool:
         self.out = CTX.Queue()
         self.barrier = CTX.Barrier(2)
         self.cmds = [CTX.Queue() for _ in range(4)]
-        self.procs = [CTX.Process(target=W.worker_main, args=(i, endpoint, self.cmds[i], self.out,
-                                                              self.barrier if i >= 2 else None), daemon=True)
-                      for i in range(4)]
+        self.procs = [
+            CTX.Process(
+                target=W.worker_main,
+                args=(i, endpoint, self.cmds[i], self.out, self.barrier if i >= 2 else None),
+                daemon=True,
+            )
+            for i in range(4)
+        ]
         for p in self.procs:
             p.start()
 
-    def call(self, slots: list[int], cmd: tuple[Any, ...], per_slot: dict[int, tuple[Any, ...]] | None = None,
-             timeout: float = TIMEOUT) -> dict[int, Any]:
+    def call(
+        self,
+        slots: list[int],
+        cmd: tuple[Any, ...],
+        per_slot: dict[int, tuple[Any, ...]] | None = None,
+        timeout: float = TIMEOUT,
+    ) -> dict[int, Any]:
         for s in slots:
             self.cmds[s].put(per_slot[s] if per_slot else cmd)
         got: dict[int, Any] = {}
@@ -224,8 +273,10 @@ class Pool:
             except queue.Empty:
                 dead = [s for s in slots if not self.procs[s].is_alive()]
                 if dead:
-                    raise RuntimeError(f"worker(s) {dead} died (exit codes "
-                                       f"{[self.procs[s].exitcode for s in dead]}) during {cmd[0]!r}")
+                    raise RuntimeError(
+                        f"worker(s) {dead} died (exit codes "
+                        f"{[self.procs[s].exitcode for s in dead]}) during {cmd[0]!r}"
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{cmd[0]!r} did not finish within {timeout:.0f}s")
                 continue
@@ -234,8 +285,9 @@ class Pool:
             else:
                 errs.append(f"slot {slot}: {payload}")
         if errs:
-            raise RuntimeError("; ".join(e.strip().splitlines()[0] + " | " + e.strip().splitlines()[-1]
-                                         for e in errs))
+            raise RuntimeError(
+                "; ".join(e.strip().splitlines()[0] + " | " + e.strip().splitlines()[-1] for e in errs)
+            )
         return got
 
     def reset(self, slots: list[int]) -> None:
@@ -243,9 +295,11 @@ class Pool:
         for s in slots:
             if not self.procs[s].is_alive():
                 self.cmds[s] = CTX.Queue()
-                self.procs[s] = CTX.Process(target=W.worker_main, daemon=True,
-                                            args=(s, self.endpoint, self.cmds[s], self.out,
-                                                  self.barrier if s >= 2 else None))
+                self.procs[s] = CTX.Process(
+                    target=W.worker_main,
+                    daemon=True,
+                    args=(s, self.endpoint, self.cmds[s], self.out, self.barrier if s >= 2 else None),
+                )
                 self.procs[s].start()
         try:
             self.call(slots, ("close",), timeout=60)
@@ -272,16 +326,26 @@ class Pool:
 # ------------------------------------------------------------------------------------ cases
 
 
-def run_case(pool: Pool, name: str, gcfg: dict[str, Any], args: argparse.Namespace, step0: int,
-             profile_dir: str | None) -> tuple[dict[str, Any], int]:
+def run_case(
+    pool: Pool, name: str, gcfg: dict[str, Any], args: argparse.Namespace, step0: int, profile_dir: str | None
+) -> tuple[dict[str, Any], int]:
     """Run one rollout case against the live trainer group; returns (result, last step used)."""
     c = CASES[name]
     parts = c["parts"]
     slots = [2, 3][:parts]
-    rcfg = {"ns": gcfg["ns"], "model": gcfg["model"], "gib": args.gib, "n_many": args.n_many,
-            "transport": args.transport, "parts": parts, "rule": c["rule"], "dtype": c["dtype"],
-            "alloc": c["alloc"], "staging_cap": args.staging_cap,
-            "profile_first": os.path.join(profile_dir, f"{name}.first.prof") if profile_dir else None}
+    rcfg = {
+        "ns": gcfg["ns"],
+        "model": gcfg["model"],
+        "gib": args.gib,
+        "n_many": args.n_many,
+        "transport": args.transport,
+        "parts": parts,
+        "rule": c["rule"],
+        "dtype": c["dtype"],
+        "alloc": c["alloc"],
+        "staging_cap": args.staging_cap,
+        "profile_first": os.path.join(profile_dir, f"{name}.first.prof") if profile_dir else None,
+    }
     setup = pool.call(slots, ("",), {s: ("rollout", rcfg, i) for i, s in enumerate(slots)})
     nbytes = sum(v["nbytes"] for v in setup.values())
     steps: list[dict[str, Any]] = []
@@ -296,13 +360,18 @@ def run_case(pool: Pool, name: str, gcfg: dict[str, Any], args: argparse.Namespa
             if any(g["step"] != step for g in gets.values()):
                 raise RuntimeError(f"asked for step {step}, got {[g['step'] for g in gets.values()]}")
             t = max(g["t1"] for g in gets.values()) - min(g["t0"] for g in gets.values())
-            steps.append({"seconds": t, "put_s": max(p["put_s"] for p in puts.values()),
-                          "transport_s": max(g["transport_s"] for g in gets.values()),
-                          "user_s": max(g["user_s"] for g in gets.values()),
-                          "sys_s": max(g["sys_s"] for g in gets.values()),
-                          "gc_s": max(g["gc_s"] for g in gets.values()),
-                          "stats": gets[slots[0]]["stats"],
-                          "rows": sum(g["rows"] for g in gets.values())})
+            steps.append(
+                {
+                    "seconds": t,
+                    "put_s": max(p["put_s"] for p in puts.values()),
+                    "transport_s": max(g["transport_s"] for g in gets.values()),
+                    "user_s": max(g["user_s"] for g in gets.values()),
+                    "sys_s": max(g["sys_s"] for g in gets.values()),
+                    "gc_s": max(g["gc_s"] for g in gets.values()),
+                    "stats": gets[slots[0]]["stats"],
+                    "rows": sum(g["rows"] for g in gets.values()),
+                }
+            )
         want = pool.call([0, 1], ("checksum", c["dtype"] if c["dtype"] != gcfg["dtype"] else None))
         have = pool.call(slots, ("checksum",))
         w: dict[str, int] = {}
@@ -314,7 +383,9 @@ def run_case(pool: Pool, name: str, gcfg: dict[str, Any], args: argparse.Namespa
         bad = sorted(n for n in w if w[n] != h.get(n))
         prof = None
         if profile_dir:
-            prof = pool.call([slots[0]], ("profile", step, os.path.join(profile_dir, f"{name}.prof")))[slots[0]]
+            prof = pool.call([slots[0]], ("profile", step, os.path.join(profile_dir, f"{name}.prof")))[
+                slots[0]
+            ]
     finally:
         pool.reset(slots)
     steady = steps[1:] or steps
@@ -328,8 +399,13 @@ def run_case(pool: Pool, name: str, gcfg: dict[str, Any], args: argparse.Namespa
         "first_step_seconds": round(steps[0]["seconds"], 4),
         "step_seconds": [round(s["seconds"], 4) for s in steps],
         # per step, of the first rollout process: (metadata, plan, transfer) seconds of its get_into
-        "step_phases": [[round((s["stats"].get("last_pull") or {}).get(k, 0.0), 4)
-                         for k in ("metadata_s", "plan_s", "transfer_s")] for s in steps],
+        "step_phases": [
+            [
+                round((s["stats"].get("last_pull") or {}).get(k, 0.0), 4)
+                for k in ("metadata_s", "plan_s", "transfer_s")
+            ]
+            for s in steps
+        ],
         # inside the batched UCX get (per process, max) vs the whole get_into: the rest is Python + etcd
         "transport_seconds": round(med_tr, 4),
         "transport_gbps": _gbps(nbytes // parts if parts > 1 else nbytes, med_tr),
@@ -356,12 +432,26 @@ def run_case(pool: Pool, name: str, gcfg: dict[str, Any], args: argparse.Namespa
     return res, step
 
 
-def run_group(pool: Pool, gname: str, cases: list[str], args: argparse.Namespace, results: dict[str, Any],
-              profile_dir: str | None) -> None:
+def run_group(
+    pool: Pool,
+    gname: str,
+    cases: list[str],
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    profile_dir: str | None,
+) -> None:
     g = dict(GROUPS[gname])
     g["ns"] = f"bench-{gname}-{uuid.uuid4().hex[:8]}"
-    tcfg = {"ns": g["ns"], "model": g["model"], "gib": args.gib, "n_many": args.n_many, "tp": 2,
-            "rule": g["rule"], "dtype": g["dtype"], "transport": args.transport}
+    tcfg = {
+        "ns": g["ns"],
+        "model": g["model"],
+        "gib": args.gib,
+        "n_many": args.n_many,
+        "tp": 2,
+        "rule": g["rule"],
+        "dtype": g["dtype"],
+        "transport": args.transport,
+    }
     try:
         t0 = time.perf_counter()
         tr = pool.call([0, 1], ("",), {0: ("trainer", tcfg, 0), 1: ("trainer", tcfg, 1)})
@@ -404,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp", "auto"])
     ap.add_argument("--cases", default="all", help=f"comma list of {','.join(CASES)} (default all)")
     ap.add_argument("--n-many", type=int, default=10_000, help="tensor count of many_tensors (default 10000)")
-    ap.add_argument("--staging-cap", type=int, default=None, help="rollout staging_cap_bytes (conversion chunks)")
+    ap.add_argument(
+        "--staging-cap", type=int, default=None, help="rollout staging_cap_bytes (conversion chunks)"
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: 0.125 GiB, 3 steps, 1000 tensors")
     ap.add_argument("--no-refs", action="store_true", help="skip the memcpy and gloo references")
     ap.add_argument("--profile-dir", default=None, help="cProfile one extra get_into per case into this dir")
@@ -422,8 +514,14 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     model_bytes = sum(torch.Size(s).numel() * 4 for s, _ in W.transformer_spec(args.gib).values())
-    out: dict[str, Any] = {"bytes": model_bytes, "gib": args.gib, "transport": args.transport, "steps": args.steps,
-                           "host_cpus": os.cpu_count(), "python_ref_seconds": [python_ref()]}
+    out: dict[str, Any] = {
+        "bytes": model_bytes,
+        "gib": args.gib,
+        "transport": args.transport,
+        "steps": args.steps,
+        "host_cpus": os.cpu_count(),
+        "python_ref_seconds": [python_ref()],
+    }
     if not args.no_refs:
         _log("memcpy")
         out["memcpy"] = measure_memcpy(model_bytes)

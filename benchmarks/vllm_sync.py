@@ -96,9 +96,10 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM
+
     import astate_store
     from astate_store.etcd.embedded import EmbeddedEtcd
-    from vllm import LLM
 
     work = Path(tempfile.mkdtemp(prefix="vllm_sync-"))
     params = make_model(work / "model", args.small)

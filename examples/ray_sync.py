@@ -24,8 +24,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: make `examples` importable here and in the actors
@@ -67,11 +68,21 @@ def start_ray(endpoint: str, *, num_cpus: int = 4, temp_dir: str | None = None) 
     ``ASTATE_ETCD`` through the job's runtime_env (and ``PYTHONPATH`` so actors import ``examples``).
     Returns Ray's temp dir (short, under /tmp: its socket paths must fit 107 bytes)."""
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    env = {"ASTATE_ETCD": endpoint, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO),
-                                                                              os.environ.get("PYTHONPATH")) if p),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             _temp_dir=temp_dir, log_to_driver=False, runtime_env={"env_vars": env}, configure_logging=False)
+    env = {
+        "ASTATE_ETCD": endpoint,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+        runtime_env={"env_vars": env},
+        configure_logging=False,
+    )
     return temp_dir
 
 

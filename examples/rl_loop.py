@@ -7,8 +7,9 @@
 - Rollout "plain": the unsharded HF model; ``store.get_into(model.state_dict())`` fills its parameters in
   place, then it ``generate``s.
 - Rollout "fused": the parameters held the way vLLM holds them (``qkv_proj`` = [q | k | v],
-  ``gate_up_proj`` = [gate | up]); the HF names are views into those (``astate_store.integrations.presets``), so the
-  bytes land in the fused tensors with no conversion copy. Its forward runs the HF layers on views of the
+  ``gate_up_proj`` = [gate | up]); the HF names are views into those
+  (``astate_store.integrations.presets``), so the bytes land in the fused tensors with no conversion copy.
+  Its forward runs the HF layers on views of the
   fused tensors (no copy either way).
 - Verification, each step: every rollout sends its logits on a fixed prompt back through the store (the
   ``<namespace>-acks`` namespace, one rank per rollout); trainer rank 0 compares them bit for bit with the
@@ -33,8 +34,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 # Nothing is downloaded: the model is made from a config. Set before transformers is imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,7 +87,6 @@ class LoopOptions:
         return self.namespace + "-acks"
 
 
-
 @dataclass(frozen=True)
 class StepReport:
     """What trainer rank 0 saw at one step."""
@@ -116,10 +117,19 @@ def rollout_label(index: int, kind: str) -> str:
 def llama_config(o: LoopOptions) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=o.hidden, intermediate_size=o.intermediate, num_hidden_layers=o.layers,
-                       num_attention_heads=o.heads, num_key_value_heads=o.kv_heads, vocab_size=o.vocab,
-                       max_position_embeddings=o.prompt_len + o.sample_len + 16, tie_word_embeddings=o.tied,
-                       bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    return LlamaConfig(
+        hidden_size=o.hidden,
+        intermediate_size=o.intermediate,
+        num_hidden_layers=o.layers,
+        num_attention_heads=o.heads,
+        num_key_value_heads=o.kv_heads,
+        vocab_size=o.vocab,
+        max_position_embeddings=o.prompt_len + o.sample_len + 16,
+        tie_word_embeddings=o.tied,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
 
 def make_model(o: LoopOptions, seed: int) -> Any:
@@ -188,14 +198,16 @@ def sample(model: Any, prompts: torch.Tensor, n: int, gen: torch.Generator) -> t
     return seq
 
 
-def policy_gradient_step(model: Any, opt: torch.optim.Optimizer, o: LoopOptions, step: int, rank: int) -> float:
+def policy_gradient_step(
+    model: Any, opt: torch.optim.Optimizer, o: LoopOptions, step: int, rank: int
+) -> float:
     """One REINFORCE step on this rank's synthetic prompts; returns the mean reward."""
     gen = torch.Generator().manual_seed(o.seed * 1_000_003 + step * 101 + rank)
     prompts = torch.randint(0, o.vocab, (o.batch, o.prompt_len), generator=gen)
     seq = sample(model, prompts, o.sample_len, gen)
-    taken = seq[:, o.prompt_len:]
+    taken = seq[:, o.prompt_len :]
     reward = (taken < o.vocab // 8).float().mean(dim=1)  # synthetic: favour a small target set
-    logp = torch.log_softmax(model(seq).logits[:, o.prompt_len - 1:-1].float(), dim=-1)
+    logp = torch.log_softmax(model(seq).logits[:, o.prompt_len - 1 : -1].float(), dim=-1)
     logp_taken = logp.gather(-1, taken.unsqueeze(-1)).squeeze(-1).sum(dim=1)
     loss = -((reward - reward.mean()) * logp_taken).mean()
     opt.zero_grad(set_to_none=True)
@@ -214,8 +226,9 @@ def _ack_buffers(o: LoopOptions) -> dict[str, torch.Tensor]:
     return bufs
 
 
-def _verify(acks: Any, o: LoopOptions, step: int, ref: torch.Tensor, bufs: dict[str, torch.Tensor]
-            ) -> tuple[dict[str, float], dict[str, bool]]:
+def _verify(
+    acks: Any, o: LoopOptions, step: int, ref: torch.Tensor, bufs: dict[str, torch.Tensor]
+) -> tuple[dict[str, float], dict[str, bool]]:
     """Trainer rank 0: pull every rollout's logits of ``step`` and compare them with its own."""
     got = acks.get_into(bufs, step=step, timeout=o.timeout)
     if got != step:
@@ -228,8 +241,14 @@ def _verify(acks: Any, o: LoopOptions, step: int, ref: torch.Tensor, bufs: dict[
     return sync, equal
 
 
-def train(rank: int, world: int, o: LoopOptions, *, echo: bool = True,
-          on_report: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+def train(
+    rank: int,
+    world: int,
+    o: LoopOptions,
+    *,
+    echo: bool = True,
+    on_report: Callable[[StepReport], None] | None = None,
+) -> list[StepReport]:
     """One trainer rank: FSDP2 over the gloo group, a put per step; rank 0 verifies and reports.
 
     Returns rank 0's reports (empty on other ranks); prints each step's line on rank 0 when ``echo``,
@@ -247,8 +266,9 @@ def train(rank: int, world: int, o: LoopOptions, *, echo: bool = True,
     prompt = fixed_prompt(o)
     reports: list[StepReport] = []
     prev = logits_on(model, prompt)
-    store = astate_store.connect(o.namespace, etcd=o.etcd, rank=rank, world_size=world,
-                                 session_id=o.session or None)
+    store = astate_store.connect(
+        o.namespace, etcd=o.etcd, rank=rank, world_size=world, session_id=o.session or None
+    )
     acks = astate_store.connect(o.acks, etcd=o.etcd) if rank == 0 else None
     bufs = _ack_buffers(o)
     try:
@@ -261,8 +281,9 @@ def train(rank: int, world: int, o: LoopOptions, *, echo: bool = True,
             ref = logits_on(model, prompt)  # the FSDP2 forward: a collective, on every rank
             if acks is not None:
                 sync, equal = _verify(acks, o, step, ref, bufs)
-                reports.append(StepReport(step, float(reward) / world, put_ms, sync, equal,
-                                          not bitwise_equal(ref, prev)))
+                reports.append(
+                    StepReport(step, float(reward) / world, put_ms, sync, equal, not bitwise_equal(ref, prev))
+                )
                 if echo:
                     print(reports[-1].line(), flush=True)
                 if on_report is not None:
@@ -289,8 +310,9 @@ class FusedLlama:
     ``MergedColumnParallelLinear``, here at TP=1), the rest under their HF names.
 
     ``params`` is that engine-side state dict, allocated from the preset's engine shapes; the store
-    fills it through the HF-named views :func:`astate_store.integrations.presets.views` makes. The forward runs
-    HF's layers with their q/k/v/gate/up weights replaced by views into the fused tensors (no copy),
+    fills it through the HF-named views :func:`astate_store.integrations.presets.views` makes. The
+    forward runs HF's layers with their q/k/v/gate/up weights replaced by views into the fused tensors (no
+    copy),
     so what is computed is exactly what landed in the fused memory.
     """
 
@@ -302,8 +324,10 @@ class FusedLlama:
         hf = self.model.state_dict()
         # vLLM pads embedding and LM-head rows (to a multiple of 64): the engine tensors are larger
         # than HF's, and the padding rows are never written.
-        self.params = {name: torch.zeros(shape, dtype=torch.float32)
-                       for name, shape in presets.engine_shapes("llama", self.config).items()}
+        self.params = {
+            name: torch.zeros(shape, dtype=torch.float32)
+            for name, shape in presets.engine_shapes("llama", self.config).items()
+        }
         for name, t in self.params.items():
             if name in hf:  # unfused tensors start as the model's own (random) weights
                 _rows(t, hf[name]).copy_(hf[name])
@@ -311,12 +335,24 @@ class FusedLlama:
         for i, layer in enumerate(self.model.model.layers):
             qkv = self.params[f"model.layers.{i}.self_attn.qkv_proj.weight"]
             gate_up = self.params[f"model.layers.{i}.mlp.gate_up_proj.weight"]
-            qkv.copy_(torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                                 layer.self_attn.v_proj.weight]).detach())
+            qkv.copy_(
+                torch.cat(
+                    [
+                        layer.self_attn.q_proj.weight,
+                        layer.self_attn.k_proj.weight,
+                        layer.self_attn.v_proj.weight,
+                    ]
+                ).detach()
+            )
             gate_up.copy_(torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach())
             att, mlp = layer.self_attn, layer.mlp
-            for mod, view in ((att.q_proj, qkv[:q]), (att.k_proj, qkv[q:q + kv]), (att.v_proj, qkv[q + kv:]),
-                              (mlp.gate_proj, gate_up[:inter]), (mlp.up_proj, gate_up[inter:])):
+            for mod, view in (
+                (att.q_proj, qkv[:q]),
+                (att.k_proj, qkv[q : q + kv]),
+                (att.v_proj, qkv[q + kv :]),
+                (mlp.gate_proj, gate_up[:inter]),
+                (mlp.up_proj, gate_up[inter:]),
+            ):
                 mod.weight = torch.nn.Parameter(view, requires_grad=False)  # shares the fused storage
         # The rest of the HF modules run on the engine tensors too.
         with torch.no_grad():
@@ -377,9 +413,16 @@ def rollout(index: int, kind: str, o: LoopOptions, *, echo: bool = False) -> lis
     ptrs = _param_ptrs(model)
     prompt, label = fixed_prompt(o), rollout_label(index, kind)
     times: list[float] = []
-    with astate_store.connect(o.namespace, etcd=o.etcd) as store, \
-            astate_store.connect(o.acks, etcd=o.etcd, rank=index, world_size=len(o.rollouts),
-                                 session_id=o.session + "-acks" if o.session else None) as acks:
+    with (
+        astate_store.connect(o.namespace, etcd=o.etcd) as store,
+        astate_store.connect(
+            o.acks,
+            etcd=o.etcd,
+            rank=index,
+            world_size=len(o.rollouts),
+            session_id=o.session + "-acks" if o.session else None,
+        ) as acks,
+    ):
         for step in range(1, o.steps + 1):
             store.wait(step, timeout=o.timeout)  # time the pull, not the trainer's step
             t0 = time.perf_counter()
@@ -393,8 +436,11 @@ def rollout(index: int, kind: str, o: LoopOptions, *, echo: bool = False) -> lis
             sync_s = torch.tensor([times[-1]], dtype=torch.float64)
             acks.put(got, {f"{label}.logits": logits, f"{label}.sync_s": sync_s})
             if echo:
-                print(f"{label} step {got}: sync {times[-1] * 1e3:.1f} ms, generated {out[0, o.prompt_len:].tolist()}",
-                      flush=True)
+                print(
+                    f"{label} step {got}: sync {times[-1] * 1e3:.1f} ms, "
+                    f"generated {out[0, o.prompt_len :].tolist()}",
+                    flush=True,
+                )
         acks.drain(o.timeout)  # trainer rank 0 has read our last ack (or left)
         log.info("rollout %d: done", index)
     log.info("rollout %d: closed", index)
@@ -424,28 +470,37 @@ def _rollout_proc(index: int, kind: str, o: LoopOptions) -> None:
 
 def summary(reports: Sequence[StepReport], o: LoopOptions) -> tuple[bool, str]:
     """The last line: ``ok ...`` when every step of every rollout matched bitwise."""
-    good = len(reports) == o.steps and all(all(r.equal.values()) and len(r.equal) == len(o.rollouts) and r.moved
-                                           for r in reports)
+    good = len(reports) == o.steps and all(
+        all(r.equal.values()) and len(r.equal) == len(o.rollouts) and r.moved for r in reports
+    )
     kinds = ", ".join(o.rollouts)
     if good:
-        return True, (f"ok: {o.steps} steps, rollouts ({kinds}) logits bitwise equal to the FSDP2 trainer's "
-                      f"at every step")
+        return True, (
+            f"ok: {o.steps} steps, rollouts ({kinds}) logits bitwise equal to the FSDP2 trainer's "
+            f"at every step"
+        )
     return False, f"FAILED: {sum(all(r.equal.values()) for r in reports)}/{o.steps} steps matched ({kinds})"
 
 
 def run_local(o: LoopOptions, *, world: int = 2) -> tuple[bool, list[StepReport]]:
     """Spawn the trainer group and the rollouts on this host; etcd must be reachable at ``o.etcd``."""
-    o = dataclasses.replace(o, master_port=o.master_port or free_port(),
-                            session=o.session or f"rl-{os.getpid()}-{time.time_ns()}")
+    o = dataclasses.replace(
+        o, master_port=o.master_port or free_port(), session=o.session or f"rl-{os.getpid()}-{time.time_ns()}"
+    )
     ctx = mp.get_context("forkserver")
     # The children fork from one server that imported torch and transformers once, instead of four
     # interpreters importing them again (seconds each on a small machine). Nothing here starts threads.
-    ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "transformers.models.llama.modeling_llama",
-                                "astate_store"])
+    ctx.set_forkserver_preload(
+        ["torch", "torch.distributed.fsdp", "transformers.models.llama.modeling_llama", "astate_store"]
+    )
     out = ctx.Queue()
-    procs = [ctx.Process(target=_trainer_proc, args=(r, world, o, out), name=f"trainer{r}") for r in range(world)]
-    procs += [ctx.Process(target=_rollout_proc, args=(i, k, o), name=rollout_label(i, k))
-              for i, k in enumerate(o.rollouts)]
+    procs = [
+        ctx.Process(target=_trainer_proc, args=(r, world, o, out), name=f"trainer{r}") for r in range(world)
+    ]
+    procs += [
+        ctx.Process(target=_rollout_proc, args=(i, k, o), name=rollout_label(i, k))
+        for i, k in enumerate(o.rollouts)
+    ]
     for p in procs:
         p.start()
     reports: list[StepReport] = []
@@ -486,17 +541,26 @@ def _collect(procs: Sequence[Any], out: Any, timeout: float) -> list[StepReport]
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=("all", "trainer", "rollout"), default="all",
-                    help="all: spawn everything here (default); trainer: one rank (run it under torchrun); "
-                         "rollout: one rollout process")
-    ap.add_argument("--etcd", default=os.environ.get("ASTATE_ETCD", ""),
-                    help="etcd host:port (default $ASTATE_ETCD; --role all starts an embedded one if empty)")
+    ap.add_argument(
+        "--role",
+        choices=("all", "trainer", "rollout"),
+        default="all",
+        help="all: spawn everything here (default); trainer: one rank (run it under torchrun); "
+        "rollout: one rollout process",
+    )
+    ap.add_argument(
+        "--etcd",
+        default=os.environ.get("ASTATE_ETCD", ""),
+        help="etcd host:port (default $ASTATE_ETCD; --role all starts an embedded one if empty)",
+    )
     ap.add_argument("--namespace", default="rl-policy")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rollouts", default=",".join(KINDS), help="the rollouts' kinds, in index order")
     ap.add_argument("--kind", choices=KINDS, help="--role rollout: this rollout's kind")
     ap.add_argument("--index", type=int, default=0, help="--role rollout: its index in --rollouts")
-    ap.add_argument("--session", default="", help="--role trainer: the group's session id (a new one per run)")
+    ap.add_argument(
+        "--session", default="", help="--role trainer: the group's session id (a new one per run)"
+    )
     ap.add_argument("--tied", action="store_true", help="tie lm_head to the embedding")
     ap.add_argument("--timeout", type=float, default=120.0)
     return ap.parse_args(argv)
@@ -504,8 +568,15 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = _args(argv)
-    o = LoopOptions(etcd=a.etcd, namespace=a.namespace, steps=a.steps, rollouts=tuple(a.rollouts.split(",")),
-                    session=a.session, timeout=a.timeout, tied=a.tied)
+    o = LoopOptions(
+        etcd=a.etcd,
+        namespace=a.namespace,
+        steps=a.steps,
+        rollouts=tuple(a.rollouts.split(",")),
+        session=a.session,
+        timeout=a.timeout,
+        tied=a.tied,
+    )
     if a.role == "trainer":  # under torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT come from it
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise SystemExit("--role trainer runs one rank under torchrun (RANK / WORLD_SIZE are not set)")
@@ -530,7 +601,9 @@ def _main_all(o: LoopOptions) -> int:
     try:
         if etcd is not None:
             o = dataclasses.replace(o, etcd=etcd.endpoint)
-        print(f"etcd {o.etcd}; trainer: 2 processes, gloo, FSDP2; rollouts: {', '.join(o.rollouts)}", flush=True)
+        print(
+            f"etcd {o.etcd}; trainer: 2 processes, gloo, FSDP2; rollouts: {', '.join(o.rollouts)}", flush=True
+        )
         good, reports = run_local(o)
         print(summary(reports, o)[1] if reports else "FAILED: no report from trainer rank 0", flush=True)
         return 0 if good else 1

@@ -14,8 +14,16 @@ def row_shard(rank: int, world: int, rows: int = 8, cols: int = 4) -> ShardRecor
     return ShardRecord("w", "float32", (rows, cols), Box((rank * per, 0), (per, cols)), (cols, 1), rank, 0, 0)
 
 
-def publish(endpoint: str, ns: str, rank: int, world: int, steps: list[int], session_id: str,
-            barrier: object, results: object) -> None:
+def publish(
+    endpoint: str,
+    ns: str,
+    rank: int,
+    world: int,
+    steps: list[int],
+    session_id: str,
+    barrier: object,
+    results: object,
+) -> None:
     """One publisher rank: join the session, then write its piece of every step."""
     cat = Catalog(endpoint, ns)
     cat.sessions.open(rank=rank, world_size=world, session_id=session_id)
@@ -35,8 +43,16 @@ def hold_session(endpoint: str, ns: str, ttl: float, ready: object) -> None:
         time.sleep(1)
 
 
-def commit_racer(endpoint: str, ns: str, epoch_steps: list[int], session_id: str, rank: int, world: int,
-                 barrier: object, results: object) -> None:
+def commit_racer(
+    endpoint: str,
+    ns: str,
+    epoch_steps: list[int],
+    session_id: str,
+    rank: int,
+    world: int,
+    barrier: object,
+    results: object,
+) -> None:
     cat = Catalog(endpoint, ns)
     cat.sessions.open(rank=rank, world_size=world, session_id=session_id)
     lid = cat.versions.write_layout([row_shard(rank, world)], b"x")
@@ -47,5 +63,3 @@ def commit_racer(endpoint: str, ns: str, epoch_steps: list[int], session_id: str
         seen.append(cat.versions.latest())
     results.put(seen)  # type: ignore[attr-defined]
     cat.close()
-
-

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -19,19 +20,46 @@ BoxT = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 # name -> (global shape, dtype, publisher box for (rank, world), consumer box for (index, consumers))
-SPEC: dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[int, int], BoxT], Callable[[int, int], BoxT]]] = {
-    "emb": ((64, 48), torch.float32, lambda r, n: split((64, 48), 0, n, r),
-            lambda c, n: split((64, 48), 1, n, c)),                                   # row -> column
-    "qkv": ((96, 48), torch.bfloat16, lambda r, n: split((96, 48), 1, n, r),
-            lambda c, n: split((96, 48), 0, n, c)),                                   # column -> row
-    "odd": ((37, 29), torch.float32, lambda r, n: split((37, 29), 0, n, r, uneven=True),
-            lambda c, n: split((37, 29), 1, n, c, uneven=True)),                      # uneven both ways
-    "experts": ((8, 24, 16), torch.float16, lambda r, n: split((8, 24, 16), 0, n, r),
-                lambda c, n: split((8, 24, 16), 1, n, c)),                            # 3-D, other dim
-    "norm": ((48,), torch.float32, lambda r, n: whole((48,)), lambda c, n: split((48,), 0, n, c)),  # replicated
+SPEC: dict[
+    str, tuple[tuple[int, ...], torch.dtype, Callable[[int, int], BoxT], Callable[[int, int], BoxT]]
+] = {
+    "emb": (
+        (64, 48),
+        torch.float32,
+        lambda r, n: split((64, 48), 0, n, r),
+        lambda c, n: split((64, 48), 1, n, c),
+    ),  # row -> column
+    "qkv": (
+        (96, 48),
+        torch.bfloat16,
+        lambda r, n: split((96, 48), 1, n, r),
+        lambda c, n: split((96, 48), 0, n, c),
+    ),  # column -> row
+    "odd": (
+        (37, 29),
+        torch.float32,
+        lambda r, n: split((37, 29), 0, n, r, uneven=True),
+        lambda c, n: split((37, 29), 1, n, c, uneven=True),
+    ),  # uneven both ways
+    "experts": (
+        (8, 24, 16),
+        torch.float16,
+        lambda r, n: split((8, 24, 16), 0, n, r),
+        lambda c, n: split((8, 24, 16), 1, n, c),
+    ),  # 3-D, other dim
+    "norm": (
+        (48,),
+        torch.float32,
+        lambda r, n: whole((48,)),
+        lambda c, n: split((48,), 0, n, c),
+    ),  # replicated
     "step_count": ((), torch.int64, lambda r, n: whole(()), lambda c, n: whole(())),  # 0-d
-    "mask": ((10, 3), torch.bool, lambda r, n: split((10, 3), 1, n, r, uneven=True),
-             lambda c, n: split((10, 3), 0, n, c)),
+    "mask": (
+        (10, 3),
+        torch.bool,
+        lambda r, n: split((10, 3), 1, n, r, uneven=True),
+        lambda c, n: split((10, 3), 0, n, c),
+    ),
     "empty": ((0, 5), torch.float32, lambda r, n: whole((0, 5)), lambda c, n: whole((0, 5))),
 }
 
@@ -45,8 +73,9 @@ def box_slice(box: BoxT) -> tuple:
     return tuple(slice(o, o + s) for o, s in zip(box[0], box[1]))
 
 
-def rank_tensors(step: int, rank: int, world: int, *, strided: bool = False,
-                 names: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def rank_tensors(
+    step: int, rank: int, world: int, *, strided: bool = False, names: Sequence[str] | None = None
+) -> dict[str, Any]:
     """This rank's ``{name: Shard}`` of the spec; ``strided`` makes every 2-d+ piece a non-contiguous view."""
     from astate_store import Shard
 
@@ -71,7 +100,9 @@ def rank_shards(step: int, rank: int, world: int, **kw: Any) -> list:
 # ---- child processes (multiprocessing spawn targets) --------------------------------------------
 
 
-def write_and_commit(root: str, step: int, rank: int, world: int, checksum: str, barrier: Any, results: Any) -> None:
+def write_and_commit(
+    root: str, step: int, rank: int, world: int, checksum: str, barrier: Any, results: Any
+) -> None:
     """Write this rank's part, wait for every rank, then race try_commit."""
     from astate_store import checkpoint as ck
 
@@ -100,8 +131,10 @@ def pause_at(root: str, step: int, world: int, point: str, big_mib: int, checksu
             n = big_mib << 18  # float32 elements
             big = torch.full((n,), float(step), dtype=torch.float32)
             rows = n // world
-            rec = ShardRecord("big", "float32", (n,), Box((r * rows,), (rows,)), contiguous_strides((rows,)), r, 0, 0)
-            shards.append((rec, big[r * rows:(r + 1) * rows]))
+            rec = ShardRecord(
+                "big", "float32", (n,), Box((r * rows,), (rows,)), contiguous_strides((rows,)), r, 0, 0
+            )
+            shards.append((rec, big[r * rows : (r + 1) * rows]))
         ck.write_part(root, step, r, world, shards, fsync=False, checksum=checksum)
     ck.try_commit(root, step, world, fsync=False)
     conn.send((os.getpid(), "done"))

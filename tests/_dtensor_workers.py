@@ -78,7 +78,9 @@ def _set_step(model: nn.Module, want: dict[str, torch.Tensor]) -> None:
 
     with torch.no_grad():
         for k, p in model.state_dict().items():
-            ref = distribute_tensor(want[k], p.device_mesh, p.placements, src_data_rank=None)  # local split only
+            ref = distribute_tensor(
+                want[k], p.device_mesh, p.placements, src_data_rank=None
+            )  # local split only
             p._local_tensor.copy_(ref._local_tensor)
 
 
@@ -108,9 +110,11 @@ def fsdp_trainer(endpoint: str, ns: str, rank: int, port: int, session: str, out
         store = Store(ns, endpoint=endpoint, rank=rank, world_size=2, session_id=session)
         errors = {}
         partial = DTensor.from_local(torch.ones(3), mesh, [Partial()])
-        for case, call in (("partial", lambda: store.put(1, {"grad": partial})),
-                           ("non_tensor", lambda: store.put(1, {"model": model.state_dict(), "meta": {"lr": 0.1}})),
-                           ("wrapped", lambda: store.put(1, {"w": Shard(model.l1.weight, (0, 0), (7, HIDDEN))}))):
+        for case, call in (
+            ("partial", lambda: store.put(1, {"grad": partial})),
+            ("non_tensor", lambda: store.put(1, {"model": model.state_dict(), "meta": {"lr": 0.1}})),
+            ("wrapped", lambda: store.put(1, {"w": Shard(model.l1.weight, (0, 0), (7, HIDDEN))})),
+        ):
             try:
                 call()
                 errors[case] = None
@@ -119,7 +123,9 @@ def fsdp_trainer(endpoint: str, ns: str, rank: int, port: int, session: str, out
         out.put(("refused", rank, errors))
         for step in (1, 2):
             _set_step(model, expected_net(True, 0, step))
-            store.put(step, {"model": model.state_dict(), "meta": {"step": step, "lr": 0.1}}, non_tensors="skip")
+            store.put(
+                step, {"model": model.state_dict(), "meta": {"step": step, "lr": 0.1}}, non_tensors="skip"
+            )
             out.put(("put", rank, step))
             # the next step only once every consumer rank pulled this one: "newest >= 1" is then
             # step 1 on all of them, and their gathered full tensors are of one step
@@ -167,8 +173,9 @@ def fsdp_consumer(endpoint: str, ns: str, rank: int, port: int, out: Any) -> Non
         out.put(("error", rank, traceback.format_exc()))
 
 
-def mesh2d_worker(endpoint: str, ns: str, ns_tp: str, rank: int, port: int, session: str, out: Any,
-                  cmds: Any) -> None:
+def mesh2d_worker(
+    endpoint: str, ns: str, ns_tp: str, rank: int, port: int, session: str, out: Any, cmds: Any
+) -> None:
     """One of 4 ranks of a (dp=2, tp=2) mesh: FSDP2 over TP (``_StridedShard``); plus a weight
     with ``(Replicate, Shard(1))`` and one with ``(Shard(0), _StridedShard(0))`` (rows
     interleaved). Puts step 3; then, as a consumer of its own group, pulls the ``Shard(1)``
@@ -190,7 +197,9 @@ def mesh2d_worker(endpoint: str, ns: str, ns_tp: str, rank: int, port: int, sess
         fully_shard(model, mesh=mesh["dp"])
         _set_step(model, expected_tp(3, 3))
         tp_w = distribute_tensor(full_w(3), mesh, [Replicate(), Shard(1)], src_data_rank=None)
-        strided = distribute_tensor(full_w(30), mesh, [Shard(0), _StridedShard(0, split_factor=2)], src_data_rank=None)
+        strided = distribute_tensor(
+            full_w(30), mesh, [Shard(0), _StridedShard(0, split_factor=2)], src_data_rank=None
+        )
         sd = model.state_dict()
         placements = {k: str(v.placements) for k, v in sd.items()}
         store = Store(ns, endpoint=endpoint, rank=rank, world_size=4, session_id=session)
@@ -202,8 +211,18 @@ def mesh2d_worker(endpoint: str, ns: str, ns_tp: str, rank: int, port: int, sess
         reader = Store(ns_tp, endpoint=endpoint, rank=0, world_size=1)
         step = reader.get_into({"w": dst}, step=3, timeout=60)
         full = dst.full_tensor()  # a collective: every rank's box together
-        out.put(("mesh2d", rank, {"placements": placements, "step": step,
-                                  "in_place": dst._local_tensor.data_ptr() == ptr, "full": full.numpy().copy()}))
+        out.put(
+            (
+                "mesh2d",
+                rank,
+                {
+                    "placements": placements,
+                    "step": step,
+                    "in_place": dst._local_tensor.data_ptr() == ptr,
+                    "full": full.numpy().copy(),
+                },
+            )
+        )
         cmds.get(timeout=120)
         for s in (reader, tp_store, store):
             s.close()

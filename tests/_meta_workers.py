@@ -16,8 +16,13 @@ def rank_tensors(rank: int, step: int) -> dict[str, Any]:
 
 
 def rank_meta(rank: int, step: int) -> dict[str, Any]:
-    return {"rank": rank, "step": step, "loader": {"epoch": 1, "offset": 17 * step + rank}, "lr": 0.5 / (step + 1),
-            "tags": ["a", b"\x00\xff", None, True]}
+    return {
+        "rank": rank,
+        "step": step,
+        "loader": {"epoch": 1, "offset": 17 * step + rank},
+        "lr": 0.5 / (step + 1),
+        "tags": ["a", b"\x00\xff", None, True],
+    }
 
 
 def publisher(endpoint: str, ns: str, rank: int, steps: int, uri: str, out: Any) -> None:
@@ -25,7 +30,9 @@ def publisher(endpoint: str, ns: str, rank: int, steps: int, uri: str, out: Any)
     from astate_store.store import Store
 
     torch.manual_seed(rank)
-    with Store(ns, endpoint=endpoint, rank=rank, world_size=2, transport="shm", session_id=f"{ns}-s") as store:
+    with Store(
+        ns, endpoint=endpoint, rank=rank, world_size=2, transport="shm", session_id=f"{ns}-s"
+    ) as store:
         for step in range(1, steps + 1):
             store.put(step, rank_tensors(rank, step), meta=rank_meta(rank, step))
         store.wait(steps, timeout=30)

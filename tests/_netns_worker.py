@@ -16,8 +16,10 @@ def _emit(**kw: object) -> None:
 
 
 def _weights(step: int) -> dict[str, torch.Tensor]:
-    return {"w": torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024) + step,
-            "b": torch.full((1024,), float(step))}
+    return {
+        "w": torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024) + step,
+        "b": torch.full((1024,), float(step)),
+    }
 
 
 def main() -> None:
@@ -38,8 +40,15 @@ def main() -> None:
         with Store(ns, endpoint=endpoint, rank=rank, world_size=2, transport="auto", session_id="netns") as s:
             for step in (1, 2):
                 full = _weights(step)
-                s.put(step, {"w": Shard(full["w"][rank * 128:(rank + 1) * 128].clone(), (rank * 128, 0), (256, 1024)),
-                             "b": full["b"]})
+                s.put(
+                    step,
+                    {
+                        "w": Shard(
+                            full["w"][rank * 128 : (rank + 1) * 128].clone(), (rank * 128, 0), (256, 1024)
+                        ),
+                        "b": full["b"],
+                    },
+                )
             _emit(put=2, rank=rank)
             sys.stdin.read()
     elif role == "consume":
@@ -47,11 +56,20 @@ def main() -> None:
             cols = {"w": Shard(torch.zeros(256, 512), (0, 512), (256, 1024)), "b": torch.zeros(1024)}
             got = s.get_into(cols, step=2, timeout=60)
             want = _weights(got)
-            exact = bool(torch.equal(cols["w"].tensor, want["w"][:, 512:]) and torch.equal(cols["b"], want["b"]))
+            exact = bool(
+                torch.equal(cols["w"].tensor, want["w"][:, 512:]) and torch.equal(cols["b"], want["b"])
+            )
             peers = [s.transport.endpoint_info(p) for p in s.transport.peers]
             streamed = [s.transport.peer_info(p).streamed for p in s.transport.peers]
-            _emit(got=got, exact=exact, tcp=all("tcp" in p for p in peers), peers=len(peers), info=peers[0][:400],
-                  streamed=streamed, streamed_bytes=s.transport.streamed_bytes)
+            _emit(
+                got=got,
+                exact=exact,
+                tcp=all("tcp" in p for p in peers),
+                peers=len(peers),
+                info=peers[0][:400],
+                streamed=streamed,
+                streamed_bytes=s.transport.streamed_bytes,
+            )
 
 
 if __name__ == "__main__":

@@ -18,14 +18,14 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 import astate_store
-from astate_store.process import exited
 from astate_store import Shard
+from astate_store.process import exited
 
 ROWS, COLS = 8, 16
 
@@ -54,11 +54,16 @@ def main() -> int:
 
     store = astate_store.connect("quickstart")  # the README quick start: no etcd given
     info = json.loads(rendezvous.read_text())
-    result: dict[str, object] = {"rank": rank, "pid": os.getpid(), "info": info,
-                                 "starter": info["starter"] == os.getpid(), "endpoint": store.catalog.endpoint}
+    result: dict[str, object] = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "info": info,
+        "starter": info["starter"] == os.getpid(),
+        "endpoint": store.catalog.endpoint,
+    }
     rows = ROWS // world
     box = (rank * rows, 0)
-    store.put(1, {"w": Shard(value(1)[rank * rows:(rank + 1) * rows].clone(), box, (ROWS, COLS))})
+    store.put(1, {"w": Shard(value(1)[rank * rows : (rank + 1) * rows].clone(), box, (ROWS, COLS))})
     full = torch.zeros(ROWS, COLS)
     result["step1"] = store.get_into({"w": full}, step=1, timeout=30)
     result["step1_exact"] = torch.equal(full, value(1))
@@ -73,7 +78,7 @@ def main() -> int:
     wait_for(lambda: exited(int(info["starter"])), "the rank that started etcd to exit")
     mine = torch.zeros(rows, COLS)
     result["own_step1"] = store.get_into({"w": Shard(mine, box, (ROWS, COLS))}, step=1, timeout=30)
-    result["own_step1_exact"] = torch.equal(mine, value(1)[rank * rows:(rank + 1) * rows])
+    result["own_step1_exact"] = torch.equal(mine, value(1)[rank * rows : (rank + 1) * rows])
     store.close()
     # Publish on: the group is one rank now (a new session), still on the same embedded etcd.
     with astate_store.connect("quickstart", rank=0, world_size=1, session_id=f"solo-{os.getpid()}") as solo:

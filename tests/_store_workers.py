@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -37,11 +38,11 @@ def whole(shape: tuple[int, ...]) -> Box:
 # name -> (global shape, dtype, trainer box for (tp_rank, tp_size))
 SPECS: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[int, int], Box]]]] = {
     "mixed": {
-        "emb": ((64, 48), torch.float32, lambda r, n: split((64, 48), 0, n, r)),            # row-parallel
-        "qkv": ((96, 48), torch.bfloat16, lambda r, n: split((96, 48), 1, n, r)),           # column-parallel
+        "emb": ((64, 48), torch.float32, lambda r, n: split((64, 48), 0, n, r)),  # row-parallel
+        "qkv": ((96, 48), torch.bfloat16, lambda r, n: split((96, 48), 1, n, r)),  # column-parallel
         "odd": ((37, 29), torch.float32, lambda r, n: split((37, 29), 0, n, r, uneven=True)),
         "experts": ((8, 24, 16), torch.float16, lambda r, n: split((8, 24, 16), 0, n, r)),  # expert-parallel
-        "norm": ((48,), torch.float32, lambda r, n: whole((48,))),                           # replicated
+        "norm": ((48,), torch.float32, lambda r, n: whole((48,))),  # replicated
         "step_count": ((), torch.int64, lambda r, n: whole(())),
     },
     "dim0": {  # the "mixed" tensors with every split on dim 0 (FSDP-like): one range per shard
@@ -53,7 +54,7 @@ SPECS: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[int, in
         "step_count": ((), torch.int64, lambda r, n: whole(())),
     },
     "big": {  # 128 MiB: a pull takes long enough to be killed in the middle of it
-        "w": ((2048, 16384), torch.float32, lambda r, n: split((2048, 16384), 0, n, r)),
+        "w": ((2048, 16384), torch.float32, lambda r, n: split((2048, 16384), 0, n, r))
     },
 }
 
@@ -66,7 +67,9 @@ def stage_names(stage: int, stages: int) -> list[str]:
     return [n for i, n in enumerate(SPECS["mixed"]) if i % stages == stage]
 
 
-def local_tensors(spec: str, step: int, tp_rank: int, tp_size: int, *, strided: bool = False) -> dict[str, Any]:
+def local_tensors(
+    spec: str, step: int, tp_rank: int, tp_size: int, *, strided: bool = False
+) -> dict[str, Any]:
     from astate_store import Shard
 
     out: dict[str, Any] = {}
@@ -82,22 +85,40 @@ def local_tensors(spec: str, step: int, tp_rank: int, tp_size: int, *, strided: 
         if strided and piece.dim() == 2:
             # A view with strides: the piece lives inside a wider buffer.
             holder = torch.zeros(piece.shape[0], piece.shape[1] + 5, dtype=dtype)
-            holder[:, 2:2 + piece.shape[1]] = piece
-            piece = holder[:, 2:2 + piece.shape[1]]
+            holder[:, 2 : 2 + piece.shape[1]] = piece
+            piece = holder[:, 2 : 2 + piece.shape[1]]
         else:
             piece = piece.clone()
         out[name] = Shard(piece, offs, shape)
     return out
 
 
-def publisher_main(endpoint: str, ns: str, rank: int, world: int, tp: int, spec: str, transport: str,
-                   cmds: Any, out: Any, copy: bool = True, session: str = "pub") -> None:
+def publisher_main(
+    endpoint: str,
+    ns: str,
+    rank: int,
+    world: int,
+    tp: int,
+    spec: str,
+    transport: str,
+    cmds: Any,
+    out: Any,
+    copy: bool = True,
+    session: str = "pub",
+) -> None:
     """A trainer rank: on ("put", step) publish that step; on ("exit",) leave."""
     import astate_store
     from astate_store.store import Store
 
-    store = Store(ns, endpoint=endpoint, rank=rank, world_size=world, transport=transport,
-                  session_id=f"{ns}-{session}", lease_ttl=3.0)
+    store = Store(
+        ns,
+        endpoint=endpoint,
+        rank=rank,
+        world_size=world,
+        transport=transport,
+        session_id=f"{ns}-{session}",
+        lease_ttl=3.0,
+    )
     tensors = local_tensors(spec, 0, rank % tp, tp, strided=not copy)
     out.put(("ready", rank, os.getpid()))
     while True:
@@ -108,15 +129,21 @@ def publisher_main(endpoint: str, ns: str, rank: int, world: int, tp: int, spec:
             out.put(("checkpoint", rank, store.checkpoint(cmd[1], cmd[2])))
             continue
         if cmd[0] in ("recover", "recover_misfit"):
-            blank = {n: type(sh)(torch.zeros_like(sh.tensor), sh.offsets, sh.global_shape)
-                     for n, sh in tensors.items()}
+            blank = {
+                n: type(sh)(torch.zeros_like(sh.tensor), sh.offsets, sh.global_shape)
+                for n, sh in tensors.items()
+            }
             if cmd[0] == "recover_misfit":  # one buffer's global shape is one row longer than published
                 n0, sh0 = next(iter(blank.items()))
-                blank[n0] = type(sh0)(sh0.tensor, sh0.offsets, (sh0.global_shape[0] + 1, *sh0.global_shape[1:]))
+                blank[n0] = type(sh0)(
+                    sh0.tensor, sh0.offsets, (sh0.global_shape[0] + 1, *sh0.global_shape[1:])
+                )
             try:
                 got = store.recover(blank, timeout=20, uri=cmd[1])
                 ok = got is not None and all(
-                    torch.equal(blank[n].tensor, local_tensors(spec, got, rank % tp, tp)[n].tensor) for n in blank)
+                    torch.equal(blank[n].tensor, local_tensors(spec, got, rank % tp, tp)[n].tensor)
+                    for n in blank
+                )
                 out.put(("recovered", rank, got, ok))
             except astate_store.AStateError as exc:
                 out.put(("error", rank, None, f"{type(exc).__name__}: {exc}"))
@@ -153,14 +180,28 @@ def _die_before_piece(store: Any, rank: int, step: int, out: Any) -> None:
     store.catalog.versions.put_piece = die
 
 
-def mutating_publisher(endpoint: str, ns: str, transport: str, steps: int, numel: int, ntensors: int,
-                       retire_timeout: float, out: Any) -> None:
+def mutating_publisher(
+    endpoint: str,
+    ns: str,
+    transport: str,
+    steps: int,
+    numel: int,
+    ntensors: int,
+    retire_timeout: float,
+    out: Any,
+) -> None:
     """Zero-copy publisher that rewrites its live tensors as fast as it can: before each change it
     retires the versions it published; every element of step s holds the value s."""
     from astate_store.store import Store
 
-    store = Store(ns, endpoint=endpoint, transport=transport, session_id=f"{ns}-zc", lease_ttl=5.0,
-                  retire_timeout=retire_timeout)
+    store = Store(
+        ns,
+        endpoint=endpoint,
+        transport=transport,
+        session_id=f"{ns}-zc",
+        lease_ttl=5.0,
+        retire_timeout=retire_timeout,
+    )
     tensors = {f"t{i}": torch.zeros(numel) for i in range(ntensors)}
     store.put(0, tensors, copy=False)
     out.put(("ready", os.getpid()))
@@ -174,14 +215,25 @@ def mutating_publisher(endpoint: str, ns: str, transport: str, steps: int, numel
     store.close()
 
 
-def consumer_main(endpoint: str, ns: str, transport: str, step: int | None, serve: bool, out: Any,
-                  hold: float = 0.0, names: Any = None) -> None:
+def consumer_main(
+    endpoint: str,
+    ns: str,
+    transport: str,
+    step: int | None,
+    serve: bool,
+    out: Any,
+    hold: float = 0.0,
+    names: Any = None,
+) -> None:
     """A rollout process holding the whole model (or the tensors in ``names``): pull, check every
     byte, optionally re-serve."""
     from astate_store.store import Store
 
-    bufs = {n: torch.zeros(shape, dtype=dt) for n, (shape, dt, _) in SPECS["mixed"].items()
-            if names is None or n in names}
+    bufs = {
+        n: torch.zeros(shape, dtype=dt)
+        for n, (shape, dt, _) in SPECS["mixed"].items()
+        if names is None or n in names
+    }
     with Store(ns, endpoint=endpoint, transport=transport, lease_ttl=2.0) as store:
         try:
             got = store.get_into(bufs, step=step, timeout=30)

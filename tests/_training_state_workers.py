@@ -24,7 +24,9 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> Non
     optim.zero_grad()
 
 
-def full_training_state(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+def full_training_state(
+    model: nn.Module, optim: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensors, meta) of the recipe: DCP's FQN-keyed model and optimizer state dicts; the
     optimizer's tensors go in as tensors, its param groups (floats, bools, names) as meta."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -40,8 +42,8 @@ def trainer(endpoint: str, ns: str, rank: int, port: int, uri: str, ref: str, ou
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from astate_store.store import Store
         from astate_store.model.usermeta import rng_state
+        from astate_store.store import Store
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         model = make_model()
@@ -58,8 +60,11 @@ def trainer(endpoint: str, ns: str, rank: int, port: int, uri: str, ref: str, ou
             tensors, _ = full_training_state(model, optim)
             # The reference: every tensor whole, gathered by torch itself, and the next draw.
             from astate_store.model.state_dict import flatten_state_dict
-            full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
-                    for k, v in flatten_state_dict(tensors).items()}
+
+            full = {
+                k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                for k, v in flatten_state_dict(tensors).items()
+            }
             if rank == 0:
                 torch.save({"full": full, "draw": torch.rand(3)}, ref)  # a file: tensors outlive this process
             out.put(("done", rank, None))

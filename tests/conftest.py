@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 

@@ -76,30 +76,74 @@ def _under(mod: str, *prefixes: str) -> bool:
 
 
 def _violations(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
-    return sorted(f"{m} imports {t}" for m, ts in IMPORTS.items() if _under(m, *sources)
-                  for t in ts if _under(t, *forbidden))
+    return sorted(
+        f"{m} imports {t}"
+        for m, ts in IMPORTS.items()
+        if _under(m, *sources)
+        for t in ts
+        if _under(t, *forbidden)
+    )
 
 
 # (rule, modules it governs, what they must not import)
 BOUNDARIES = [
-    ("the planner imports neither the catalog nor the transport",
-     ("astate_store.plan",), ("astate_store.catalog", "astate_store.transport", "astate_store.etcd", "pyetcd")),
-    ("the transport knows no catalog",
-     ("astate_store.transport",), ("astate_store.catalog", "astate_store.etcd", "pyetcd")),
-    ("checkpoints know no etcd",
-     ("astate_store.checkpoint",), ("astate_store.catalog", "astate_store.etcd", "pyetcd")),
-    ("model/ imports nothing above it",
-     ("astate_store.model",), ("astate_store.put", "astate_store.get", "astate_store.plan", "astate_store.catalog",
-                               "astate_store.etcd", "astate_store.transport", "astate_store.checkpoint",
-                               "astate_store.integrations", "astate_store.servers", "astate_store.cli",
-                               "astate_store.store", "astate_store.hub", "astate_store.recovery",
-                               "astate_store.context", "astate_store.metrics")),
-    ("nothing below the façade imports integrations/, servers/ or cli/",
-     ("astate_store.model", "astate_store.put", "astate_store.get", "astate_store.plan", "astate_store.catalog",
-      "astate_store.etcd", "astate_store.transport", "astate_store.checkpoint", "astate_store.store",
-      "astate_store.hub", "astate_store.recovery", "astate_store.context", "astate_store.metrics",
-      "astate_store.errors", "astate_store.process"),
-     ("astate_store.integrations", "astate_store.servers", "astate_store.cli")),
+    (
+        "the planner imports neither the catalog nor the transport",
+        ("astate_store.plan",),
+        ("astate_store.catalog", "astate_store.transport", "astate_store.etcd", "pyetcd"),
+    ),
+    (
+        "the transport knows no catalog",
+        ("astate_store.transport",),
+        ("astate_store.catalog", "astate_store.etcd", "pyetcd"),
+    ),
+    (
+        "checkpoints know no etcd",
+        ("astate_store.checkpoint",),
+        ("astate_store.catalog", "astate_store.etcd", "pyetcd"),
+    ),
+    (
+        "model/ imports nothing above it",
+        ("astate_store.model",),
+        (
+            "astate_store.put",
+            "astate_store.get",
+            "astate_store.plan",
+            "astate_store.catalog",
+            "astate_store.etcd",
+            "astate_store.transport",
+            "astate_store.checkpoint",
+            "astate_store.integrations",
+            "astate_store.servers",
+            "astate_store.cli",
+            "astate_store.store",
+            "astate_store.hub",
+            "astate_store.recovery",
+            "astate_store.context",
+            "astate_store.metrics",
+        ),
+    ),
+    (
+        "nothing below the façade imports integrations/, servers/ or cli/",
+        (
+            "astate_store.model",
+            "astate_store.put",
+            "astate_store.get",
+            "astate_store.plan",
+            "astate_store.catalog",
+            "astate_store.etcd",
+            "astate_store.transport",
+            "astate_store.checkpoint",
+            "astate_store.store",
+            "astate_store.hub",
+            "astate_store.recovery",
+            "astate_store.context",
+            "astate_store.metrics",
+            "astate_store.errors",
+            "astate_store.process",
+        ),
+        ("astate_store.integrations", "astate_store.servers", "astate_store.cli"),
+    ),
 ]
 
 
@@ -151,8 +195,12 @@ def test_no_import_circle() -> None:
 
 def test_the_rules_see_real_imports() -> None:
     """The parser is not vacuous: known edges are found, and a rule that must fire does."""
-    assert any(_under(t, "astate_store.plan") for m, ts in IMPORTS.items() if _under(m, "astate_store.get")
-               for t in ts)
+    assert any(
+        _under(t, "astate_store.plan")
+        for m, ts in IMPORTS.items()
+        if _under(m, "astate_store.get")
+        for t in ts
+    )
     assert "astate_store.catalog" in IMPORTS["astate_store.store"]
     assert _violations(("astate_store.store",), ("astate_store.catalog",))  # a rule that must fire
 
@@ -162,8 +210,10 @@ FACADE = ["connect", "connect_many", "SessionHub", "Store", "Shard", "Stats", "P
 
 def test_facade_is_pinned_and_light() -> None:
     """``import astate_store`` exports the public API, and loads no integration's dependency."""
-    code = ("import sys, astate_store as a; print(sorted(set(a.__all__))); "
-            "print(sorted(m for m in ('vllm', 'ray', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys, astate_store as a; print(sorted(set(a.__all__))); "
+        "print(sorted(m for m in ('vllm', 'ray', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     exported, heavy = out.stdout.strip().splitlines()
     import astate_store
@@ -173,8 +223,15 @@ def test_facade_is_pinned_and_light() -> None:
     assert eval(heavy) == []
 
 
-@pytest.mark.parametrize("old,new", [("presets", "integrations.presets"), ("consumer", "get.consumer"),
-                                     ("layout", "model.layout"), ("etcd_server", "etcd.embedded")])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("presets", "integrations.presets"),
+        ("consumer", "get.consumer"),
+        ("layout", "model.layout"),
+        ("etcd_server", "etcd.embedded"),
+    ],
+)
 def test_old_import_paths_still_work(old: str, new: str) -> None:
     import importlib
 
@@ -192,8 +249,13 @@ def test_units_stay_within_their_size_limits() -> None:
         if len(src.splitlines()) > LIMITS["module"]:
             over.append(f"module {mod}: {len(src.splitlines())} lines")
         for node in ast.walk(ast.parse(src)):
-            kind = "class" if isinstance(node, ast.ClassDef) else \
-                "function" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+            kind = (
+                "class"
+                if isinstance(node, ast.ClassDef)
+                else "function"
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                else None
+            )
             if kind and node.end_lineno - node.lineno + 1 > LIMITS[kind]:
                 over.append(f"{kind} {mod}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not over, over

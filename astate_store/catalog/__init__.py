@@ -17,7 +17,7 @@ Key layout under ``/astate/<namespace>/`` (see docs/protocol.md, "etcd key layou
     session                             session record, on rank 0's lease
     members/<epoch>/<rank>              member record, on that rank's lease
     manifests/<manifest_id>             manifest blob: names, dtypes, shapes, boxes of one rank (no lease)
-    layouts/<epoch>/<rank>/<layout_id>  layout blob (strides, regions, offsets, transport), on the rank's lease
+    layouts/<epoch>/<rank>/<layout_id>  layout blob (strides, regions, offsets, transport), rank's lease
     versions/<step>/pieces/<epoch>/<rank>  piece record
     versions/<step>/commit              commit record
     versions/<step>/replicas/<group>/<member>  replica record (a consumer re-serving), on its lease
@@ -32,7 +32,7 @@ size, compressed, never seen half-written.
     retired/<step>/<rank>               retired record: no new readers; rank will reuse the memory
     torn/<step>/<rank>                  retired record: rank changed the memory with readers still on it
     checkpoints/<step>                  checkpoint record
-    recovery/<epoch>/<round>/plan       recovery_plan record: what every rank of the session does, on the writer's lease
+    recovery/<epoch>/<round>/plan       recovery_plan record: what every rank does, on the writer's lease
     recovery/<epoch>/<round>/ranks/<rank>  recovery_outcome record: that rank's result, on its lease
 
 Steps and epochs are 20-digit zero-padded in keys and in the two counters, so lexical
@@ -45,22 +45,32 @@ import logging
 import re
 from typing import Any
 
-from astate_store.errors import CatalogError
 from astate_store.catalog.agreement import RecoveryAgreement
 from astate_store.catalog.checkpoints import CheckpointIndex
 from astate_store.catalog.client import EtcdClient
 from astate_store.catalog.config import EtcdConfig
 from astate_store.catalog.consumers import Consumers
 from astate_store.catalog.readers import Readers
-from astate_store.catalog.records import CheckpointEntry, Layout, Piece, Replica, Session, Version, Manifest
+from astate_store.catalog.records import CheckpointEntry, Layout, Manifest, Piece, Replica, Session, Version
 from astate_store.catalog.replicas import Replicas
 from astate_store.catalog.sessions import Sessions
 from astate_store.catalog.versions import Versions
+from astate_store.errors import CatalogError
 
 log = logging.getLogger("astate_store.catalog")
 
-__all__ = ["Catalog", "Session", "Piece", "Layout", "Manifest", "Replica", "Version", "CheckpointEntry",
-           "EtcdClient", "EtcdConfig"]
+__all__ = [
+    "Catalog",
+    "Session",
+    "Piece",
+    "Layout",
+    "Manifest",
+    "Replica",
+    "Version",
+    "CheckpointEntry",
+    "EtcdClient",
+    "EtcdConfig",
+]
 
 # The namespace becomes a key path segment: no '/' (it would reach into another namespace's keys).
 _NS_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
@@ -82,19 +92,42 @@ class Catalog:
         CatalogError: a bad namespace, or retention < 1.
     """
 
-    def __init__(self, endpoint: str | EtcdConfig, namespace: str, *, retention: int = 4, lease_ttl: float = 10.0,
-                 op_timeout: float = 5.0, retry_deadline: float = 15.0, client: EtcdClient | None = None,
-                 retention_runner: Any = None):
+    def __init__(
+        self,
+        endpoint: str | EtcdConfig,
+        namespace: str,
+        *,
+        retention: int = 4,
+        lease_ttl: float = 10.0,
+        op_timeout: float = 5.0,
+        retry_deadline: float = 15.0,
+        client: EtcdClient | None = None,
+        retention_runner: Any = None,
+    ):
         if not isinstance(namespace, str) or not _NS_RE.match(namespace):
             raise CatalogError(f"bad namespace {namespace!r}: use 1-128 characters from [A-Za-z0-9_.-]")
         if retention < 1:
             raise CatalogError(f"retention must be >= 1, got {retention}")
         self.etcd = EtcdConfig.parse(endpoint)
-        self.endpoint, self.namespace, self.retention, self.lease_ttl = self.etcd.url, namespace, retention, lease_ttl
+        self.endpoint, self.namespace, self.retention, self.lease_ttl = (
+            self.etcd.url,
+            namespace,
+            retention,
+            lease_ttl,
+        )
         # ``client``: a namespace view over a connection many namespaces share (sessions_hub.py);
         # ``retention_runner``: their shared retention thread (see Versions).
-        self.client = client if client is not None else EtcdClient(
-            self.etcd, namespace, lease_ttl=lease_ttl, op_timeout=op_timeout, retry_deadline=retry_deadline)
+        self.client = (
+            client
+            if client is not None
+            else EtcdClient(
+                self.etcd,
+                namespace,
+                lease_ttl=lease_ttl,
+                op_timeout=op_timeout,
+                retry_deadline=retry_deadline,
+            )
+        )
         self.sessions = Sessions(self.client)
         self.versions = Versions(self.client, self.sessions, retention, retention_runner)
         self.consumers = Consumers(self.client)
@@ -125,15 +158,19 @@ class Catalog:
         """
         c = self.client
         if self.session is not None:
-            raise CatalogError(f"namespace {self.namespace!r}: this store publishes to it; close it and delete "
-                               "from another store")
+            raise CatalogError(
+                f"namespace {self.namespace!r}: this store publishes to it; close it and delete "
+                "from another store"
+            )
         if not force:
             for family in ("members", "consumers"):
                 pre = c.key(family) + "/"
                 live = c.call(f"get {family}", lambda: list(c.raw.get_prefix(pre, keys_only=True)))
                 if live:
-                    raise CatalogError(f"namespace {self.namespace!r} is in use: {len(live)} live {family} "
-                                       "records (their processes hold leases); stop them or pass force=True")
+                    raise CatalogError(
+                        f"namespace {self.namespace!r} is in use: {len(live)} live {family} "
+                        "records (their processes hold leases); stop them or pass force=True"
+                    )
         pre = c.key("")
         resp = c.call("delete namespace", lambda: c.raw.delete_prefix(pre))
         deleted = int(getattr(resp, "deleted", 0))
@@ -147,7 +184,7 @@ class Catalog:
         self.client.close(revoke=revoke)
         self.sessions.clear()
 
-    def __enter__(self) -> "Catalog":
+    def __enter__(self) -> Catalog:
         return self
 
     def __exit__(self, *exc: object) -> None:

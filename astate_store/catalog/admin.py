@@ -9,18 +9,27 @@ be looked at. Nothing here writes to etcd.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
-from astate_store.model import codec
-from astate_store.errors import CatalogError, CatalogUnavailable, CodecError, VersionNotFound
-from astate_store.model.layout import itemsize
 from astate_store.catalog import Catalog
 from astate_store.catalog.client import EtcdClient, range_end
 from astate_store.catalog.records import Manifest, Skips, Version, pad20, parse_pad20
+from astate_store.errors import CatalogError, CatalogUnavailable, CodecError, VersionNotFound
+from astate_store.model import codec
+from astate_store.model.layout import itemsize
 
-__all__ = ["NamespaceSummary", "list_namespaces", "summarize", "inspect", "commit_time", "readers_of",
-           "describe_event", "ROOT"]
+__all__ = [
+    "NamespaceSummary",
+    "list_namespaces",
+    "summarize",
+    "inspect",
+    "commit_time",
+    "readers_of",
+    "describe_event",
+    "ROOT",
+]
 
 ROOT = "/astate/"
 
@@ -35,12 +44,13 @@ def list_namespaces(client: EtcdClient) -> list[str]:
     end = range_end(ROOT)
     while True:
         first = start
-        resp = client.call("list namespaces", lambda: client.raw.get_range_response(
-            first, end, keys_only=True, limit=1))
+        resp = client.call(
+            "list namespaces", lambda: client.raw.get_range_response(first, end, keys_only=True, limit=1)
+        )
         if not resp.kvs:
             return out
         key = resp.kvs[0].key.decode("utf-8", "replace")
-        ns = key[len(ROOT):].split("/", 1)[0]
+        ns = key[len(ROOT) :].split("/", 1)[0]
         if ns:
             out.append(ns)
         # Past every key of this namespace: '/' + 1 is '0'.
@@ -120,9 +130,12 @@ def readers_of(catalog: Catalog, step: int, skips: Skips) -> list[dict[str, Any]
         except CodecError as exc:
             skips(key, str(exc), meta.mod_revision)
             continue
-        if (d["step"], d["reader_id"]) != (step, key[len(pre):]):
-            skips(key, f"reader record of step {d['step']} reader {d['reader_id']!r} under this key",
-                  meta.mod_revision)
+        if (d["step"], d["reader_id"]) != (step, key[len(pre) :]):
+            skips(
+                key,
+                f"reader record of step {d['step']} reader {d['reader_id']!r} under this key",
+                meta.mod_revision,
+            )
             continue
         out.append({"reader_id": d["reader_id"], "host": d["host"], "pid": d["pid"]})
     return sorted(out, key=lambda r: r["reader_id"])
@@ -139,8 +152,12 @@ def _tensors(manifests: dict[int, Manifest]) -> dict[str, dict[str, Any]]:
                 n = 1
                 for d in rec.global_shape:
                     n *= d
-                out[rec.name] = {"shape": list(rec.global_shape), "dtype": rec.dtype, "shards": 0,
-                                 "bytes": n * itemsize(rec.dtype)}
+                out[rec.name] = {
+                    "shape": list(rec.global_shape),
+                    "dtype": rec.dtype,
+                    "shards": 0,
+                    "bytes": n * itemsize(rec.dtype),
+                }
     for name, b in boxes.items():
         out[name]["shards"] = len(b)
     return dict(sorted(out.items()))
@@ -151,8 +168,17 @@ def _ranks(version: Version, manifests: dict[int, Manifest], live: set[int]) -> 
     for r in sorted(version.pieces):
         p = version.pieces[r]
         recs = manifests[r].records(r) if r in manifests else ()
-        out.append({"rank": r, "epoch": p.epoch, "alive": r in live, "layout_id": p.layout_id,
-                    "manifest_id": p.manifest_id, "shards": len(recs), "bytes": sum(x.nbytes for x in recs)})
+        out.append(
+            {
+                "rank": r,
+                "epoch": p.epoch,
+                "alive": r in live,
+                "layout_id": p.layout_id,
+                "manifest_id": p.manifest_id,
+                "shards": len(recs),
+                "bytes": sum(x.nbytes for x in recs),
+            }
+        )
     return out
 
 
@@ -176,11 +202,18 @@ def inspect(catalog: Catalog, step: int | None = None) -> dict[str, Any]:
     session = _guard(problems, "session", catalog.sessions.record, None)
     shown = step if step is not None else latest
     out: dict[str, Any] = {
-        "namespace": catalog.namespace, "latest": latest, "step": shown, "committed_at": None,
+        "namespace": catalog.namespace,
+        "latest": latest,
+        "step": shown,
+        "committed_at": None,
         "versions": versions,
         "session": None if session is None else {k: session[k] for k in _SESSION_FIELDS if k in session},
-        "ranks": [], "readers": [], "consumers": sorted(_guard(problems, "consumers", catalog.consumers.ids, set())),
-        "replicas": [], "checkpoints": [], "tensors": {},
+        "ranks": [],
+        "readers": [],
+        "consumers": sorted(_guard(problems, "consumers", catalog.consumers.ids, set())),
+        "replicas": [],
+        "checkpoints": [],
+        "tensors": {},
     }
     out["checkpoints"] = [asdict(c) for c in _guard(problems, "checkpoints", catalog.checkpoints.list, [])]
     if shown is not None:
@@ -207,39 +240,55 @@ def _read(catalog: Catalog, step: int, asked: bool, problems: list[str]) -> Vers
         return None
 
 
-def _describe_version(catalog: Catalog, version: Version, out: dict[str, Any], skips: Skips,
-                      problems: list[str]) -> None:
+def _describe_version(
+    catalog: Catalog, version: Version, out: dict[str, Any], skips: Skips, problems: list[str]
+) -> None:
     out["committed_at"] = _guard(problems, "commit", lambda: commit_time(catalog, version.step), None)
-    manifests = _guard(problems, f"step {version.step} manifests", lambda: catalog.versions.manifests_of(version), {})
+    manifests = _guard(
+        problems, f"step {version.step} manifests", lambda: catalog.versions.manifests_of(version), {}
+    )
     live = _guard(problems, "members", lambda: catalog.sessions.live_ranks(version.epoch), set())
     out["ranks"] = _ranks(version, manifests, live)
     out["tensors"] = _tensors(manifests)
     out["readers"] = _guard(problems, "readers", lambda: readers_of(catalog, version.step, skips), [])
-    out["replicas"] = [{"member": m, "group": r.group, "layout_id": r.layout_id}
-                       for m, r in sorted(version.replicas.items())]
+    out["replicas"] = [
+        {"member": m, "group": r.group, "layout_id": r.layout_id} for m, r in sorted(version.replicas.items())
+    ]
 
 
 # ---- watch -----------------------------------------------------------------------------------
 
 # key family under a namespace -> (event kind, record schema) that ``astate watch`` reports.
-_FAMILIES = {"readers": ("pull started", "reader"), "delivered": ("pulled", None),
-             "retired": ("retired", "retired"), "torn": ("torn", "retired"),
-             "checkpoints": ("checkpoint", "checkpoint"), "session": ("session", "session")}
+_FAMILIES = {
+    "readers": ("pull started", "reader"),
+    "delivered": ("pulled", None),
+    "retired": ("retired", "retired"),
+    "torn": ("torn", "retired"),
+    "checkpoints": ("checkpoint", "checkpoint"),
+    "session": ("session", "session"),
+}
 
 
-def describe_event(namespace: str, key: str, value: bytes, deleted: bool, skips: Skips) -> dict[str, Any] | None:
+def describe_event(
+    namespace: str, key: str, value: bytes, deleted: bool, skips: Skips
+) -> dict[str, Any] | None:
     """A watch event under ``/astate/<namespace>/`` as an operator's event, or None when it is
     not one ``astate watch`` shows (layout chunks, manifests, counters, deletions ...). A record
     that fails its schema is skipped (counted in ``skips``), never shown as if it were good."""
     pre = f"{ROOT}{namespace}/"
     if deleted or not key.startswith(pre):
         return None
-    parts = key[len(pre):].split("/")
+    parts = key[len(pre) :].split("/")
     try:
         if parts[0] == "versions" and len(parts) == 3 and parts[2] == "commit":
             d = codec.decode("commit", value)
-            return {"event": "commit", "step": d["step"], "epoch": d["epoch"], "world_size": d["world_size"],
-                    "at": d["committed_at"]}
+            return {
+                "event": "commit",
+                "step": d["step"],
+                "epoch": d["epoch"],
+                "world_size": d["world_size"],
+                "at": d["committed_at"],
+            }
         if parts[0] == "versions" and len(parts) == 5 and parts[2] == "replicas":
             d = codec.decode("replica", value)
             return {"event": "re-serve", "step": d["step"], "who": d["member"], "group": d["group"]}

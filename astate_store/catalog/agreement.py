@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from pyetcd import transactions as tx
 
-from astate_store.model import codec
-from astate_store.errors import CodecError
 from astate_store.catalog.client import EtcdClient
 from astate_store.catalog.records import Skips, counter_value, pad20, parse_pad20
 from astate_store.catalog.sessions import Sessions
+from astate_store.errors import CodecError
+from astate_store.model import codec
 
 __all__ = ["RecoveryAgreement", "RecoveryPlan", "RecoveryOutcome", "ACTIONS", "TERMINAL"]
 
@@ -88,8 +89,17 @@ class RecoveryAgreement:
 
     # ---- writing --------------------------------------------------------------------------
 
-    def decide(self, rnd: int, action: str, reason: str, *, step: int | None = None, source: str | None = None,
-               uri: str | None = None, failures: Mapping[int, str] | None = None) -> RecoveryPlan:
+    def decide(
+        self,
+        rnd: int,
+        action: str,
+        reason: str,
+        *,
+        step: int | None = None,
+        source: str | None = None,
+        uri: str | None = None,
+        failures: Mapping[int, str] | None = None,
+    ) -> RecoveryPlan:
         """Write the plan of round ``rnd`` unless one exists; returns the plan that holds (ours,
         or the one another rank wrote first). On this rank's lease, fenced on the session.
 
@@ -99,8 +109,14 @@ class RecoveryAgreement:
         """
         s = self.sessions.require()
         key = self.plan_key(s.epoch, rnd)
-        rec: dict[str, Any] = {"epoch": s.epoch, "round": rnd, "rank": s.rank, "action": action, "reason": reason,
-                               "decided_at": time.time()}
+        rec: dict[str, Any] = {
+            "epoch": s.epoch,
+            "round": rnd,
+            "rank": s.rank,
+            "action": action,
+            "reason": reason,
+            "decided_at": time.time(),
+        }
         for name, v in (("step", step), ("source", source), ("uri", uri)):
             if v is not None:
                 rec[name] = v
@@ -110,12 +126,21 @@ class RecoveryAgreement:
         mine = RecoveryPlan(s.epoch, rnd, s.rank, action, reason, step, source, uri, dict(failures or {}))
         absent: Any = tx.Version(key) == 0
         while True:
-            ok, resp = self.client.txn(f"recovery plan {rnd}", [*self.sessions.fence(), absent],
-                                       [tx.Put(key, value, lease=s.lease_id)],
-                                       [tx.Get(self.client.key("epoch")), tx.Get(key)])
+            ok, resp = self.client.txn(
+                f"recovery plan {rnd}",
+                [*self.sessions.fence(), absent],
+                [tx.Put(key, value, lease=s.lease_id)],
+                [tx.Get(self.client.key("epoch")), tx.Get(key)],
+            )
             if ok:
-                log.info("namespace %s: recovery round %d of epoch %d: %s (rank %d)", self.client.namespace, rnd,
-                         s.epoch, action, s.rank)
+                log.info(
+                    "namespace %s: recovery round %d of epoch %d: %s (rank %d)",
+                    self.client.namespace,
+                    rnd,
+                    s.epoch,
+                    action,
+                    s.rank,
+                )
                 return mine
             epoch_now = counter_value(self.client.key("epoch"), resp[0][0][0]) if resp[0] else None
             if epoch_now != s.epoch or not resp[1]:
@@ -135,13 +160,27 @@ class RecoveryAgreement:
             StaleSessionError: a newer session fenced this one, or this rank's lease expired.
         """
         s = self.sessions.require()
-        rec: dict[str, Any] = {"epoch": s.epoch, "round": rnd, "rank": s.rank, "status": "ok" if ok else "failed"}
+        rec: dict[str, Any] = {
+            "epoch": s.epoch,
+            "round": rnd,
+            "rank": s.rank,
+            "status": "ok" if ok else "failed",
+        }
         if step is not None:
             rec["step"] = step
         if error:
             rec["error"] = error
-        ok_txn, _ = self.client.txn(f"recovery outcome {rnd}", self.sessions.fence(), [
-            tx.Put(self.outcome_key(s.epoch, rnd, s.rank), codec.encode("recovery_outcome", rec), lease=s.lease_id)])
+        ok_txn, _ = self.client.txn(
+            f"recovery outcome {rnd}",
+            self.sessions.fence(),
+            [
+                tx.Put(
+                    self.outcome_key(s.epoch, rnd, s.rank),
+                    codec.encode("recovery_outcome", rec),
+                    lease=s.lease_id,
+                )
+            ],
+        )
         if not ok_txn:
             raise self.sessions.fenced_error(f"recovery outcome of round {rnd}")
 
@@ -176,8 +215,9 @@ class RecoveryAgreement:
             # From just after the read: a plan written in between is not missed.
             self.client.wait_change(key, remaining, start_revision=int(resp.header.revision) + 1)
 
-    def wait_outcomes(self, rnd: int, world_size: int, deadline: float
-                      ) -> tuple[dict[int, RecoveryOutcome], RecoveryPlan | None, set[int]]:
+    def wait_outcomes(
+        self, rnd: int, world_size: int, deadline: float
+    ) -> tuple[dict[int, RecoveryOutcome], RecoveryPlan | None, set[int]]:
         """Wait (an etcd watch on the session's records) until every rank reported round ``rnd``,
         the plan of the next round exists (another rank decided), a rank that was alive during
         the wait left the session (its lease expired), or ``deadline``. Returns (outcomes by
@@ -202,14 +242,15 @@ class RecoveryAgreement:
 
     # ---- decoding -------------------------------------------------------------------------
 
-    def _parse(self, epoch: int, kvs: Sequence[tuple[bytes, Any]]
-               ) -> tuple[dict[int, RecoveryPlan], dict[int, dict[int, RecoveryOutcome]]]:
+    def _parse(
+        self, epoch: int, kvs: Sequence[tuple[bytes, Any]]
+    ) -> tuple[dict[int, RecoveryPlan], dict[int, dict[int, RecoveryOutcome]]]:
         pre = self.prefix(epoch)
         plans: dict[int, RecoveryPlan] = {}
         outcomes: dict[int, dict[int, RecoveryOutcome]] = {}
         for value, kv in kvs:
             key = kv.key.decode("utf-8", "replace")
-            parts = key[len(pre):].split("/")
+            parts = key[len(pre) :].split("/")
             rnd = parse_pad20(parts[0])
             rank = parse_pad20(parts[2]) if len(parts) == 3 and parts[1] == "ranks" else None
             if rnd is None:
@@ -236,19 +277,32 @@ class RecoveryAgreement:
         if d["epoch"] != epoch or d["round"] != rnd:
             self._skip(key, mod_revision, f"record of epoch {d['epoch']} round {d['round']} under this key")
             return None
-        return RecoveryPlan(epoch, rnd, d["rank"], d["action"], d["reason"], d.get("step"), d.get("source"),
-                            d.get("uri"), {f["rank"]: f["error"] for f in d.get("failures", ())})
+        return RecoveryPlan(
+            epoch,
+            rnd,
+            d["rank"],
+            d["action"],
+            d["reason"],
+            d.get("step"),
+            d.get("source"),
+            d.get("uri"),
+            {f["rank"]: f["error"] for f in d.get("failures", ())},
+        )
 
-    def _outcome(self, key: str, value: bytes, mod_revision: int, epoch: int, rnd: int, rank: int
-                 ) -> RecoveryOutcome | None:
+    def _outcome(
+        self, key: str, value: bytes, mod_revision: int, epoch: int, rnd: int, rank: int
+    ) -> RecoveryOutcome | None:
         try:
             d = codec.decode("recovery_outcome", value)
         except CodecError as exc:
             self._skip(key, mod_revision, str(exc))
             return None
         if (d["epoch"], d["round"], d["rank"]) != (epoch, rnd, rank):
-            self._skip(key, mod_revision,
-                       f"record of epoch {d['epoch']} round {d['round']} rank {d['rank']} under this key")
+            self._skip(
+                key,
+                mod_revision,
+                f"record of epoch {d['epoch']} round {d['round']} rank {d['rank']} under this key",
+            )
             return None
         return RecoveryOutcome(epoch, rnd, rank, d["status"] == "ok", d.get("step"), d.get("error", ""))
 

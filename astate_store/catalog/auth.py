@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 import pyetcd.etcdrpc as etcdrpc
 
-from astate_store.errors import CatalogAuthError
 from astate_store.catalog.config import EtcdConfig, option
 from astate_store.catalog.failures import grpc_status
+from astate_store.errors import CatalogAuthError
 
 __all__ = ["request_token"]
 
@@ -40,12 +40,18 @@ def request_token(raw: Any, config: EtcdConfig, op_timeout: float, endpoint: str
     except grpc.RpcError as exc:
         code, details = grpc_status(exc)
         if code == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in details:
-            log.warning("etcd at %s has authentication disabled; %s is not used", endpoint, option("etcd_user"))
+            log.warning(
+                "etcd at %s has authentication disabled; %s is not used", endpoint, option("etcd_user")
+            )
             return None
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                    grpc.StatusCode.PERMISSION_DENIED):
+        if code in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.PERMISSION_DENIED,
+        ):
             raise CatalogAuthError(
                 f"etcd at {endpoint} refused to authenticate user {user!r} ({code.name}: {details}): "
-                f"check {option('etcd_user')} and {option('etcd_password')}") from exc
+                f"check {option('etcd_user')} and {option('etcd_password')}"
+            ) from exc
         raw._manage_grpc_errors(exc)  # marks a failed endpoint (failover), re-raises typed
     return str(resp.token)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from astate_store.catalog.client import background_thread
 
@@ -23,7 +23,7 @@ _CLOSE_WAIT = 5.0  # seconds a close waits for a run in progress, and for the th
 class Job:
     """One job on a runner: what ``Versions`` pokes after a commit and flushes for tools."""
 
-    def __init__(self, runner: "Runner", name: str, fn: Callable[[], None], *, owns_runner: bool = False):
+    def __init__(self, runner: Runner, name: str, fn: Callable[[], None], *, owns_runner: bool = False):
         self.runner, self.name, self.fn, self._owns = runner, name, fn, owns_runner
         self.pending = self.busy = self.closed = False
 

@@ -12,13 +12,14 @@ and chunks in one revision.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import xxhash
 from pyetcd import transactions as tx
 
-from astate_store.model import codec
 from astate_store.errors import CodecError
+from astate_store.model import codec
 
 __all__ = ["CHUNK_BYTES", "blob_requests", "blob_from_kvs", "blob_range"]
 
@@ -46,7 +47,7 @@ def blob_requests(key: str, data: bytes, lease: int | None = None) -> tuple[list
     if len(stored) <= CHUNK_BYTES:
         head["chunks"], head["data"] = 0, stored
     else:
-        parts = [stored[i:i + CHUNK_BYTES] for i in range(0, len(stored), CHUNK_BYTES)]
+        parts = [stored[i : i + CHUNK_BYTES] for i in range(0, len(stored), CHUNK_BYTES)]
         head["chunks"] = len(parts)
         chunks = [[tx.Put(f"{key}/{i:06d}", part, lease=lease)] for i, part in enumerate(parts)]
     value = codec.encode("blob", head)
@@ -74,8 +75,8 @@ def blob_from_kvs(key: str, kvs: Iterable[tuple[bytes, Any]]) -> bytes | None:
         k = bytes(meta.key).decode("utf-8", "replace")  # a stranger's key may not be UTF-8
         if k == key:
             head_raw = value
-        elif k.startswith(key + "/") and k[len(key) + 1:].isdigit():
-            chunks[int(k[len(key) + 1:])] = value
+        elif k.startswith(key + "/") and k[len(key) + 1 :].isdigit():
+            chunks[int(k[len(key) + 1 :])] = value
     if head_raw is None:
         return None
     head = codec.decode("blob", head_raw)

@@ -5,14 +5,14 @@ Only the index lives here; writing and restoring checkpoints is :mod:`astate_sto
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from pyetcd import transactions as tx
 
-from astate_store.errors import CodecError
-from astate_store.model import codec
 from astate_store.catalog.client import EtcdClient
 from astate_store.catalog.records import CheckpointEntry, Skips, numbered_records, pad20, parse_pad20
+from astate_store.errors import CodecError
+from astate_store.model import codec
 
 __all__ = ["CheckpointIndex", "pieces_present", "commit_epoch"]
 
@@ -26,8 +26,16 @@ class CheckpointIndex:
 
     def record(self, entry: CheckpointEntry) -> None:
         """Add (or replace) the entry of ``entry.step``."""
-        value = codec.encode("checkpoint", {"step": entry.step, "uri": entry.uri, "world_size": entry.world_size,
-                                            "bytes": entry.bytes, "written_at": entry.written_at})
+        value = codec.encode(
+            "checkpoint",
+            {
+                "step": entry.step,
+                "uri": entry.uri,
+                "world_size": entry.world_size,
+                "bytes": entry.bytes,
+                "written_at": entry.written_at,
+            },
+        )
         key = self.client.key("checkpoints", pad20(entry.step))
         self.client.call("record checkpoint", lambda: self.client.raw.put(key, value))
 
@@ -61,8 +69,9 @@ class CheckpointIndex:
                 continue
             if d["step"] != step or not same_uri(d["uri"]):
                 continue
-            ok, _ = self.client.txn(f"forget checkpoint {step}", [tx.Mod(key) == meta.mod_revision],
-                                    [tx.Delete(key)])
+            ok, _ = self.client.txn(
+                f"forget checkpoint {step}", [tx.Mod(key) == meta.mod_revision], [tx.Delete(key)]
+            )
             if ok:
                 gone.append(step)
         return gone
@@ -75,7 +84,7 @@ def pieces_present(client: EtcdClient, step: int, epoch: int) -> set[int]:
     kvs = client.call("list pieces", lambda: list(client.raw.get_prefix(pre, keys_only=True)))
     out = set()
     for _v, m in kvs:
-        r = parse_pad20(m.key.decode("utf-8", "replace")[len(pre):])
+        r = parse_pad20(m.key.decode("utf-8", "replace")[len(pre) :])
         if r is not None:
             out.add(r)
     return out

@@ -15,8 +15,9 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pyetcd
@@ -24,8 +25,7 @@ import pyetcd.etcdrpc as etcdrpc
 import pyetcd.exceptions as etcd_exc
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
-from astate_store.model import codec
-from astate_store.errors import CatalogAuthError, CatalogError, CatalogRejected, CatalogUnavailable
+from astate_store.catalog.auth import request_token
 from astate_store.catalog.config import EtcdConfig
 from astate_store.catalog.failures import (
     RETRYABLE,
@@ -36,10 +36,11 @@ from astate_store.catalog.failures import (
     refusal,
     token_rejected,
 )
-from astate_store.catalog.auth import request_token
 from astate_store.catalog.leases import KeepAlive, revoke_lease
 from astate_store.catalog.tls_probe import HANDSHAKE_WORDS, tls_problem
 from astate_store.catalog.watches import new_watcher, wait_for_event
+from astate_store.errors import CatalogAuthError, CatalogError, CatalogRejected, CatalogUnavailable
+from astate_store.model import codec
 
 __all__ = ["EtcdClient", "RETRYABLE", "range_end", "WatchRefused", "WatchStreamEnded"]
 
@@ -73,20 +74,30 @@ def _endpoints(config: EtcdConfig) -> list[Endpoint]:
         # are skipped it raises NoServerAvailableError, which call() retries). One endpoint: 0
         # (pyetcd's default would refuse it for 5 min after one failure). Several: a short hold, so
         # the retry in call() goes to another member (with 0 the client stays on a dead member).
-        eps.append(Endpoint(host or "127.0.0.1", int(port), secure=config.tls, creds=creds,
-                            time_retry=2.0 if several else 0.0,
-                            opts=[("grpc.max_receive_message_length", 64 << 20)]))
+        eps.append(
+            Endpoint(
+                host or "127.0.0.1",
+                int(port),
+                secure=config.tls,
+                creds=creds,
+                time_retry=2.0 if several else 0.0,
+                opts=[("grpc.max_receive_message_length", 64 << 20)],
+            )
+        )
     return eps
 
 
-def _txn_request(raw: MultiEndpointEtcd3Client, compare: list[Any], success: list[Any],
-                 failure: list[Any]) -> etcdrpc.TxnRequest:
+def _txn_request(
+    raw: MultiEndpointEtcd3Client, compare: list[Any], success: list[Any], failure: list[Any]
+) -> etcdrpc.TxnRequest:
     """etcd's ``TxnRequest``; operations already ``RequestOp``s are kept, pyetcd's are translated."""
+
     def ops(items: list[Any]) -> list[Any]:
         return [op if isinstance(op, etcdrpc.RequestOp) else raw._ops_to_requests([op])[0] for op in items]
 
-    return etcdrpc.TxnRequest(compare=[c.build_message() for c in compare], success=ops(success),
-                              failure=ops(failure))
+    return etcdrpc.TxnRequest(
+        compare=[c.build_message() for c in compare], success=ops(success), failure=ops(failure)
+    )
 
 
 class _Verdict(enum.Enum):
@@ -126,8 +137,15 @@ class EtcdClient:
     ``--auth-token-ttl``, 5 min by default) is replaced once and the request retried.
     """
 
-    def __init__(self, endpoint: str | EtcdConfig, namespace: str, *, lease_ttl: float, op_timeout: float,
-                 retry_deadline: float):
+    def __init__(
+        self,
+        endpoint: str | EtcdConfig,
+        namespace: str,
+        *,
+        lease_ttl: float,
+        op_timeout: float,
+        retry_deadline: float,
+    ):
         self.config = EtcdConfig.parse(endpoint)
         self.endpoint, self.namespace = self.config.url, namespace
         self.lease_ttl, self.op_timeout, self.retry_deadline = lease_ttl, op_timeout, retry_deadline
@@ -135,8 +153,9 @@ class EtcdClient:
         several = len(self.config.endpoints) > 1
         # pyetcd starts on a random member: clients spread over the cluster. Credentials are not given
         # to pyetcd: it would authenticate once, untyped and unretried, and never refresh the token.
-        self.raw = MultiEndpointEtcd3Client(endpoints=_endpoints(self.config), timeout=op_timeout,
-                                            failover=several)
+        self.raw = MultiEndpointEtcd3Client(
+            endpoints=_endpoints(self.config), timeout=op_timeout, failover=several
+        )
         self.raw.get_watcher = functools.partial(new_watcher, self.raw)  # type: ignore[method-assign]
         self._keepalives: list[KeepAlive] = []
         self._reader_lease: int | None = None
@@ -190,8 +209,11 @@ class EtcdClient:
         """Replace the token ``stale`` (unless another thread already did)."""
         with self._auth_lock:
             if self._token == stale:
-                log.info("etcd at %s rejected the auth token of %r; authenticating again", self.endpoint,
-                         self.config.user)
+                log.info(
+                    "etcd at %s rejected the auth token of %r; authenticating again",
+                    self.endpoint,
+                    self.config.user,
+                )
                 self._token, self._auth_off = None, False
                 self._authenticate()
 
@@ -273,13 +295,23 @@ class EtcdClient:
             if time.monotonic() + attempts.delay + self.op_timeout > attempts.deadline:
                 return _Verdict.UNAVAILABLE, CatalogUnavailable(
                     f"etcd at {self.endpoint}: watch for {what} not created within "
-                    f"{self.retry_deadline:.0f}s: {exc!r}")
+                    f"{self.retry_deadline:.0f}s: {exc!r}"
+                )
             return _Verdict.RETRY, None
-        if self.config.user is not None and not attempts.reauthenticated and (
-                (isinstance(exc, WatchRefused) and exc.denied) or token_rejected(exc)):
+        if (
+            self.config.user is not None
+            and not attempts.reauthenticated
+            and ((isinstance(exc, WatchRefused) and exc.denied) or token_rejected(exc))
+        ):
             return _Verdict.REAUTHENTICATE, None  # an expired or stale token: once with a fresh one
-        auth = auth_problem(exc, what, user=self.config.user, endpoint=self.endpoint, prefix=self.prefix,
-                            namespace=self.namespace)
+        auth = auth_problem(
+            exc,
+            what,
+            user=self.config.user,
+            endpoint=self.endpoint,
+            prefix=self.prefix,
+            namespace=self.namespace,
+        )
         if auth is not None:
             return _Verdict.REFUSED, CatalogAuthError(auth)
         refused = str(exc) if isinstance(exc, WatchRefused) else refusal(exc)
@@ -290,14 +322,18 @@ class EtcdClient:
             attempts.handshake_failures += 1
         netloc = getattr(self.raw, "_current_ep_label", None)
         # An endpoint that answered before has working TLS settings: no probing it.
-        tls = None if netloc is None or netloc in self._verified else \
-            tls_problem(self.config, netloc, self._probed, exc, attempts.handshake_failures)
+        tls = (
+            None
+            if netloc is None or netloc in self._verified
+            else tls_problem(self.config, netloc, self._probed, exc, attempts.handshake_failures)
+        )
         if tls is not None:
             return _Verdict.REFUSED, CatalogAuthError(tls)
         if time.monotonic() + attempts.delay > attempts.deadline:
             return _Verdict.UNAVAILABLE, CatalogUnavailable(
                 f"etcd at {self.endpoint} unreachable for {self.retry_deadline:.0f}s during {what}: "
-                f"{type(exc).__name__}: {exc}" + (f" ({details})" if details else ""))
+                f"{type(exc).__name__}: {exc}" + (f" ({details})" if details else "")
+            )
         return _Verdict.RETRY, None
 
     def _answered(self, what: str, retried: int) -> None:
@@ -318,16 +354,24 @@ class EtcdClient:
         now = time.monotonic()
         if now - self._retry_logged >= _RETRY_LOG_EVERY:
             self._retry_logged = now
-            log.warning("etcd at %s did not answer %s (%s: %s); retrying with backoff for up to %.0fs",
-                        self.endpoint, what, type(exc).__name__, exc, self.retry_deadline)
+            log.warning(
+                "etcd at %s did not answer %s (%s: %s); retrying with backoff for up to %.0fs",
+                self.endpoint,
+                what,
+                type(exc).__name__,
+                exc,
+                self.retry_deadline,
+            )
         else:
             log.debug("etcd %s failed (%s); retrying in %.2fs", what, exc, delay)
 
-    def txn(self, what: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None
-            ) -> tuple[bool, list[Any]]:
+    def txn(
+        self, what: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None
+    ) -> tuple[bool, list[Any]]:
         """One etcd transaction (with retries): (whether ``compare`` held, the responses)."""
-        return self.call(what, lambda: self.raw.transaction(compare=compare, success=success,
-                                                            failure=failure or []))
+        return self.call(
+            what, lambda: self.raw.transaction(compare=compare, success=success, failure=failure or [])
+        )
 
     def new_lease(self) -> int:
         """A fresh lease of ``lease_ttl`` seconds, kept alive by a thread until :meth:`close`."""
@@ -357,13 +401,16 @@ class EtcdClient:
 
     def get_prefix_rev(self, prefix: str) -> tuple[list[tuple[bytes, Any]], int]:
         """Range read plus the store revision it saw (so a watch can start right after it)."""
+
         def go() -> tuple[list[tuple[bytes, Any]], int]:
             resp = self.raw.get_prefix_response(prefix)
             return [(kv.value, kv) for kv in resp.kvs], int(resp.header.revision)
+
         return self.call(f"get {prefix}", go)
 
-    def wait_change(self, key: str, timeout: float | None, *, prefix: bool = False,
-                    start_revision: int | None = None) -> None:
+    def wait_change(
+        self, key: str, timeout: float | None, *, prefix: bool = False, start_revision: int | None = None
+    ) -> None:
         """Wait for one watch event on key (or prefix) after start_revision, or the timeout.
 
         Returns early (after at most 5 s) even without an event: callers re-read and call again.
@@ -371,15 +418,19 @@ class EtcdClient:
         end = range_end(key) if prefix else None
         wait_for_event(self.call, self.raw, key, timeout, range_end=end, start_revision=start_revision)
 
-    def txn_raw(self, what: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None) -> Any:
+    def txn_raw(
+        self, what: str, compare: list[Any], success: list[Any], failure: list[Any] | None = None
+    ) -> Any:
         """A transaction whose operations may include raw ``RequestOp``s (e.g. :meth:`count_op`);
         returns etcd's ``TxnResponse`` itself (pyetcd's parsed form drops counts and nested
         transaction results, which the commit path needs)."""
+
         def go() -> Any:
             req = _txn_request(self.raw, compare, success, failure or [])
             try:
-                return self.raw.kvstub.Txn(req, self.raw.timeout, credentials=self.raw.call_credentials,
-                                           metadata=self.raw.metadata)
+                return self.raw.kvstub.Txn(
+                    req, self.raw.timeout, credentials=self.raw.call_credentials, metadata=self.raw.metadata
+                )
             except grpc.RpcError as exc:
                 self.raw._manage_grpc_errors(exc)  # marks a failed endpoint (failover), re-raises typed
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from astate_store.errors import CatalogError
 
@@ -37,8 +38,14 @@ ENV_USER = "ASTATE_ETCD_USER"
 ENV_PASSWORD = "ASTATE_ETCD_PASSWORD"
 
 #: option name -> environment variable (for messages that say what to check)
-OPTION_ENV = {"etcd": ENV_ENDPOINT, "etcd_ca": ENV_CA, "etcd_cert": ENV_CERT, "etcd_key": ENV_KEY,
-              "etcd_user": ENV_USER, "etcd_password": ENV_PASSWORD}
+OPTION_ENV = {
+    "etcd": ENV_ENDPOINT,
+    "etcd_ca": ENV_CA,
+    "etcd_cert": ENV_CERT,
+    "etcd_key": ENV_KEY,
+    "etcd_user": ENV_USER,
+    "etcd_password": ENV_PASSWORD,
+}
 
 
 def option(name: str) -> str:
@@ -104,13 +111,19 @@ class EtcdConfig:
             raise CatalogError("no etcd endpoint given")
         if (self.cert is None) != (self.key is None):
             missing = "etcd_key" if self.key is None else "etcd_cert"
-            raise CatalogError(f"a client certificate needs both etcd_cert and etcd_key: set {option(missing)}")
+            raise CatalogError(
+                f"a client certificate needs both etcd_cert and etcd_key: set {option(missing)}"
+            )
         if self.cert is not None and not self.tls:
-            raise CatalogError("etcd_cert/etcd_key given but TLS is off: use an https:// endpoint or set "
-                               f"{option('etcd_ca')}")
+            raise CatalogError(
+                "etcd_cert/etcd_key given but TLS is off: use an https:// endpoint or set "
+                f"{option('etcd_ca')}"
+            )
         if (self.user is None) != (self.password is None):
             missing = "etcd_password" if self.password is None else "etcd_user"
-            raise CatalogError(f"etcd authentication needs both etcd_user and etcd_password: set {option(missing)}")
+            raise CatalogError(
+                f"etcd authentication needs both etcd_user and etcd_password: set {option(missing)}"
+            )
         for name in ("ca", "cert", "key"):
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
@@ -119,7 +132,7 @@ class EtcdConfig:
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
-    def parse(cls, etcd: "str | Iterable[str] | EtcdConfig", **security: Any) -> "EtcdConfig":
+    def parse(cls, etcd: str | Iterable[str] | EtcdConfig, **security: Any) -> EtcdConfig:
         """From endpoints alone (plus the keyword fields given), no environment: what
         ``Store(endpoint=...)`` and ``Catalog(endpoint, ...)`` do with a string."""
         if isinstance(etcd, EtcdConfig):
@@ -130,10 +143,18 @@ class EtcdConfig:
         return cls(endpoints, tls=tls, **security)
 
     @classmethod
-    def from_args(cls, etcd: "str | Iterable[str] | EtcdConfig | None" = None, *, ca: str | None = None,
-                  cert: str | None = None, key: str | None = None, user: str | None = None,
-                  password: str | None = None, env: Mapping[str, str] | None = None,
-                  default_endpoint: "Any" = None) -> "EtcdConfig":
+    def from_args(
+        cls,
+        etcd: str | Iterable[str] | EtcdConfig | None = None,
+        *,
+        ca: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        env: Mapping[str, str] | None = None,
+        default_endpoint: Any = None,
+    ) -> EtcdConfig:
         """Explicit arguments, each falling back to its environment variable when None.
 
         Args:
@@ -146,8 +167,11 @@ class EtcdConfig:
         e = os.environ if env is None else env
         if isinstance(etcd, EtcdConfig):
             base = etcd
-            over = {k: v for k, v in dict(ca=ca, cert=cert, key=key, user=user, password=password).items()
-                    if v is not None}
+            over = {
+                k: v
+                for k, v in dict(ca=ca, cert=cert, key=key, user=user, password=password).items()
+                if v is not None
+            }
             if "ca" in over and not base.tls:
                 over["tls"] = True
             return dataclasses.replace(base, **over) if over else base
@@ -163,15 +187,22 @@ class EtcdConfig:
             if default_endpoint is None:
                 raise CatalogError(f"no etcd endpoint: pass etcd= or set {ENV_ENDPOINT}")
             target = default_endpoint()
-        return cls.parse(target, ca=pick(ca, ENV_CA), cert=pick(cert, ENV_CERT), key=pick(key, ENV_KEY),
-                         user=pick(user, ENV_USER), password=pick(password, ENV_PASSWORD))
+        return cls.parse(
+            target,
+            ca=pick(ca, ENV_CA),
+            cert=pick(cert, ENV_CERT),
+            key=pick(key, ENV_KEY),
+            user=pick(user, ENV_USER),
+            password=pick(password, ENV_PASSWORD),
+        )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, *, default_endpoint: Any = None) -> "EtcdConfig":
-        """Everything from ``ASTATE_ETCD``, ``ASTATE_ETCD_CA``, ``_CERT``, ``_KEY``, ``_USER``, ``_PASSWORD``."""
+    def from_env(cls, env: Mapping[str, str] | None = None, *, default_endpoint: Any = None) -> EtcdConfig:
+        """Everything from ``ASTATE_ETCD``, ``ASTATE_ETCD_CA``, ``_CERT``, ``_KEY``, ``_USER``,
+        ``_PASSWORD``."""
         return cls.from_args(None, env=env, default_endpoint=default_endpoint)
 
-    def with_credentials(self, user: str | None, password: str | None) -> "EtcdConfig":
+    def with_credentials(self, user: str | None, password: str | None) -> EtcdConfig:
         """The same etcd, another user (None, None: no authentication)."""
         return dataclasses.replace(self, user=user, password=password)
 

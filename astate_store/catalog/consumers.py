@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from astate_store.model import codec
-from astate_store.errors import CodecError
-from astate_store.model.layout import Box
 from astate_store.catalog.client import EtcdClient, range_end
 from astate_store.catalog.records import Skips
+from astate_store.errors import CodecError
+from astate_store.model import codec
+from astate_store.model.layout import Box
 
 __all__ = ["Consumers"]
 
@@ -74,8 +75,11 @@ class Consumers:
         if mine is None:
             self.register(reader_id, [])
         else:
-            log.info("namespace %s: consumer %s registers again (its lease was re-created)",
-                     self.client.namespace, reader_id)
+            log.info(
+                "namespace %s: consumer %s registers again (its lease was re-created)",
+                self.client.namespace,
+                reader_id,
+            )
             self._put(reader_id, mine[1])
         return True
 
@@ -100,8 +104,12 @@ class Consumers:
             self._dirty = False
         kvs, rev = c.get_prefix_rev(self.prefix)
         if self._watch is None:
-            wid = c.call("watch consumers", lambda: c.raw.add_watch_callback(
-                self.prefix, self._on_event, range_end=range_end(self.prefix), start_revision=rev + 1))
+            wid = c.call(
+                "watch consumers",
+                lambda: c.raw.add_watch_callback(
+                    self.prefix, self._on_event, range_end=range_end(self.prefix), start_revision=rev + 1
+                ),
+            )
             with self._lock:
                 self._watch = wid
         out = []
@@ -109,10 +117,13 @@ class Consumers:
             key = meta.key.decode("utf-8", "replace")
             try:
                 d = codec.decode("consumer", v)
-                if d["reader_id"] != key[len(self.prefix):]:
+                if d["reader_id"] != key[len(self.prefix) :]:
                     raise CodecError(f"reader_id {d['reader_id']!r} differs from its key")
-                out += [(d["reader_id"], p["name"], Box(tuple(p["offsets"]), tuple(p["sizes"])), p.get("dtype"))
-                        for p in d["packs"] if p["rank"] == rank]
+                out += [
+                    (d["reader_id"], p["name"], Box(tuple(p["offsets"]), tuple(p["sizes"])), p.get("dtype"))
+                    for p in d["packs"]
+                    if p["rank"] == rank
+                ]
             except (CodecError, ValueError) as exc:
                 self.skips(key, str(exc), meta.mod_revision)
         return tuple(sorted(out, key=lambda x: (x[0], x[1], x[2].offsets, x[2].sizes)))
@@ -124,7 +135,7 @@ class Consumers:
         except CodecError as exc:
             self.skips(key, str(exc), mod_revision)
             return False
-        if d["reader_id"] != key[len(self.prefix):]:
+        if d["reader_id"] != key[len(self.prefix) :]:
             self.skips(key, f"reader_id {d['reader_id']!r} differs from its key", mod_revision)
             return False
         return True
@@ -149,7 +160,7 @@ class Consumers:
                 self.skips(key, "(still) not a consumer record", known[0])
             checked[key] = known
             if known[1]:
-                out.add(key[len(self.prefix):])
+                out.add(key[len(self.prefix) :])
         self._checked = checked
         return out
 

@@ -12,8 +12,16 @@ import pyetcd.exceptions as etcd_exc
 
 from astate_store.catalog.config import option
 
-__all__ = ["RETRYABLE", "WatchRefused", "WatchStreamEnded", "refusal", "grpc_status", "token_rejected",
-           "auth_problem"]
+__all__ = [
+    "RETRYABLE",
+    "WatchRefused",
+    "WatchStreamEnded",
+    "refusal",
+    "grpc_status",
+    "token_rejected",
+    "auth_problem",
+]
+
 
 class WatchRefused(etcd_exc.Etcd3Exception):
     """etcd created and at once cancelled a watch: no read permission on the key (or no valid token;
@@ -29,7 +37,6 @@ class WatchStreamEnded(etcd_exc.Etcd3Exception):
     """Given to watch callbacks when their stream ended without an error (closed, re-authenticated)."""
 
 
-
 # Errors that mean "etcd did not answer" (as opposed to "etcd said no"): worth retrying.
 RETRYABLE: tuple[type[BaseException], ...] = (
     etcd_exc.ConnectionFailedError,
@@ -42,7 +49,9 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 
 # gRPC answers that come from etcd itself (or the client's own limits) and will not change on a retry.
 _REFUSALS = {
-    grpc.StatusCode.INVALID_ARGUMENT: "invalid request (for etcd, 'request is too large' past --max-request-bytes)",
+    grpc.StatusCode.INVALID_ARGUMENT: (
+        "invalid request (for etcd, 'request is too large' past --max-request-bytes)"
+    ),
     grpc.StatusCode.RESOURCE_EXHAUSTED: "message over a size limit",
     grpc.StatusCode.PERMISSION_DENIED: "permission denied",
     grpc.StatusCode.UNAUTHENTICATED: "not authenticated",
@@ -100,12 +109,14 @@ def token_rejected(exc: BaseException) -> bool:
     code, details = grpc_status(exc)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return True
-    return code == grpc.StatusCode.INVALID_ARGUMENT and ("auth store is old" in details
-                                                          or "user name is empty" in details)
+    return code == grpc.StatusCode.INVALID_ARGUMENT and (
+        "auth store is old" in details or "user name is empty" in details
+    )
 
 
-def auth_problem(exc: BaseException, what: str, *, user: str | None, endpoint: str, prefix: str,
-                 namespace: str) -> str | None:
+def auth_problem(
+    exc: BaseException, what: str, *, user: str | None, endpoint: str, prefix: str, namespace: str
+) -> str | None:
     """What is wrong with a client's credentials or permissions, when etcd's answer says so; None
     when ``exc`` says nothing about them. ``what`` names the request, ``prefix`` the namespace's keys."""
     code, details = grpc_status(exc)
@@ -113,18 +124,27 @@ def auth_problem(exc: BaseException, what: str, *, user: str | None, endpoint: s
     if (isinstance(exc, WatchRefused) and exc.denied) or code == grpc.StatusCode.PERMISSION_DENIED:
         kind = "watch" if isinstance(exc, WatchRefused) else "request"
         if user is None:
-            return (f"etcd at {endpoint} denied {what} ({kind}: permission denied) to a client "
-                    f"without credentials: set {creds}")
-        return (f"etcd at {endpoint} denied {what} to user {user!r} ({kind}: permission denied): its "
-                f"roles do not grant {'read' if kind == 'watch' else 'this'} access to {prefix}; an "
-                f"admin can run astate_store.etcd.security.grant_namespace(admin, {namespace!r}, {user!r}, "
-                f"password) (read_only=True for a consumer), or use {option('etcd_user')} of a user "
-                "who has such a role")
-    if code == grpc.StatusCode.UNAUTHENTICATED or (code == grpc.StatusCode.INVALID_ARGUMENT and (
-            "user name is empty" in details or "auth" in details)):
+            return (
+                f"etcd at {endpoint} denied {what} ({kind}: permission denied) to a client "
+                f"without credentials: set {creds}"
+            )
+        return (
+            f"etcd at {endpoint} denied {what} to user {user!r} ({kind}: permission denied): its "
+            f"roles do not grant {'read' if kind == 'watch' else 'this'} access to {prefix}; an "
+            f"admin can run astate_store.etcd.security.grant_namespace(admin, {namespace!r}, {user!r}, "
+            f"password) (read_only=True for a consumer), or use {option('etcd_user')} of a user "
+            "who has such a role"
+        )
+    if code == grpc.StatusCode.UNAUTHENTICATED or (
+        code == grpc.StatusCode.INVALID_ARGUMENT and ("user name is empty" in details or "auth" in details)
+    ):
         if user is None:
-            return (f"etcd at {endpoint} requires authentication and this client has no "
-                    f"credentials ({code.name}: {details}): set {creds}")
-        return (f"etcd at {endpoint} did not accept the credentials of user {user!r} during {what}, "
-                f"even with a fresh token ({code.name}: {details}): check {creds}")
+            return (
+                f"etcd at {endpoint} requires authentication and this client has no "
+                f"credentials ({code.name}: {details}): set {creds}"
+            )
+        return (
+            f"etcd at {endpoint} did not accept the credentials of user {user!r} during {what}, "
+            f"even with a fresh token ({code.name}: {details}): check {creds}"
+        )
     return None

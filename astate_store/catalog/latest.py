@@ -11,14 +11,8 @@ from collections import deque
 from typing import Any
 
 from astate_store.catalog.client import EtcdClient
-from astate_store.catalog.records import (
-    Skips,
-    counter_value,
-)
-from astate_store.errors import (
-    CodecError,
-    WaitTimeout,
-)
+from astate_store.catalog.records import Skips, counter_value
+from astate_store.errors import CodecError, WaitTimeout
 from astate_store.model import codec
 
 __all__ = ["LatestWatch"]
@@ -73,8 +67,12 @@ class LatestWatch:
                         self.client.raw.cancel_watch(old)
                     except Exception:  # the old stream is already gone
                         pass
-                self._watch = self.client.call("watch latest", lambda: self.client.raw.add_watch_callback(
-                    self.key, self._on_event, start_revision=rev + 1))
+                self._watch = self.client.call(
+                    "watch latest",
+                    lambda: self.client.raw.add_watch_callback(
+                        self.key, self._on_event, start_revision=rev + 1
+                    ),
+                )
                 self._alive = True
 
     def wait(self, min_step: int | None, timeout: float | None) -> int:
@@ -89,8 +87,10 @@ class LatestWatch:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     want = "any version" if min_step is None else f"a version >= {min_step}"
-                    raise WaitTimeout(f"namespace {self.client.namespace!r}: {want} was not committed within "
-                                      f"{timeout}s (latest is {v})")
+                    raise WaitTimeout(
+                        f"namespace {self.client.namespace!r}: {want} was not committed within "
+                        f"{timeout}s (latest is {v})"
+                    )
                 self.blocked_at.append(v)
                 woke = self._cond.wait(5.0 if remaining is None else min(remaining, 5.0))
             if not woke:

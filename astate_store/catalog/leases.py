@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from pyetcd.client import MultiEndpointEtcd3Client
 
-from astate_store.errors import CatalogError
 from astate_store.catalog.failures import RETRYABLE, token_rejected
+from astate_store.errors import CatalogError
 
 __all__ = ["KeepAlive", "revoke_lease"]
 
@@ -23,8 +23,13 @@ class KeepAlive(threading.Thread):
     A failed refresh is retried soon (another member may answer at once), not a whole ttl/3 later.
     """
 
-    def __init__(self, raw: MultiEndpointEtcd3Client, lease_id: int, ttl: float,
-                 reauth: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self,
+        raw: MultiEndpointEtcd3Client,
+        lease_id: int,
+        ttl: float,
+        reauth: Callable[[BaseException], None] | None = None,
+    ):
         super().__init__(name=f"astate-lease-{lease_id:x}", daemon=True)
         self.raw, self.lease_id, self.ttl = raw, lease_id, ttl
         self.reauth = reauth  # called when etcd rejected the auth token: fetch a fresh one
@@ -58,7 +63,9 @@ class KeepAlive(threading.Thread):
                 raise
 
 
-def revoke_lease(raw: MultiEndpointEtcd3Client, lease_id: int, reauthenticate: Callable[[], None] | None) -> None:
+def revoke_lease(
+    raw: MultiEndpointEtcd3Client, lease_id: int, reauthenticate: Callable[[], None] | None
+) -> None:
     """One revoke attempt (errors ignored: the lease then expires on its own), and one more after
     ``reauthenticate()`` when etcd rejected the token (an idle client's token may have expired);
     ``reauthenticate`` None: the client has no user, so no token to refresh."""

@@ -13,17 +13,18 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any, Iterable
+from typing import Any
 
 from pyetcd import transactions as tx
 
-from astate_store.model import codec
-from astate_store.errors import CodecError, VersionNotFound
 from astate_store.catalog.client import EtcdClient, range_end
 from astate_store.catalog.consumers import Consumers
 from astate_store.catalog.records import Skips, Version, pad20, parse_pad20, version_from_kvs
 from astate_store.catalog.sessions import Sessions
+from astate_store.errors import CodecError, VersionNotFound
+from astate_store.model import codec
 
 __all__ = ["Readers", "replica_source"]
 
@@ -51,7 +52,9 @@ class Readers:
     def __init__(self, client: EtcdClient, sessions: Sessions, *, consumers: Consumers | None = None):
         self.client, self.sessions = client, sessions
         self.consumers = consumers if consumers is not None else Consumers(client)
-        self.skips = Skips(client.namespace, "bad version or reader")  # bad version and reader records skipped
+        self.skips = Skips(
+            client.namespace, "bad version or reader"
+        )  # bad version and reader records skipped
         # (step, reader id) -> the revision that registered the reader: end_read succeeds only if
         # its record is still that one (a record overwritten by anyone else fails the read).
         self._open: dict[tuple[int, str], int] = {}
@@ -68,19 +71,21 @@ class Readers:
         c = self.client
         vkey = c.key("versions", pad20(step))
         retired = c.key("retired", pad20(step)) + "/"
-        reader = codec.encode("reader", {"step": step, "reader_id": reader_id, "host": socket.gethostname(),
-                                         "pid": os.getpid()})
+        reader = codec.encode(
+            "reader", {"step": step, "reader_id": reader_id, "host": socket.gethostname(), "pid": os.getpid()}
+        )
         members = c.key("members") + "/"
-        resp = c.txn_raw(f"begin read {step}", [
-            tx.Version(vkey + "/commit") > 0,
-            tx.Version(retired, range_end(retired)) == 0,
-        ], [
-            tx.Put(c.key("readers", pad20(step), reader_id), reader, lease=c.reader_lease()),
-            tx.Get(vkey + "/", range_end(vkey + "/")),
-            # Which publisher ranks are alive, at the same revision: their member records hang on
-            # the leases their layouts hang on. One range of one small record per live rank.
-            tx.Get(members, range_end(members)),
-        ])
+        resp = c.txn_raw(
+            f"begin read {step}",
+            [tx.Version(vkey + "/commit") > 0, tx.Version(retired, range_end(retired)) == 0],
+            [
+                tx.Put(c.key("readers", pad20(step), reader_id), reader, lease=c.reader_lease()),
+                tx.Get(vkey + "/", range_end(vkey + "/")),
+                # Which publisher ranks are alive, at the same revision: their member records hang on
+                # the leases their layouts hang on. One range of one small record per live rank.
+                tx.Get(members, range_end(members)),
+            ],
+        )
         if not resp.succeeded:
             raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed or was retired")
         self._open[(step, reader_id)] = int(resp.header.revision)
@@ -113,7 +118,7 @@ class Readers:
         return live
 
     def _member(self, pre: str, key: str, value: bytes, rev: int) -> tuple[int, int] | None:
-        parts = key[len(pre):].split("/")
+        parts = key[len(pre) :].split("/")
         epoch, rank = (parse_pad20(parts[0]), parse_pad20(parts[1])) if len(parts) == 2 else (None, None)
         if epoch is None or rank is None:
             self.skips(key, "not a member key (members/<epoch>/<rank>, 20 digits each)", rev)
@@ -141,14 +146,21 @@ class Readers:
         vkey = c.key("versions", pad20(step))
         rkey = c.key("readers", pad20(step), reader_id)
         rev = self._open.pop((step, reader_id), None)
-        ok, _ = c.txn(f"end read {step}", [
-            tx.Version(vkey + "/commit") > 0,
-            *self._torn_compares(step, sources),
-            # A reader whose lease expired was not waited for: its bytes may be torn. A record
-            # rewritten by someone else may not have been waited for either.
-            (tx.Version(rkey) > 0) if rev is None else (tx.Mod(rkey) == rev),
-        ], [tx.Delete(rkey), tx.Put(c.key("delivered", pad20(step), reader_id), b"", lease=c.reader_lease())],
-            [tx.Delete(rkey)])
+        ok, _ = c.txn(
+            f"end read {step}",
+            [
+                tx.Version(vkey + "/commit") > 0,
+                *self._torn_compares(step, sources),
+                # A reader whose lease expired was not waited for: its bytes may be torn. A record
+                # rewritten by someone else may not have been waited for either.
+                (tx.Version(rkey) > 0) if rev is None else (tx.Mod(rkey) == rev),
+            ],
+            [
+                tx.Delete(rkey),
+                tx.Put(c.key("delivered", pad20(step), reader_id), b"", lease=c.reader_lease()),
+            ],
+            [tx.Delete(rkey)],
+        )
         return bool(ok)
 
     def _torn_compares(self, step: int, sources: Iterable[int | str] | None) -> list[Any]:
@@ -185,8 +197,14 @@ class Readers:
         c = self.client
         rec = codec.encode("retired", {"step": step, "epoch": s.epoch, "rank": s.rank})
         # One round trip in the common case: the marker and the count of readers still there.
-        resp = c.txn_raw(f"retire {step}", [], [tx.Put(c.key("retired", pad20(step), pad20(s.rank)), rec),
-                                                 c.count_op(c.key("readers", pad20(step)) + "/")])
+        resp = c.txn_raw(
+            f"retire {step}",
+            [],
+            [
+                tx.Put(c.key("retired", pad20(step), pad20(s.rank)), rec),
+                c.count_op(c.key("readers", pad20(step)) + "/"),
+            ],
+        )
         if int(resp.responses[1].response_range.count) == 0:
             return 0
         return self.wait_readers(step, timeout, torn_as=pad20(s.rank))
@@ -207,11 +225,17 @@ class Readers:
                 return 0
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                log.log(logging.WARNING if timeout > 0 else logging.DEBUG,
-                        "namespace %s: changing memory of step %d with %d readers still registered",
-                        c.namespace, step, len(kvs))
+                log.log(
+                    logging.WARNING if timeout > 0 else logging.DEBUG,
+                    "namespace %s: changing memory of step %d with %d readers still registered",
+                    c.namespace,
+                    step,
+                    len(kvs),
+                )
                 s = self.sessions.current
-                rec = codec.encode("retired", {"step": step, "epoch": s.epoch if s else 0, "rank": s.rank if s else 0})
+                rec = codec.encode(
+                    "retired", {"step": step, "epoch": s.epoch if s else 0, "rank": s.rank if s else 0}
+                )
                 key = c.key("torn", pad20(step), torn_as)
                 c.call("mark torn", lambda: c.raw.put(key, rec))
                 return len(kvs)
@@ -221,7 +245,9 @@ class Readers:
         """Write ``torn/<step>/<torn_as>``: that source's memory of ``step`` is gone or changed, so
         any read of it that has not ended yet — or starts from a cached plan — is discarded."""
         c, s = self.client, self.sessions.current
-        rec = codec.encode("retired", {"step": step, "epoch": s.epoch if s else 0, "rank": s.rank if s else 0})
+        rec = codec.encode(
+            "retired", {"step": step, "epoch": s.epoch if s else 0, "rank": s.rank if s else 0}
+        )
         key = c.key("torn", pad20(step), torn_as)
         c.call("mark torn", lambda: c.raw.put(key, rec))
 
@@ -233,9 +259,12 @@ class Readers:
         except CodecError as exc:
             self.skips(key, str(exc), meta.mod_revision)
             return False
-        if (d["step"], d["reader_id"]) != (step, key[len(pre):]):
-            self.skips(key, f"reader record of step {d['step']} reader {d['reader_id']!r} under this key",
-                       meta.mod_revision)
+        if (d["step"], d["reader_id"]) != (step, key[len(pre) :]):
+            self.skips(
+                key,
+                f"reader record of step {d['step']} reader {d['reader_id']!r} under this key",
+                meta.mod_revision,
+            )
             return False
         return True
 
@@ -269,7 +298,7 @@ class Readers:
         deadline = time.monotonic() + timeout
         while True:
             kvs, rev = c.get_prefix_rev(pre)
-            done = {m.key.decode("utf-8", "replace")[len(pre):] for _v, m in kvs}
+            done = {m.key.decode("utf-8", "replace")[len(pre) :] for _v, m in kvs}
             waiting = self.consumers.ids() - done - mine
             remaining = deadline - time.monotonic()
             if not waiting or remaining <= 0:
@@ -284,8 +313,12 @@ class Readers:
         ``min(timeout, 5)`` seconds (a lost watch stream is then made again by the caller)."""
         c = self.client
         event = threading.Event()
-        wid = c.call(f"watch {start}", lambda: c.raw.add_watch_callback(
-            start, lambda _resp: event.set(), range_end=end, start_revision=start_revision))
+        wid = c.call(
+            f"watch {start}",
+            lambda: c.raw.add_watch_callback(
+                start, lambda _resp: event.set(), range_end=end, start_revision=start_revision
+            ),
+        )
         try:
             event.wait(min(timeout, 5.0))
         finally:
@@ -293,4 +326,3 @@ class Readers:
                 c.raw.cancel_watch(wid)
             except Exception:  # the stream may be gone already: nothing left to cancel
                 pass
-

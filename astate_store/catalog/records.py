@@ -14,11 +14,10 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterator, Any, Callable, Iterable, Mapping
+from typing import Any
 
-from astate_store.model import codec
-from astate_store.errors import CatalogCorrupted, CodecError, VersionNotFound
 from astate_store.catalog.shard_tables import (
     DTYPE_TABLE,
     Layout,
@@ -31,10 +30,30 @@ from astate_store.catalog.shard_tables import (
     manifest_from_record,
     manifest_record,
 )
+from astate_store.errors import CatalogCorrupted, CodecError, VersionNotFound
+from astate_store.model import codec
 
-__all__ = ["Session", "Layout", "Piece", "Replica", "Version", "CheckpointEntry", "Manifest", "DTYPE_TABLE",
-           "manifest_record", "manifest_from_record", "layout_record", "layout_from_record", "pad20",
-           "parse_pad20", "is_record_id", "Skips", "SkipFn", "counter_value", "version_from_kvs"]
+__all__ = [
+    "Session",
+    "Layout",
+    "Piece",
+    "Replica",
+    "Version",
+    "CheckpointEntry",
+    "Manifest",
+    "DTYPE_TABLE",
+    "manifest_record",
+    "manifest_from_record",
+    "layout_record",
+    "layout_from_record",
+    "pad20",
+    "parse_pad20",
+    "is_record_id",
+    "Skips",
+    "SkipFn",
+    "counter_value",
+    "version_from_kvs",
+]
 
 log = logging.getLogger("astate_store.catalog")
 
@@ -63,14 +82,15 @@ def is_record_id(v: object) -> bool:
 SkipFn = Callable[[str, str, "int | None"], None]
 
 
-def numbered_records(kvs: Iterable[tuple[bytes, Any]], pre: str, kind: str, skips: "Skips", what: str
-                     ) -> Iterator[tuple[str, int, dict[str, Any], int]]:
-    """(key, number, record, mod revision) of each record under ``pre`` whose key ends in a 20-digit number and
-    whose value decodes as ``kind``; the others are skipped (counted, logged once). Callers still
-    check the record's own fields against the number."""
+def numbered_records(
+    kvs: Iterable[tuple[bytes, Any]], pre: str, kind: str, skips: Skips, what: str
+) -> Iterator[tuple[str, int, dict[str, Any], int]]:
+    """(key, number, record, mod revision) of each record under ``pre`` whose key ends in a
+    20-digit number and whose value decodes as ``kind``; the others are skipped (counted, logged
+    once). Callers still check the record's own fields against the number."""
     for value, meta in kvs:
         key = meta.key.decode("utf-8", "replace")
-        n = parse_pad20(key[len(pre):])
+        n = parse_pad20(key[len(pre) :])
         if n is None:
             skips(key, f"not a {what} key (it ends in a 20-digit number)", meta.mod_revision)
             continue
@@ -113,7 +133,9 @@ class Skips:
                 unlogged, self._unlogged = (self._unlogged, 0) if first else (0, self._unlogged + 1)
         if first:
             more = f" ({unlogged} more bad records not logged)" if unlogged else ""
-            log.warning("namespace %s: skipping %s record %s: %s%s", self.namespace, self.what, key, why, more)
+            log.warning(
+                "namespace %s: skipping %s record %s: %s%s", self.namespace, self.what, key, why, more
+            )
 
 
 def counter_value(key: str, raw: bytes | None) -> int | None:
@@ -180,8 +202,12 @@ class Version:
     @property
     def layout_key(self) -> tuple[object, ...]:
         """Identifies the source layout: unchanged key means the cached plan still holds."""
-        return (tuple(self.pieces[r].layout_id for r in sorted(self.pieces)),
-                tuple((m, self.replicas[m].group, self.replicas[m].layout_id) for m in sorted(self.replica_layouts)))
+        return (
+            tuple(self.pieces[r].layout_id for r in sorted(self.pieces)),
+            tuple(
+                (m, self.replicas[m].group, self.replicas[m].layout_id) for m in sorted(self.replica_layouts)
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -193,8 +219,9 @@ class CheckpointEntry:
     written_at: float
 
 
-def version_from_kvs(namespace: str, step: int, kvs: Iterable[tuple[bytes, Any]],
-                     skip: SkipFn | None = None) -> Version:
+def version_from_kvs(
+    namespace: str, step: int, kvs: Iterable[tuple[bytes, Any]], skip: SkipFn | None = None
+) -> Version:
     """The :class:`Version` of ``step`` from the (value, meta) pairs under ``versions/<step>/``.
 
     Every record is checked against its schema and its key. Only pieces of the committing epoch
@@ -217,8 +244,12 @@ def version_from_kvs(namespace: str, step: int, kvs: Iterable[tuple[bytes, Any]]
         CatalogCorrupted: the commit record is bad or not this step's, or a piece of the
             committing session is missing or bad (the version cannot be trusted as a whole).
     """
-    found = _VersionKvs(namespace, step, f"/astate/{namespace}/versions/{pad20(step)}/",
-                        skip if skip is not None else (lambda _k, _w, _r: None))
+    found = _VersionKvs(
+        namespace,
+        step,
+        f"/astate/{namespace}/versions/{pad20(step)}/",
+        skip if skip is not None else (lambda _k, _w, _r: None),
+    )
     for value, meta in kvs:
         _sort_kv(found, value, meta)
     if found.commit is None:
@@ -260,7 +291,7 @@ def _sort_kv(found: _VersionKvs, value: bytes, meta: Any) -> None:
     if not k.startswith(found.prefix):
         found.report(k, "not a key of this version", rev)
         return
-    tail = k[len(found.prefix):].split("/")
+    tail = k[len(found.prefix) :].split("/")
     if tail == ["commit"]:
         found.commit = _commit_record(found, k, value)
     elif len(tail) == 3 and tail[0] == "pieces":
@@ -283,11 +314,13 @@ def _commit_record(found: _VersionKvs, k: str, value: bytes) -> dict[str, Any]:
     try:
         commit = codec.decode("commit", value)
     except CodecError as exc:
-        raise CatalogCorrupted(f"namespace {found.namespace!r}: the commit record {k} is corrupted: {exc}",
-                               key=k) from None
+        raise CatalogCorrupted(
+            f"namespace {found.namespace!r}: the commit record {k} is corrupted: {exc}", key=k
+        ) from None
     if commit["step"] != found.step:
         raise CatalogCorrupted(
-            f"namespace {found.namespace!r}: the commit record {k} is of step {commit['step']}", key=k)
+            f"namespace {found.namespace!r}: the commit record {k} is of step {commit['step']}", key=k
+        )
     return commit
 
 
@@ -297,8 +330,9 @@ def _piece_key(tail: list[str]) -> tuple[int, int] | None:
     return None if e is None or r is None else (e, r)
 
 
-def _replica_record(found: _VersionKvs, group: str, member: str, k: str, value: bytes,
-                    rev: int | None) -> Replica | None:
+def _replica_record(
+    found: _VersionKvs, group: str, member: str, k: str, value: bytes, rev: int | None
+) -> Replica | None:
     """The replica at ``replicas/<group>/<member>``, or None (reported) when bad or not this key's."""
     try:
         rp = codec.decode("replica", value)
@@ -314,8 +348,9 @@ def _replica_record(found: _VersionKvs, group: str, member: str, k: str, value: 
     return Replica(found.step, rp["group"], rp["member"], rp["layout_id"], rp["manifest_id"])
 
 
-def _piece_record(found: _VersionKvs, epoch: int, world: int, r: int, k: str, value: bytes,
-                  rev: int | None) -> tuple[Piece | None, bool]:
+def _piece_record(
+    found: _VersionKvs, epoch: int, world: int, r: int, k: str, value: bytes, rev: int | None
+) -> tuple[Piece | None, bool]:
     """(the piece of rank ``r`` of the committing epoch, None) or (None, whether it counts as bad).
 
     Bad pieces are named in the error when ranks are missing. A rank outside the world and a
@@ -338,12 +373,21 @@ def _piece_record(found: _VersionKvs, epoch: int, world: int, r: int, k: str, va
     if not is_record_id(p["layout_id"]):
         found.report(k, "its layout id is not a content address", rev)
         return None, True
-    return Piece(found.step, epoch, r, world, p["layout_id"], p["base_offset"], p["manifest_id"],
-                 tuple(p.get("slot_bases", ()))), False
+    return Piece(
+        found.step,
+        epoch,
+        r,
+        world,
+        p["layout_id"],
+        p["base_offset"],
+        p["manifest_id"],
+        tuple(p.get("slot_bases", ())),
+    ), False
 
 
-def _require_every_rank(found: _VersionKvs, epoch: int, world: int, pieces: Mapping[int, Piece],
-                        bad: list[str]) -> None:
+def _require_every_rank(
+    found: _VersionKvs, epoch: int, world: int, pieces: Mapping[int, Piece], bad: list[str]
+) -> None:
     """Raise :class:`CatalogCorrupted` unless every rank of the committed world has a good piece."""
     if len(pieces) == world:
         return
@@ -354,4 +398,5 @@ def _require_every_rank(found: _VersionKvs, epoch: int, world: int, pieces: Mapp
     raise CatalogCorrupted(
         f"namespace {found.namespace!r}: step {found.step} is committed (epoch {epoch}, world size {world}) "
         f"but pieces of ranks {missing}{more} are missing or bad{named}",
-        key=bad[0] if bad else found.prefix + "commit")
+        key=bad[0] if bad else found.prefix + "commit",
+    )

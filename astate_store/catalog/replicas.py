@@ -11,17 +11,17 @@ re-serving consumer — to hold a step (:meth:`Replicas.wait_servers`).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from pyetcd import transactions as tx
 
-from astate_store.model import codec
-from astate_store.errors import CodecError, ReplicationTimeout, VersionNotFound
-from astate_store.model.layout import ShardRecord
 from astate_store.catalog.blobs import blob_requests
 from astate_store.catalog.client import EtcdClient, range_end
 from astate_store.catalog.readers import Readers, replica_source
 from astate_store.catalog.records import layout_record, manifest_record, pad20
+from astate_store.errors import CodecError, ReplicationTimeout, VersionNotFound
+from astate_store.model import codec
+from astate_store.model.layout import ShardRecord
 
 __all__ = ["Replicas", "SERVER_GROUP", "server_group"]
 
@@ -53,19 +53,27 @@ class Replicas:
         lid, mid = lay["layout_id"], man["manifest_id"]
         lease = c.reader_lease()
         heads = []
-        for key, kind, rec_ in ((c.key("layouts", "replicas", member, mid), "manifest", man),
-                                (c.key("layouts", "replicas", member, lid), "layout", lay)):
+        for key, kind, rec_ in (
+            (c.key("layouts", "replicas", member, mid), "manifest", man),
+            (c.key("layouts", "replicas", member, lid), "layout", lay),
+        ):
             chunks, head = blob_requests(key, codec.encode(kind, rec_), lease)
             for ops in chunks:
                 c.txn("replica chunk", [], ops)
             heads.append(head)
-        rec = codec.encode("replica", {"step": step, "group": group, "member": member, "layout_id": lid,
-                                       "manifest_id": mid})
+        rec = codec.encode(
+            "replica", {"step": step, "group": group, "member": member, "layout_id": lid, "manifest_id": mid}
+        )
         vkey = c.key("versions", pad20(step))
-        ok, _ = c.txn("add replica", [tx.Version(vkey + "/commit") > 0], [
-            *heads, tx.Put(vkey + "/replicas/" + group + "/" + member, rec, lease=lease)])
+        ok, _ = c.txn(
+            "add replica",
+            [tx.Version(vkey + "/commit") > 0],
+            [*heads, tx.Put(vkey + "/replicas/" + group + "/" + member, rec, lease=lease)],
+        )
         if not ok:
-            raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed; cannot re-serve it")
+            raise VersionNotFound(
+                f"namespace {c.namespace!r}: step {step} is not committed; cannot re-serve it"
+            )
         return lid
 
     def servers_holding(self, step: int) -> tuple[set[str], int]:
@@ -76,7 +84,7 @@ class Replicas:
         kvs, rev = c.get_prefix_rev(pre)
         held: set[str] = set()
         for value, meta in kvs:
-            tail = meta.key.decode("utf-8", "replace")[len(pre):].split("/")
+            tail = meta.key.decode("utf-8", "replace")[len(pre) :].split("/")
             if len(tail) != 2 or not tail[0].startswith(SERVER_GROUP):
                 continue
             try:
@@ -104,10 +112,14 @@ class Replicas:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ReplicationTimeout(
-                    f"namespace {c.namespace!r}: step {step} is committed, but {len(held)} of the {count} replica "
-                    f"servers asked for (replicas={count}) held it within {timeout:g}s; start more "
-                    "`astate serve --etcd ...` processes (with room for this namespace: --memory-bytes, "
-                    "--namespace-prefix), or lower replicas / raise replica_timeout", step=step, held=len(held))
+                    f"namespace {c.namespace!r}: step {step} is committed, but {len(held)} of the "
+                    f"{count} replica servers asked for (replicas={count}) held it within {timeout:g}s; "
+                    "start more `astate serve --etcd ...` processes (with room for this namespace: "
+                    "--memory-bytes, "
+                    "--namespace-prefix), or lower replicas / raise replica_timeout",
+                    step=step,
+                    held=len(held),
+                )
             c.wait_change(pre, remaining, prefix=True, start_revision=rev + 1)
 
     def remove(self, step: int, group: str, member: str, layout_id: str, *, timeout: float) -> int:
@@ -121,6 +133,9 @@ class Replicas:
         # The layout goes last: readers still planning with it must find it until they are done.
         # (Its manifest stays until the lease ends: the next offer of the same buffers reuses it.)
         layout_key = c.key("layouts", "replicas", member, layout_id)
-        c.txn("drop replica layout", [], [tx.Delete(layout_key), tx.Delete(layout_key + "/",
-                                                                           range_end(layout_key + "/"))])
+        c.txn(
+            "drop replica layout",
+            [],
+            [tx.Delete(layout_key), tx.Delete(layout_key + "/", range_end(layout_key + "/"))],
+        )
         return left

@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from pyetcd import transactions as tx
 
 from astate_store.catalog.client import EtcdClient, range_end
-from astate_store.catalog.records import (
-    Skips,
-    pad20,
-    parse_pad20,
-)
-from astate_store.errors import (
-    CodecError,
-)
-from astate_store.model import codec
-
+from astate_store.catalog.records import Skips, pad20, parse_pad20
 from astate_store.catalog.sessions import Sessions
+from astate_store.errors import CodecError
+from astate_store.model import codec
 
 __all__ = ["Retention", "PER_STEP"]
 
@@ -84,8 +78,12 @@ class Retention:
             with self._count_lock:  # commits made while listing are counted on top (too high at worst)
                 self._listed = (s.epoch, len(steps) - len(drop))
         for old in drop:
-            c.txn("retention", [], [tx.Delete(p, range_end(p)) for p in (c.key(f, pad20(old), "") for f in PER_STEP)]
-                  + [tx.Delete(pre + pad20(old))])
+            c.txn(
+                "retention",
+                [],
+                [tx.Delete(p, range_end(p)) for p in (c.key(f, pad20(old), "") for f in PER_STEP)]
+                + [tx.Delete(pre + pad20(old))],
+            )
         self._drops += len(drop)
         if drop and self._drops >= _GC_EVERY:
             self._drops = 0
@@ -99,7 +97,7 @@ class Retention:
         steps = []
         for _v, m in kvs:
             key = m.key.decode("utf-8", "replace")
-            step = parse_pad20(key[len(pre):])
+            step = parse_pad20(key[len(pre) :])
             if step is None:
                 self.skips(key, "not a commit index key (the step is 20 digits)", m.mod_revision)
             else:
@@ -108,9 +106,12 @@ class Retention:
             return steps
         real = []
         for i in range(0, len(steps), 64):
-            batch = steps[i:i + 64]
-            resp = c.txn_raw("check commit index", [], [
-                c.count_op(c.key("versions", pad20(s), "commit"), prefix=False) for s in batch])
+            batch = steps[i : i + 64]
+            resp = c.txn_raw(
+                "check commit index",
+                [],
+                [c.count_op(c.key("versions", pad20(s), "commit"), prefix=False) for s in batch],
+            )
             for s, r in zip(batch, resp.responses):
                 if int(r.response_range.count):
                     real.append(s)
@@ -129,7 +130,7 @@ class Retention:
         named, oldest, unsure = set(), None, False
         for value, meta in kvs:
             key = meta.key.decode("utf-8", "replace")
-            tail = key[len(vpre):].split("/")
+            tail = key[len(vpre) :].split("/")
             if tail[1:] == ["commit"]:
                 oldest = meta.create_revision if oldest is None else min(oldest, meta.create_revision)
             elif len(tail) == 4 and tail[1] == "pieces":
@@ -144,7 +145,7 @@ class Retention:
         pre = c.key("manifests") + "/"
         heads = c.call("list manifests", lambda: list(c.raw.get_prefix(pre, keys_only=True)))
         for _v, meta in heads:
-            mid = meta.key.decode("utf-8", "replace")[len(pre):]
+            mid = meta.key.decode("utf-8", "replace")[len(pre) :]
             if "/" not in mid and mid not in named and meta.create_revision < oldest:
                 key = pre + mid
                 c.txn("drop manifest", [], [tx.Delete(key), tx.Delete(key + "/", range_end(key + "/"))])

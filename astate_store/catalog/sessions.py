@@ -16,10 +16,10 @@ from typing import Any
 
 from pyetcd import transactions as tx
 
-from astate_store.model import codec
-from astate_store.errors import CatalogCorrupted, CatalogError, CodecError, StaleSessionError, WaitTimeout
 from astate_store.catalog.client import EtcdClient
 from astate_store.catalog.records import Session, Skips, numbered_records, pad20
+from astate_store.errors import CatalogCorrupted, CatalogError, CodecError, StaleSessionError, WaitTimeout
+from astate_store.model import codec
 
 __all__ = ["Sessions", "read_counter"]
 
@@ -36,8 +36,9 @@ def read_counter(client: EtcdClient, name: str) -> tuple[int | None, int]:
         return client.get_counter(name)
     except CodecError as exc:
         key = client.key(name)
-        raise CatalogCorrupted(f"namespace {client.namespace!r}: the counter {key} is corrupted: {exc}",
-                               key=key) from None
+        raise CatalogCorrupted(
+            f"namespace {client.namespace!r}: the counter {key} is corrupted: {exc}", key=key
+        ) from None
 
 
 def _counter_of(client: EtcdClient, kvs: list[Any]) -> int | None:
@@ -46,8 +47,9 @@ def _counter_of(client: EtcdClient, kvs: list[Any]) -> int | None:
         return codec.decode_counter(kvs[0][0]) if kvs else None
     except CodecError as exc:
         key = client.key("epoch")
-        raise CatalogCorrupted(f"namespace {client.namespace!r}: the counter {key} is corrupted: {exc}",
-                               key=key) from None
+        raise CatalogCorrupted(
+            f"namespace {client.namespace!r}: the counter {key} is corrupted: {exc}", key=key
+        ) from None
 
 
 class Sessions:
@@ -63,8 +65,9 @@ class Sessions:
         """The open session, or None before :meth:`open` (and after :meth:`clear`)."""
         return self._current
 
-    def open(self, *, rank: int, world_size: int, session_id: str | None = None,
-             join_timeout: float = 60.0) -> Session:
+    def open(
+        self, *, rank: int, world_size: int, session_id: str | None = None, join_timeout: float = 60.0
+    ) -> Session:
         """Start (rank 0) or join (rank > 0) the publisher session of this namespace.
 
         Rank 0 increments the epoch, which fences every older session: their writes are
@@ -92,42 +95,86 @@ class Sessions:
         while True:
             new = (old or 0) + 1
             # Compare-and-set on the epoch: of two rank-0s starting at once, one retries with the next epoch.
-            cmp = (tx.Version(c.key("epoch")) == 0) if old is None else (
-                tx.Value(c.key("epoch")) == codec.encode_counter(old))
-            ok, resp = c.txn("open session", [cmp], [
-                tx.Put(c.key("epoch"), codec.encode_counter(new)),
-                tx.Put(c.key("session"), codec.encode("session", {
-                    "epoch": new, "session_id": sid, "world_size": world_size, "host": host,
-                    "pid": pid, "started": time.time()}), lease=lease),
-                tx.Put(c.key("members", pad20(new), pad20(0)),
-                       codec.encode("member", {"epoch": new, "rank": 0, "host": host, "pid": pid}), lease=lease),
-                # An empty 'latest' lets the commit transaction compare values from the first step on.
-                tx.Txn([tx.Version(c.key("latest")) == 0], [tx.Put(c.key("latest"), b"")], []),
-            ], [tx.Get(c.key("epoch"))])
+            cmp = (
+                (tx.Version(c.key("epoch")) == 0)
+                if old is None
+                else (tx.Value(c.key("epoch")) == codec.encode_counter(old))
+            )
+            ok, resp = c.txn(
+                "open session",
+                [cmp],
+                [
+                    tx.Put(c.key("epoch"), codec.encode_counter(new)),
+                    tx.Put(
+                        c.key("session"),
+                        codec.encode(
+                            "session",
+                            {
+                                "epoch": new,
+                                "session_id": sid,
+                                "world_size": world_size,
+                                "host": host,
+                                "pid": pid,
+                                "started": time.time(),
+                            },
+                        ),
+                        lease=lease,
+                    ),
+                    tx.Put(
+                        c.key("members", pad20(new), pad20(0)),
+                        codec.encode("member", {"epoch": new, "rank": 0, "host": host, "pid": pid}),
+                        lease=lease,
+                    ),
+                    # An empty 'latest' lets the commit transaction compare values from the first step on.
+                    tx.Txn([tx.Version(c.key("latest")) == 0], [tx.Put(c.key("latest"), b"")], []),
+                ],
+                [tx.Get(c.key("epoch"))],
+            )
             if ok:
-                log.info("namespace %s: session %s opened with epoch %d (world size %d)",
-                         c.namespace, sid, new, world_size)
+                log.info(
+                    "namespace %s: session %s opened with epoch %d (world size %d)",
+                    c.namespace,
+                    sid,
+                    new,
+                    world_size,
+                )
                 return Session(new, sid, 0, world_size, lease)
             old = _counter_of(c, resp[0])
 
-    def _join(self, rank: int, world_size: int, session_id: str | None, join_timeout: float,
-              lease: int) -> Session:
+    def _join(
+        self, rank: int, world_size: int, session_id: str | None, join_timeout: float, lease: int
+    ) -> Session:
         c = self.client
         host, pid = socket.gethostname(), os.getpid()
         deadline = time.monotonic() + join_timeout
         while True:
             rec = self.record()
-            if rec is not None and rec["world_size"] == world_size and (
-                    session_id is None or rec["session_id"] == session_id):
+            if (
+                rec is not None
+                and rec["world_size"] == world_size
+                and (session_id is None or rec["session_id"] == session_id)
+            ):
                 epoch = rec["epoch"]
                 # Only join if that session is still the newest: joining a fenced one would be useless.
-                ok, _ = c.txn("join session", [tx.Value(c.key("epoch")) == codec.encode_counter(epoch)], [
-                    tx.Put(c.key("members", pad20(epoch), pad20(rank)),
-                           codec.encode("member", {"epoch": epoch, "rank": rank, "host": host, "pid": pid}),
-                           lease=lease)])
+                ok, _ = c.txn(
+                    "join session",
+                    [tx.Value(c.key("epoch")) == codec.encode_counter(epoch)],
+                    [
+                        tx.Put(
+                            c.key("members", pad20(epoch), pad20(rank)),
+                            codec.encode("member", {"epoch": epoch, "rank": rank, "host": host, "pid": pid}),
+                            lease=lease,
+                        )
+                    ],
+                )
                 if ok:
-                    log.info("namespace %s: rank %d joined session %s (epoch %d)",
-                             c.namespace, rank, rec["session_id"], epoch)
+                    log.info(
+                        "namespace %s: rank %d joined session %s (epoch %d)",
+                        c.namespace,
+                        rank,
+                        rec["session_id"],
+                        epoch,
+                    )
                     return Session(epoch, rec["session_id"], rank, world_size, lease)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -160,8 +207,9 @@ class Sessions:
         try:
             return codec.decode("session", value)
         except CodecError as exc:
-            raise CatalogCorrupted(f"namespace {self.client.namespace!r}: the session record {key} is corrupted: "
-                                   f"{exc}", key=key) from None
+            raise CatalogCorrupted(
+                f"namespace {self.client.namespace!r}: the session record {key} is corrupted: {exc}", key=key
+            ) from None
 
     def live_ranks(self, epoch: int) -> set[int]:
         """Ranks of session ``epoch`` whose lease is alive. A member record that does not decode,
@@ -187,22 +235,32 @@ class Sessions:
     def fence(self) -> list[Any]:
         """Transaction compares that hold only while this session is the newest and this rank alive."""
         s = self.require()
-        return [tx.Value(self.client.key("epoch")) == codec.encode_counter(s.epoch),
-                tx.Version(self.client.key("members", pad20(s.epoch), pad20(s.rank))) > 0]
+        return [
+            tx.Value(self.client.key("epoch")) == codec.encode_counter(s.epoch),
+            tx.Version(self.client.key("members", pad20(s.epoch), pad20(s.rank))) > 0,
+        ]
 
     def fenced_error(self, what: str) -> StaleSessionError:
         """The error for a write whose :meth:`fence` failed, saying which of the two compares did."""
         s = self.require()
         now = self.epoch()
-        log.warning("namespace %s: rank %d of session epoch %d is fenced (%s rejected; epoch now %s)",
-                    self.client.namespace, s.rank, s.epoch, what, now)
+        log.warning(
+            "namespace %s: rank %d of session epoch %d is fenced (%s rejected; epoch now %s)",
+            self.client.namespace,
+            s.rank,
+            s.epoch,
+            what,
+            now,
+        )
         if now != s.epoch:
             return StaleSessionError(
-                f"namespace {self.client.namespace!r}: {what} rejected: session epoch {s.epoch} was fenced by "
-                f"a newer session (epoch {now})")
+                f"namespace {self.client.namespace!r}: {what} rejected: session epoch {s.epoch} was "
+                f"fenced by a newer session (epoch {now})"
+            )
         return StaleSessionError(
             f"namespace {self.client.namespace!r}: {what} rejected: rank {s.rank}'s lease of session epoch "
-            f"{s.epoch} expired (the rank was considered dead)")
+            f"{s.epoch} expired (the rank was considered dead)"
+        )
 
     def clear(self) -> None:
         """Forget the session (its lease is the client's to revoke)."""

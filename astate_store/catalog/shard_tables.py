@@ -11,8 +11,9 @@ Writing: :func:`manifest_record`, then :func:`layout_record` against that manife
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,8 +28,16 @@ from astate_store.model.layout import (
     contiguous_strides,
 )
 
-__all__ = ["Layout", "LazyRecords", "Manifest", "DTYPE_TABLE", "manifest_record", "manifest_from_record",
-           "layout_record", "layout_from_record"]
+__all__ = [
+    "Layout",
+    "LazyRecords",
+    "Manifest",
+    "DTYPE_TABLE",
+    "manifest_record",
+    "manifest_from_record",
+    "layout_record",
+    "layout_from_record",
+]
 
 
 @dataclass(frozen=True)
@@ -128,8 +137,13 @@ class Manifest:
     def starts(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(self.ndims, dtype=np.int64)])
 
-    def records(self, rank: int, strides: np.ndarray | None = None, regions: np.ndarray | None = None,
-                byte_offsets: np.ndarray | None = None) -> tuple[ShardRecord, ...]:
+    def records(
+        self,
+        rank: int,
+        strides: np.ndarray | None = None,
+        regions: np.ndarray | None = None,
+        byte_offsets: np.ndarray | None = None,
+    ) -> tuple[ShardRecord, ...]:
         """The shards as records of ``rank`` (addresses from a layout, else contiguous at 0)."""
         st = self.starts.tolist()
         gs, of, sz = self.global_shapes.tolist(), self.offsets.tolist(), self.sizes.tolist()
@@ -146,9 +160,21 @@ class Manifest:
                 sizes = tuple(sz[a:b])
                 rec_strides = tuple(strs[a:b]) if strs is not None else contiguous_strides(sizes)
                 box = _frozen(Box, {"offsets": tuple(of[a:b]), "sizes": sizes})
-                out.append(_frozen(ShardRecord, {"name": name, "dtype": dts[i], "global_shape": tuple(gs[a:b]),
-                                                 "box": box, "strides": rec_strides, "rank": rank,
-                                                 "region": regs[i], "byte_offset": boffs[i]}))
+                out.append(
+                    _frozen(
+                        ShardRecord,
+                        {
+                            "name": name,
+                            "dtype": dts[i],
+                            "global_shape": tuple(gs[a:b]),
+                            "box": box,
+                            "strides": rec_strides,
+                            "rank": rank,
+                            "region": regs[i],
+                            "byte_offset": boffs[i],
+                        },
+                    )
+                )
         return tuple(out)
 
 
@@ -156,17 +182,25 @@ def _columns(shards: Sequence[ShardRecord]) -> dict[str, Any]:
     """The manifest columns of ``shards`` (names, dtypes, ndims, global shapes, offsets, sizes)."""
     nd = [len(s.global_shape) for s in shards]
     flat = lambda get: np.fromiter((v for s in shards for v in get(s)), _I64, sum(nd)).tobytes()  # noqa: E731
-    return {"names": [s.name for s in shards],
-            "dtypes": bytes(_DTYPE_CODE[s.dtype] for s in shards),
-            "ndims": bytes(nd),
-            "global_shapes": flat(lambda s: s.global_shape),
-            "offsets": flat(lambda s: s.box.offsets),
-            "sizes": flat(lambda s: s.box.sizes)}
+    return {
+        "names": [s.name for s in shards],
+        "dtypes": bytes(_DTYPE_CODE[s.dtype] for s in shards),
+        "ndims": bytes(nd),
+        "global_shapes": flat(lambda s: s.global_shape),
+        "offsets": flat(lambda s: s.box.offsets),
+        "sizes": flat(lambda s: s.box.sizes),
+    }
 
 
 def _columns_id(cols: Mapping[str, Any]) -> str:
-    return _digest("\0".join(cols["names"]).encode(), cols["dtypes"], cols["ndims"], cols["global_shapes"],
-                   cols["offsets"], cols["sizes"])
+    return _digest(
+        "\0".join(cols["names"]).encode(),
+        cols["dtypes"],
+        cols["ndims"],
+        cols["global_shapes"],
+        cols["offsets"],
+        cols["sizes"],
+    )
 
 
 def manifest_record(shards: Sequence[ShardRecord]) -> dict[str, Any]:
@@ -214,16 +248,26 @@ def manifest_from_record(rec: Mapping[str, Any], key_id: str) -> Manifest:
     return Manifest(key_id, names, dtypes, ndims, gs, of, sz)
 
 
-def layout_record(epoch: int, rank: int, manifest: Manifest | Mapping[str, Any], shards: Sequence[ShardRecord],
-                  transport: bytes, packed: Sequence[ShardRecord] = ()) -> dict[str, Any]:
+def layout_record(
+    epoch: int,
+    rank: int,
+    manifest: Manifest | Mapping[str, Any],
+    shards: Sequence[ShardRecord],
+    transport: bytes,
+    packed: Sequence[ShardRecord] = (),
+) -> dict[str, Any]:
     """The ``layout`` record (addresses of the manifest's shards, in order, and packed copies)."""
     mid = manifest.manifest_id if isinstance(manifest, Manifest) else manifest["manifest_id"]
     nd = sum(len(s.strides) for s in shards)
     rec: dict[str, Any] = {
-        "epoch": epoch, "rank": rank, "manifest_id": mid, "transport": transport,
+        "epoch": epoch,
+        "rank": rank,
+        "manifest_id": mid,
+        "transport": transport,
         "strides": np.fromiter((v for s in shards for v in s.strides), _I64, nd).tobytes(),
         "regions": np.fromiter((s.region for s in shards), _I64, len(shards)).tobytes(),
-        "byte_offsets": np.fromiter((s.byte_offset for s in shards), _I64, len(shards)).tobytes()}
+        "byte_offsets": np.fromiter((s.byte_offset for s in shards), _I64, len(shards)).tobytes(),
+    }
     if packed:
         cols = _columns(packed)
         cols["regions"] = np.fromiter((s.region for s in packed), _I64, len(packed)).tobytes()
@@ -236,12 +280,25 @@ def layout_record(epoch: int, rank: int, manifest: Manifest | Mapping[str, Any],
 def _layout_id(rec: Mapping[str, Any]) -> str:
     packed = rec.get("packed")
     extra = (_columns_id(packed).encode(), packed["regions"], packed["byte_offsets"]) if packed else ()
-    return _digest(b"%d/%d" % (rec["epoch"], rec["rank"]), rec["manifest_id"].encode(), rec["transport"],
-                   rec["strides"], rec["regions"], rec["byte_offsets"], *extra)
+    return _digest(
+        b"%d/%d" % (rec["epoch"], rec["rank"]),
+        rec["manifest_id"].encode(),
+        rec["transport"],
+        rec["strides"],
+        rec["regions"],
+        rec["byte_offsets"],
+        *extra,
+    )
 
 
-def layout_from_record(rec: Mapping[str, Any], manifest: Manifest, *, key_id: str, epoch: int | None = None,
-                       rank: int | None = None) -> Layout:
+def layout_from_record(
+    rec: Mapping[str, Any],
+    manifest: Manifest,
+    *,
+    key_id: str,
+    epoch: int | None = None,
+    rank: int | None = None,
+) -> Layout:
     """A decoded ``layout`` record with its manifest, checked against its key: the id is the
     content's, epoch and rank are the key's, and the columns fit the manifest.
 
@@ -252,7 +309,9 @@ def layout_from_record(rec: Mapping[str, Any], manifest: Manifest, *, key_id: st
     if rec["layout_id"] != key_id or _layout_id(rec) != key_id:
         raise CodecError(f"{what}: content does not match its id")
     if (epoch is not None and rec["epoch"] != epoch) or (rank is not None and rec["rank"] != rank):
-        raise CodecError(f"{what}: epoch/rank {rec['epoch']}/{rec['rank']} differ from its key {epoch}/{rank}")
+        raise CodecError(
+            f"{what}: epoch/rank {rec['epoch']}/{rec['rank']} differ from its key {epoch}/{rank}"
+        )
     if rec["manifest_id"] != manifest.manifest_id:
         raise CodecError(f"{what}: refers to manifest {rec['manifest_id']}, given {manifest.manifest_id}")
     n = len(manifest.names)
@@ -264,8 +323,17 @@ def layout_from_record(rec: Mapping[str, Any], manifest: Manifest, *, key_id: st
     try:
         rank_ = rec["rank"]
         shards = LazyRecords(n, lambda: manifest.records(rank_, strides, regions, boffs))
-        columns = ShardColumns(manifest.names, manifest.dtypes, manifest.ndims, manifest.global_shapes,
-                               manifest.offsets, manifest.sizes, strides, regions, boffs)
+        columns = ShardColumns(
+            manifest.names,
+            manifest.dtypes,
+            manifest.ndims,
+            manifest.global_shapes,
+            manifest.offsets,
+            manifest.sizes,
+            strides,
+            regions,
+            boffs,
+        )
         packed: tuple[ShardRecord, ...] = ()
         if "packed" in rec:
             p = rec["packed"]
@@ -279,4 +347,6 @@ def layout_from_record(rec: Mapping[str, Any], manifest: Manifest, *, key_id: st
             packed = copies.records(rec["rank"], None, pregions, pboffs)
     except (LayoutError, TypeError, OverflowError) as exc:  # shards the layout module refuses
         raise CodecError(f"{what}: bad shards ({exc})") from None
-    return Layout(key_id, rec["epoch"], rec["rank"], shards, rec["transport"], packed, manifest.manifest_id, columns)
+    return Layout(
+        key_id, rec["epoch"], rec["rank"], shards, rec["transport"], packed, manifest.manifest_id, columns
+    )

@@ -42,9 +42,11 @@ def _speaks_plain_http(host: str, port: int) -> bool:
 
 
 def _plain_port(netloc: str, reason: str) -> str:
-    return (f"etcd at {netloc} does not speak TLS (its client port is plain http), but this client uses "
-            f"TLS (an https:// endpoint or {option('etcd_ca')}): use http://{netloc}, or start etcd with "
-            f"--cert-file/--key-file and https:// client URLs ({reason})")
+    return (
+        f"etcd at {netloc} does not speak TLS (its client port is plain http), but this client uses "
+        f"TLS (an https:// endpoint or {option('etcd_ca')}): use http://{netloc}, or start etcd with "
+        f"--cert-file/--key-file and https:// client URLs ({reason})"
+    )
 
 
 def probe_tls(config: EtcdConfig, netloc: str) -> str | None:
@@ -66,16 +68,20 @@ def probe_tls(config: EtcdConfig, netloc: str) -> str | None:
                     pass
             except (OSError, ValueError):
                 return None  # not TLS either: some other failure
-            return (f"etcd at {netloc} speaks TLS, but this client connects in plain text (an http:// or "
-                    f"scheme-less endpoint and no CA): use https://{netloc} in {option('etcd')} and set "
-                    f"{option('etcd_ca')} to the CA that signed etcd's --cert-file")
+            return (
+                f"etcd at {netloc} speaks TLS, but this client connects in plain text (an http:// or "
+                f"scheme-less endpoint and no CA): use https://{netloc} in {option('etcd')} and set "
+                f"{option('etcd_ca')} to the CA that signed etcd's --cert-file"
+            )
         try:
             ctx = ssl.create_default_context(cafile=config.ca)
             if config.cert and config.key:
                 ctx.load_cert_chain(config.cert, config.key)
         except (OSError, ValueError) as exc:
-            return (f"the TLS files do not load ({exc}): check {option('etcd_ca')}, {option('etcd_cert')} "
-                    f"and {option('etcd_key')} (PEM; the key must match the certificate)")
+            return (
+                f"the TLS files do not load ({exc}): check {option('etcd_ca')}, {option('etcd_cert')} "
+                f"and {option('etcd_key')} (PEM; the key must match the certificate)"
+            )
         try:
             with ctx.wrap_socket(raw, server_hostname=host) as tls:
                 # A server that requires a client certificate may say so only after the handshake
@@ -83,19 +89,29 @@ def probe_tls(config: EtcdConfig, netloc: str) -> str | None:
                 tls.sendall(f"GET /version HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
                 tls.recv(16)
         except ssl.SSLCertVerificationError as exc:
-            which = f"{option('etcd_ca')} = {config.ca}" if config.ca else \
-                f"the system's CAs (no {option('etcd_ca')} given)"
-            return (f"etcd at https://{netloc} presents a certificate this client does not trust "
-                    f"({exc.verify_message}; checked against {which}): set {option('etcd_ca')} to the CA "
-                    "that signed etcd's --cert-file, and connect by a host name or address that certificate "
-                    "names")
+            which = (
+                f"{option('etcd_ca')} = {config.ca}"
+                if config.ca
+                else f"the system's CAs (no {option('etcd_ca')} given)"
+            )
+            return (
+                f"etcd at https://{netloc} presents a certificate this client does not trust "
+                f"({exc.verify_message}; checked against {which}): set {option('etcd_ca')} to the CA "
+                "that signed etcd's --cert-file, and connect by a host name or address that certificate "
+                "names"
+            )
         except ssl.SSLError as exc:
             reason = str(getattr(exc, "reason", "") or exc)
             if "CERTIFICATE_REQUIRED" in reason or "BAD_CERTIFICATE" in reason or "UNKNOWN_CA" in reason:
-                what = "a client certificate" if not config.cert else \
-                    f"a client certificate signed by a CA it trusts (not {config.cert})"
-                return (f"etcd at https://{netloc} requires {what} (it runs with --client-cert-auth): set "
-                        f"{option('etcd_cert')} and {option('etcd_key')} ({reason})")
+                what = (
+                    "a client certificate"
+                    if not config.cert
+                    else f"a client certificate signed by a CA it trusts (not {config.cert})"
+                )
+                return (
+                    f"etcd at https://{netloc} requires {what} (it runs with --client-cert-auth): set "
+                    f"{option('etcd_cert')} and {option('etcd_key')} ({reason})"
+                )
             return _plain_port(netloc, reason) if _speaks_plain_http(host, port) else None
         except (OSError, ValueError) as exc:
             # A plain etcd may simply close the connection on a ClientHello (a reset, not an SSL
@@ -106,8 +122,9 @@ def probe_tls(config: EtcdConfig, netloc: str) -> str | None:
     return None
 
 
-def tls_problem(config: EtcdConfig, netloc: str, probed: dict[str, float], exc: BaseException,
-                handshake_failures: int) -> str | None:
+def tls_problem(
+    config: EtcdConfig, netloc: str, probed: dict[str, float], exc: BaseException, handshake_failures: int
+) -> str | None:
     """Why ``config``'s TLS settings cannot talk to ``netloc``, which just failed, when it is a TLS
     mismatch (not etcd being down): probed directly (bounded; at most once per ``PROBE_INTERVAL``
     per endpoint, ``probed`` remembering when), or, when the probe cannot tell but gRPC keeps
@@ -124,7 +141,9 @@ def tls_problem(config: EtcdConfig, netloc: str, probed: dict[str, float], exc: 
         if why is not None:
             return f"{why} [gRPC: {details}]"
     if handshake_failures >= HANDSHAKE_TRIES:
-        return (f"etcd at {netloc}: the TLS handshake keeps failing ({details}); check the endpoint's "
-                f"scheme (http:// or https://) in {option('etcd')}, {option('etcd_ca')}, "
-                f"{option('etcd_cert')} and {option('etcd_key')}")
+        return (
+            f"etcd at {netloc}: the TLS handshake keeps failing ({details}); check the endpoint's "
+            f"scheme (http:// or https://) in {option('etcd')}, {option('etcd_ca')}, "
+            f"{option('etcd_cert')} and {option('etcd_key')}"
+        )
     return None

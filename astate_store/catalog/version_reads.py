@@ -5,7 +5,8 @@ record checked against its schema and its key; a bad one is skipped and counted.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from pyetcd import transactions as tx
 
@@ -21,12 +22,7 @@ from astate_store.catalog.records import (
     pad20,
     version_from_kvs,
 )
-from astate_store.errors import (
-    CatalogCorrupted,
-    CatalogError,
-    CodecError,
-    VersionNotFound,
-)
+from astate_store.errors import CatalogCorrupted, CatalogError, CodecError, VersionNotFound
 from astate_store.model import codec
 from astate_store.model.layout import check_step
 
@@ -84,9 +80,12 @@ class VersionReads:
             return None
         rec = self._checked(mkey, lambda: codec.decode("meta", value))
         if (rec["step"], rec["epoch"], rec["rank"]) != (step, commit["epoch"], rank):
-            self.skips(mkey, f"meta of step {rec['step']} epoch {rec['epoch']} rank {rec['rank']} under this key")
-            raise CatalogCorrupted(f"namespace {c.namespace!r}: meta record {mkey} names another version or rank",
-                                   key=mkey)
+            self.skips(
+                mkey, f"meta of step {rec['step']} epoch {rec['epoch']} rank {rec['rank']} under this key"
+            )
+            raise CatalogCorrupted(
+                f"namespace {c.namespace!r}: meta record {mkey} names another version or rank", key=mkey
+            )
         return bytes(rec["data"])
 
     def _checked(self, key: str, decode: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -94,14 +93,15 @@ class VersionReads:
             return decode()
         except CodecError as exc:
             self._skip(key, exc)
-            raise CatalogCorrupted(f"namespace {self.client.namespace!r}: record {key} is corrupted: {exc}",
-                                   key=key) from None
+            raise CatalogCorrupted(
+                f"namespace {self.client.namespace!r}: record {key} is corrupted: {exc}", key=key
+            ) from None
 
     def _read_blobs(self, keys: Sequence[str]) -> dict[str, bytes | None]:
         """Blobs by key, ``_BLOBS_PER_TXN`` range reads per transaction; a bad one is None (skipped)."""
         out: dict[str, bytes | None] = {}
         for i in range(0, len(keys), _BLOBS_PER_TXN):
-            batch = keys[i:i + _BLOBS_PER_TXN]
+            batch = keys[i : i + _BLOBS_PER_TXN]
             _ok, resp = self.client.txn("get blobs", [], [tx.Get(k, range_end(k)) for k in batch])
             for key, kvs in zip(batch, resp):
                 try:
@@ -120,12 +120,15 @@ class VersionReads:
         Raises:
             CatalogError: a manifest the version names is missing or bad.
         """
-        self._fetch_manifests({p.manifest_id: self.client.key("manifests", p.manifest_id)
-                               for p in version.pieces.values()})
+        self._fetch_manifests(
+            {p.manifest_id: self.client.key("manifests", p.manifest_id) for p in version.pieces.values()}
+        )
         missing = sorted(r for r, p in version.pieces.items() if p.manifest_id not in self._manifests)
         if missing:
-            raise CatalogError(f"namespace {self.client.namespace!r}: step {version.step}: manifests of ranks "
-                               f"{missing} are missing or bad")
+            raise CatalogError(
+                f"namespace {self.client.namespace!r}: step {version.step}: manifests of ranks "
+                f"{missing} are missing or bad"
+            )
         return {r: self._manifests[p.manifest_id] for r, p in version.pieces.items()}
 
     def _fetch_manifests(self, want: Mapping[str, str]) -> None:
@@ -133,8 +136,12 @@ class VersionReads:
         for key, data in self._read_blobs(list(todo.values())).items():
             mid = key.rsplit("/", 1)[1]
             if data is not None:
-                self._decode(key, lambda: self._manifests.__setitem__(
-                    mid, manifest_from_record(codec.decode("manifest", data), mid)))
+                self._decode(
+                    key,
+                    lambda: self._manifests.__setitem__(
+                        mid, manifest_from_record(codec.decode("manifest", data), mid)
+                    ),
+                )
 
     def _decode(self, key: str, fn: Callable[[], None]) -> None:
         try:
@@ -151,10 +158,16 @@ class VersionReads:
         stay missing even when their layout is cached: a source whose lease ended is not dialled."""
         k = self.client.key
         manifests = {p.manifest_id: k("manifests", p.manifest_id) for p in version.pieces.values()}
-        manifests.update({rp.manifest_id: k("layouts", "replicas", m, rp.manifest_id)
-                          for m, rp in version.replicas.items()})
+        manifests.update(
+            {
+                rp.manifest_id: k("layouts", "replicas", m, rp.manifest_id)
+                for m, rp in version.replicas.items()
+            }
+        )
         self._fetch_manifests(manifests)
-        pkeys = {r: k("layouts", pad20(p.epoch), pad20(p.rank), p.layout_id) for r, p in version.pieces.items()}
+        pkeys = {
+            r: k("layouts", pad20(p.epoch), pad20(p.rank), p.layout_id) for r, p in version.pieces.items()
+        }
         rkeys = {m: k("layouts", "replicas", m, rp.layout_id) for m, rp in version.replicas.items()}
         want: dict[str, tuple[str, int | None, int | None]] = {}  # layout key -> (manifest id, epoch, rank)
         for r, p in version.pieces.items():
@@ -167,14 +180,28 @@ class VersionReads:
             mid, epoch, rank = want[key]
             if data is not None and mid in self._manifests:
                 self._decode(key, lambda: self._cache_layout(key, data, self._manifests[mid], epoch, rank))
-        layouts = {r: self._layouts[pkeys[r]] for r, p in version.pieces.items()
-                   if r not in version.missing and self._usable(pkeys[r], p.manifest_id)}
+        layouts = {
+            r: self._layouts[pkeys[r]]
+            for r, p in version.pieces.items()
+            if r not in version.missing and self._usable(pkeys[r], p.manifest_id)
+        }
         pub = tuple(sorted({p.manifest_id for p in version.pieces.values()})) if version.replicas else ()
-        rlayouts = {m: self._layouts[rkeys[m]] for m, rp in version.replicas.items()
-                    if self._usable(rkeys[m], rp.manifest_id) and self._replica_fits(pub, rkeys[m], rp.manifest_id)}
+        rlayouts = {
+            m: self._layouts[rkeys[m]]
+            for m, rp in version.replicas.items()
+            if self._usable(rkeys[m], rp.manifest_id) and self._replica_fits(pub, rkeys[m], rp.manifest_id)
+        }
         missing = frozenset(r for r in version.pieces if r not in layouts)
-        return Version(version.step, version.epoch, version.world_size, version.pieces, version.replicas,
-                       layouts, rlayouts, missing)
+        return Version(
+            version.step,
+            version.epoch,
+            version.world_size,
+            version.pieces,
+            version.replicas,
+            layouts,
+            rlayouts,
+            missing,
+        )
 
     def _usable(self, key: str, manifest_id: str) -> bool:
         """Whether the layout read at ``key`` is cached and describes the manifest its record names."""
@@ -182,8 +209,10 @@ class VersionReads:
         if lay is None:
             return False
         if lay.manifest_id != manifest_id:
-            self.skips(key, f"the record naming this layout names manifest {manifest_id}, the layout "
-                            f"{lay.manifest_id}")
+            self.skips(
+                key,
+                f"the record naming this layout names manifest {manifest_id}, the layout {lay.manifest_id}",
+            )
             return False
         return True
 
@@ -201,8 +230,10 @@ class VersionReads:
             why = ""
             for name, shape in _global_shapes(self._manifests[manifest_id]).items():
                 if shapes.get(name) != shape:
-                    why = (f"re-serves {name!r} of global shape {shape}, the version's is "
-                           f"{shapes.get(name, 'absent')}")
+                    why = (
+                        f"re-serves {name!r} of global shape {shape}, the version's is "
+                        f"{shapes.get(name, 'absent')}"
+                    )
                     break
             if len(self._fits) > 256:
                 self._fits.clear()
@@ -211,7 +242,9 @@ class VersionReads:
             self.skips(key, why)
         return not why
 
-    def _cache_layout(self, key: str, data: bytes, manifest: Manifest, epoch: int | None, rank: int | None) -> None:
+    def _cache_layout(
+        self, key: str, data: bytes, manifest: Manifest, epoch: int | None, rank: int | None
+    ) -> None:
         lid = key.rsplit("/", 1)[1]
         rec = codec.decode("layout", data)
         self._layouts[key] = layout_from_record(rec, manifest, key_id=lid, epoch=epoch, rank=rank)
@@ -220,7 +253,7 @@ class VersionReads:
 def _global_shapes(m: Manifest) -> dict[str, tuple[int, ...]]:
     """Tensor name -> global shape of a manifest's shards."""
     st, gs = m.starts.tolist(), m.global_shapes.tolist()
-    return {n: tuple(gs[st[i]:st[i + 1]]) for i, n in enumerate(m.names)}
+    return {n: tuple(gs[st[i] : st[i + 1]]) for i, n in enumerate(m.names)}
 
 
 def _checked_blob_kvs(key: str, kvs: Sequence[tuple[bytes, Any]]) -> list[tuple[bytes, Any]]:

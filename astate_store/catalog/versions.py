@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from pyetcd import transactions as tx
 
@@ -37,11 +38,7 @@ from astate_store.catalog.records import (
 from astate_store.catalog.retention import PER_STEP, Retention
 from astate_store.catalog.sessions import Sessions, read_counter
 from astate_store.catalog.version_reads import VersionReads
-from astate_store.errors import (
-    CatalogError,
-    StaleStepError,
-    VersionNotFound,
-)
+from astate_store.errors import CatalogError, StaleStepError, VersionNotFound
 from astate_store.model import codec
 from astate_store.model.layout import ShardRecord, check_step
 
@@ -58,8 +55,13 @@ _MAX_PIECE_COMPARES = 96
 class Versions:
     """Publishing and reading committed versions; keeps the newest ``retention`` of them."""
 
-    def __init__(self, client: EtcdClient, sessions: Sessions, retention: int,
-                 runner: "Callable[[str, Callable[[], None]], Any] | None" = None):
+    def __init__(
+        self,
+        client: EtcdClient,
+        sessions: Sessions,
+        retention: int,
+        runner: Callable[[str, Callable[[], None]], Any] | None = None,
+    ):
         self.client, self.sessions, self.retention = client, sessions, retention
         self._written: dict[str, str] = {}  # layout id -> manifest id, of layouts this process wrote
         self._written_manifests: set[str] = set()
@@ -90,8 +92,9 @@ class Versions:
         if not ok:
             raise self.sessions.fenced_error(what)
 
-    def write_layout(self, shards: Sequence[ShardRecord], transport: bytes, packed: Sequence[ShardRecord] = ()
-                     ) -> str:
+    def write_layout(
+        self, shards: Sequence[ShardRecord], transport: bytes, packed: Sequence[ShardRecord] = ()
+    ) -> str:
         """Store this rank's manifest and layout once each (content-addressed); returns the
         layout id. ``packed`` lists the contiguous or converted copies built for consumers.
 
@@ -106,8 +109,11 @@ class Versions:
         if lid in self._written:
             return lid
         key = self.client.key("layouts", pad20(s.epoch), pad20(s.rank), lid)
-        blobs = [] if mid in self._written_manifests else \
-            [blob_requests(self.client.key("manifests", mid), codec.encode("manifest", man), None)]
+        blobs = (
+            []
+            if mid in self._written_manifests
+            else [blob_requests(self.client.key("manifests", mid), codec.encode("manifest", man), None)]
+        )
         blobs.append(blob_requests(key, codec.encode("layout", rec), s.lease_id))
         # Chunks first, then both heads in one fenced transaction (a session's first put was two
         # round trips here): the manifest's head is in before any layout names it.
@@ -129,11 +135,19 @@ class Versions:
     def _ensure_manifest(self, mid: str, man: Mapping[str, Any], *, force: bool = False) -> None:
         if mid in self._written_manifests and not force:
             return
-        self._write_blob("write manifest", self.client.key("manifests", mid), codec.encode("manifest", man), None)
+        self._write_blob(
+            "write manifest", self.client.key("manifests", mid), codec.encode("manifest", man), None
+        )
         self._written_manifests.add(mid)
 
-    def put_piece(self, step: int, layout_id: str, base_offset: int = 0, meta: bytes | None = None,
-                  slot_bases: Sequence[int] = ()) -> bool:
+    def put_piece(
+        self,
+        step: int,
+        layout_id: str,
+        base_offset: int = 0,
+        meta: bytes | None = None,
+        slot_bases: Sequence[int] = (),
+    ) -> bool:
         """Write this rank's piece of ``step`` (and its ``meta``, the msgpack of ``put(meta=...)``)
         and, when this piece completes the set, commit it in the same transaction; True if the
         version is committed. ``slot_bases``: the staging pool's slot offsets, for consumers to
@@ -150,8 +164,9 @@ class Versions:
         if mid is None:
             raise CatalogError(f"layout {layout_id} was not written by this process (write_layout first)")
         for _attempt in range(2):
-            committed = self._piece_result(step, self._piece_txn(step, layout_id, mid, base_offset, meta,
-                                                                 slot_bases))
+            committed = self._piece_result(
+                step, self._piece_txn(step, layout_id, mid, base_offset, meta, slot_bases)
+            )
             if committed is not None:
                 return committed
             # The manifest is gone (retention collected it while unused): write it again, once.
@@ -163,35 +178,65 @@ class Versions:
         shards = cached.records(0)
         self._ensure_manifest(mid, manifest_record(shards), force=True)
 
-    def _piece_txn(self, step: int, lid: str, mid: str, base: int, meta: bytes | None,
-                   slot_bases: Sequence[int] = ()) -> Any:
+    def _piece_txn(
+        self, step: int, lid: str, mid: str, base: int, meta: bytes | None, slot_bases: Sequence[int] = ()
+    ) -> Any:
         """One transaction: the piece (with its meta), and the commit when every other rank's
         piece is there. etcd serializes transactions, so the last rank's transaction sees all
         the pieces."""
         s, k = self.sessions.require(), self.client.key
-        rec = {"step": step, "epoch": s.epoch, "rank": s.rank, "world_size": s.world_size, "layout_id": lid,
-               "base_offset": base, "manifest_id": mid}
+        rec = {
+            "step": step,
+            "epoch": s.epoch,
+            "rank": s.rank,
+            "world_size": s.world_size,
+            "layout_id": lid,
+            "base_offset": base,
+            "manifest_id": mid,
+        }
         if slot_bases:
             rec["slot_bases"] = list(slot_bases)
         piece = codec.encode("piece", rec)
         pkey = k("versions", pad20(step), "pieces", pad20(s.epoch), pad20(s.rank))
         writes = [tx.Put(pkey, piece)]
         if meta is not None:
-            writes.append(tx.Put(k("meta", pad20(step), pad20(s.epoch), pad20(s.rank)),
-                                 codec.encode("meta", {"step": step, "epoch": s.epoch, "rank": s.rank, "data": meta})))
-        mine = [*self.sessions.fence(), tx.Version(k("manifests", mid)) > 0,
-                tx.Value(k("latest")) < codec.encode_counter(step + 1)]  # latest <= step (empty is smallest)
-        probe = [tx.Get(k("epoch")), tx.Get(k("latest")), self.client.count_op(k("manifests", mid), prefix=False)]
+            writes.append(
+                tx.Put(
+                    k("meta", pad20(step), pad20(s.epoch), pad20(s.rank)),
+                    codec.encode("meta", {"step": step, "epoch": s.epoch, "rank": s.rank, "data": meta}),
+                )
+            )
+        mine = [
+            *self.sessions.fence(),
+            tx.Version(k("manifests", mid)) > 0,
+            tx.Value(k("latest")) < codec.encode_counter(step + 1),
+        ]  # latest <= step (empty is smallest)
+        probe = [
+            tx.Get(k("epoch")),
+            tx.Get(k("latest")),
+            self.client.count_op(k("manifests", mid), prefix=False),
+        ]
         if s.world_size - 1 <= _MAX_PIECE_COMPARES:
-            others = [tx.Version(k("versions", pad20(step), "pieces", pad20(s.epoch), pad20(r))) > 0
-                      for r in range(s.world_size) if r != s.rank]
-            commit = codec.encode("commit", {"step": step, "epoch": s.epoch, "world_size": s.world_size,
-                                             "committed_at": time.time()})
+            others = [
+                tx.Version(k("versions", pad20(step), "pieces", pad20(s.epoch), pad20(r))) > 0
+                for r in range(s.world_size)
+                if r != s.rank
+            ]
+            commit = codec.encode(
+                "commit",
+                {"step": step, "epoch": s.epoch, "world_size": s.world_size, "committed_at": time.time()},
+            )
             return self.client.txn_raw(
-                f"piece of step {step}", [*mine, *others],
-                [*writes, tx.Put(k("versions", pad20(step), "commit"), commit),
-                 tx.Put(k("commits", pad20(step)), b""), tx.Put(k("latest"), codec.encode_counter(step))],
-                [tx.Txn(mine, writes, []), *probe])
+                f"piece of step {step}",
+                [*mine, *others],
+                [
+                    *writes,
+                    tx.Put(k("versions", pad20(step), "commit"), commit),
+                    tx.Put(k("commits", pad20(step)), b""),
+                    tx.Put(k("latest"), codec.encode_counter(step)),
+                ],
+                [tx.Txn(mine, writes, []), *probe],
+            )
         # The failure branch starts with a transaction that never succeeds: nothing was written.
         never = tx.Txn([tx.Version(k("epoch")) < 0], [], [])
         count = self.client.count_op(k("versions", pad20(step), "pieces", pad20(s.epoch)) + "/")
@@ -220,21 +265,30 @@ class Versions:
         latest = counter_value(self.client.key("latest"), latest_kv[0].value) if latest_kv else None
         if latest is not None and latest > step:
             raise StaleStepError(
-                f"namespace {self.client.namespace!r}: step {step} can never commit: step {latest} is already "
-                "committed and steps only move forward; number new steps from latest()+1 (after a restart, "
-                "recover() republishes the newest state first)")
-        raise CatalogError(f"namespace {self.client.namespace!r}: piece of step {step} was refused for no known "
-                           "reason (epoch, member, manifest and latest all check out)")
+                f"namespace {self.client.namespace!r}: step {step} can never commit: step {latest} is "
+                "already committed and steps only move forward; number new steps from latest()+1 "
+                "(after a restart, recover() republishes the newest state first)"
+            )
+        raise CatalogError(
+            f"namespace {self.client.namespace!r}: piece of step {step} was refused for no known "
+            "reason (epoch, member, manifest and latest all check out)"
+        )
 
     def _commit_counted(self, step: int) -> bool:
         s, k = self.sessions.require(), self.client.key
-        commit = codec.encode("commit", {"step": step, "epoch": s.epoch, "world_size": s.world_size,
-                                         "committed_at": time.time()})
-        ok, _ = self.client.txn(f"commit {step}", [*self.sessions.fence(),
-                                                   tx.Value(k("latest")) < codec.encode_counter(step + 1)],
-                                [tx.Put(k("versions", pad20(step), "commit"), commit),
-                                 tx.Put(k("commits", pad20(step)), b""),
-                                 tx.Put(k("latest"), codec.encode_counter(step))])
+        commit = codec.encode(
+            "commit",
+            {"step": step, "epoch": s.epoch, "world_size": s.world_size, "committed_at": time.time()},
+        )
+        ok, _ = self.client.txn(
+            f"commit {step}",
+            [*self.sessions.fence(), tx.Value(k("latest")) < codec.encode_counter(step + 1)],
+            [
+                tx.Put(k("versions", pad20(step), "commit"), commit),
+                tx.Put(k("commits", pad20(step)), b""),
+                tx.Put(k("latest"), codec.encode_counter(step)),
+            ],
+        )
         if ok:
             self._committed(step)
         return bool(ok)
@@ -253,11 +307,13 @@ class Versions:
         kvs = self.client.call("list versions", lambda: list(self.client.raw.get_prefix(pre, keys_only=True)))
         steps = []
         for _v, m in kvs:
-            tail = m.key.decode("utf-8", "replace")[len(pre):].split("/")
+            tail = m.key.decode("utf-8", "replace")[len(pre) :].split("/")
             if tail[1:] == ["commit"]:
                 step = parse_pad20(tail[0])
                 if step is None:
-                    self.skips(pre + "/".join(tail), "not a version key (the step is 20 digits)", m.mod_revision)
+                    self.skips(
+                        pre + "/".join(tail), "not a version key (the step is 20 digits)", m.mod_revision
+                    )
                 else:
                     steps.append(step)
         return sorted(steps)
@@ -301,12 +357,17 @@ class Versions:
         """
         c, step = self.client, check_step(step, CatalogError)
         if step == self.latest():
-            raise CatalogError(f"namespace {c.namespace!r}: step {step} is the newest committed step and cannot be "
-                               "deleted alone (delete the whole namespace instead)")
+            raise CatalogError(
+                f"namespace {c.namespace!r}: step {step} is the newest committed step and cannot be "
+                "deleted alone (delete the whole namespace instead)"
+            )
         commit = c.key("versions", pad20(step), "commit")
-        ok, _ = c.txn(f"delete step {step}", [tx.Version(commit) > 0],
-                      [tx.Delete(p, range_end(p)) for p in (c.key(f, pad20(step), "") for f in PER_STEP)]
-                      + [tx.Delete(c.key("commits", pad20(step)))])
+        ok, _ = c.txn(
+            f"delete step {step}",
+            [tx.Version(commit) > 0],
+            [tx.Delete(p, range_end(p)) for p in (c.key(f, pad20(step), "") for f in PER_STEP)]
+            + [tx.Delete(c.key("commits", pad20(step)))],
+        )
         if not ok:
             raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed")
         log.info("namespace %s: deleted step %d", c.namespace, step)
@@ -314,5 +375,3 @@ class Versions:
     def close(self) -> None:
         self._latest.close()
         self._retention.close()
-
-

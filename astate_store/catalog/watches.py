@@ -7,16 +7,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
-
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pyetcd.etcdrpc as etcdrpc
 import pyetcd.exceptions as etcd_exc
 import pyetcd.watch as etcd_watch
 
-from astate_store.errors import CatalogUnavailable
 from astate_store.catalog.failures import RETRYABLE, WatchRefused, WatchStreamEnded
+from astate_store.errors import CatalogUnavailable
 
 __all__ = ["WatchStub", "Watcher", "new_watcher", "wait_for_event"]
 
@@ -71,8 +71,15 @@ def new_watcher(raw: Any) -> Watcher:
 T = TypeVar("T")
 
 
-def wait_for_event(call: Callable[[str, Callable[[], T]], T], raw: Any, key: str, timeout: float | None, *,
-                   range_end: bytes | None = None, start_revision: int | None = None) -> None:
+def wait_for_event(
+    call: Callable[[str, Callable[[], T]], T],
+    raw: Any,
+    key: str,
+    timeout: float | None,
+    *,
+    range_end: bytes | None = None,
+    start_revision: int | None = None,
+) -> None:
     """Wait for one watch event on ``key`` (to ``range_end``) after ``start_revision``, or the timeout.
 
     ``call`` is the client's retrying :meth:`~astate_store.catalog.client.EtcdClient.call`, ``raw``

@@ -23,14 +23,15 @@ blocks it reads.
 
 Modules: ``format`` (names, manifest schema), ``storage`` (URIs, atomic writes, the crash-test hook),
 ``checksum``, ``writer`` (``write_part``), ``retention`` (the keep_last / keep_every policy, pure),
-``leases`` (reader leases, the ``REMOVING`` tombstone, ``apply_retention``, ``remove_checkpoint``), ``async_writer`` (``AsyncCheckpointer``), ``commit``
-(``try_commit``), ``index`` (what is committed), ``restore`` and ``reads`` (its read side), ``verify``
+``leases`` (reader leases, the ``REMOVING`` tombstone, ``apply_retention``,
+``remove_checkpoint``), ``async_writer`` (``AsyncCheckpointer``), ``commit`` (``try_commit``), ``index``
+(what is committed), ``restore`` and ``reads`` (its read side), ``verify``
 (every block checked without restoring).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from astate_store.checkpoint.async_writer import AsyncCheckpointer
 from astate_store.checkpoint.checksum import CHECKSUMS, DEFAULT_CHECKSUM
@@ -93,4 +94,4 @@ __all__ = [
 #: Crash-test hook: tests set this in a child process to pause or die at a named point
 #: ("data_started", "data_written", "part_written", "manifest_written", "committed").
 #: ``storage.hook`` reads it from here at each point, so setting it on the package is enough.
-_TEST_HOOK: Optional[Callable[[str], None]] = None
+_TEST_HOOK: Callable[[str], None] | None = None

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from astate_store.errors import CheckpointError
-from astate_store.model.layout import ShardRecord, TensorLayout
-from astate_store.model.progress import Progress, ProgressCounter
 from astate_store.checkpoint.checksum import check_block_size, checksum_algo
 from astate_store.checkpoint.commit import try_commit
 from astate_store.checkpoint.format import BLOCK_SIZE
@@ -30,6 +28,9 @@ from astate_store.checkpoint.writer import (
     validate_shards,
     write_part_files,
 )
+from astate_store.errors import CheckpointError
+from astate_store.model.layout import ShardRecord, TensorLayout
+from astate_store.model.progress import Progress, ProgressCounter
 
 __all__ = ["AsyncCheckpointer"]
 
@@ -52,9 +53,19 @@ class AsyncCheckpointer:
     held is ``max_pending`` x the part size (plus alignment padding).
     """
 
-    def __init__(self, uri: Optional[URI] = None, rank: Optional[int] = None, world_size: Optional[int] = None, *,
-                 max_pending: int = 1, commit: bool = True, attempt: str = "", checksum: Optional[str] = None,
-                 block_size: int = BLOCK_SIZE, fsync: bool = True):
+    def __init__(
+        self,
+        uri: URI | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        max_pending: int = 1,
+        commit: bool = True,
+        attempt: str = "",
+        checksum: str | None = None,
+        block_size: int = BLOCK_SIZE,
+        fsync: bool = True,
+    ):
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise CheckpointError(f"max_pending must be an int >= 1, got {max_pending!r}")
         self._algo = checksum_algo(checksum)
@@ -68,9 +79,14 @@ class AsyncCheckpointer:
         self._lock = threading.Lock()
         self._closed = False
 
-    def save(self, *args: Any, layouts: Optional[Mapping[str, TensorLayout]] = None,
-             attempt: Optional[str] = None, progress: Optional[Progress] = None,
-             meta: Optional[bytes] = None) -> "Future[PartInfo]":
+    def save(
+        self,
+        *args: Any,
+        layouts: Mapping[str, TensorLayout] | None = None,
+        attempt: str | None = None,
+        progress: Progress | None = None,
+        meta: bytes | None = None,
+    ) -> Future[PartInfo]:
         """``save(step, shards)`` or ``save(uri, step, rank, world_size, shards)``: snapshot ``shards``
         now and write them as this rank's part of ``step`` in the background.
 
@@ -89,8 +105,10 @@ class AsyncCheckpointer:
             raise CheckpointError("AsyncCheckpointer is closed")
         if len(args) == 2:
             if self._loc is None or self.rank is None or self.world_size is None:
-                raise CheckpointError("save(step, shards) needs AsyncCheckpointer(uri, rank, world_size); or call "
-                                      "save(uri, step, rank, world_size, shards)")
+                raise CheckpointError(
+                    "save(step, shards) needs AsyncCheckpointer(uri, rank, world_size); or call "
+                    "save(uri, step, rank, world_size, shards)"
+                )
             uri, loc, rank, world = self.uri, self._loc, self.rank, self.world_size
             step, shards = args
         elif len(args) == 5:
@@ -107,22 +125,32 @@ class AsyncCheckpointer:
         offsets, total = file_layout(items)
         buf = self._snapshot(items, offsets, total)
         snap = time.perf_counter() - t0
-        target = PartTarget(loc, step, rank, world, self.attempt if attempt is None else str(attempt), self._algo,
-                            self.block_size, self.fsync, meta)
+        target = PartTarget(
+            loc,
+            step,
+            rank,
+            world,
+            self.attempt if attempt is None else str(attempt),
+            self._algo,
+            self.block_size,
+            self.fsync,
+            meta,
+        )
         fut = self._pool.submit(self._write, uri, target, items, offsets, total, buf, snap, progress)
         with self._lock:
             self._pending.append(fut)
         return fut
 
-    def _snapshot(self, items: Sequence[tuple[ShardRecord, torch.Tensor]], offsets: Sequence[int],
-                  total: int) -> torch.Tensor:
+    def _snapshot(
+        self, items: Sequence[tuple[ShardRecord, torch.Tensor]], offsets: Sequence[int], total: int
+    ) -> torch.Tensor:
         """Copy the shards into a host buffer laid out like the data file."""
         buf = self._buffer(total, any(t.device.type == "cuda" for _, t in items))
         cuda = False
         for (rec, t), off in zip(items, offsets):
             if rec.nbytes == 0:
                 continue
-            view = buf[off:off + rec.nbytes].view(t.dtype).view(tuple(rec.box.sizes))
+            view = buf[off : off + rec.nbytes].view(t.dtype).view(tuple(rec.box.sizes))
             view.copy_(t, non_blocking=t.device.type == "cuda")
             cuda = cuda or t.device.type == "cuda"
         if cuda:
@@ -141,9 +169,17 @@ class AsyncCheckpointer:
             return torch.empty(size, dtype=torch.uint8, pin_memory=True)
         return torch.from_numpy(np.empty(size, dtype=np.uint8))
 
-    def _write(self, uri: URI, target: PartTarget, items: Sequence[tuple[ShardRecord, torch.Tensor]],
-               offsets: Sequence[int], total: int, buf: torch.Tensor, snap: float,
-               progress: Optional[Progress] = None) -> PartInfo:
+    def _write(
+        self,
+        uri: URI,
+        target: PartTarget,
+        items: Sequence[tuple[ShardRecord, torch.Tensor]],
+        offsets: Sequence[int],
+        total: int,
+        buf: torch.Tensor,
+        snap: float,
+        progress: Progress | None = None,
+    ) -> PartInfo:
         t0 = time.perf_counter()
         counter = ProgressCounter(progress, sum(r.nbytes for r, _ in items))
 
@@ -151,7 +187,7 @@ class AsyncCheckpointer:
             a = offsets[i]
             b = a + items[i][0].nbytes
             for p in range(a, b, WRITE_CHUNK):
-                yield flat[p:min(b, p + WRITE_CHUNK)]
+                yield flat[p : min(b, p + WRITE_CHUNK)]
                 counter.add(min(b, p + WRITE_CHUNK) - p)
 
         try:
@@ -162,8 +198,13 @@ class AsyncCheckpointer:
                 self._free.append(buf)  # reused by a later save, whatever happened
         counter.finish()
         attempt = target.attempt
-        committed = try_commit(uri, target.step, target.world_size, attempt=attempt if attempt else None,
-                               fsync=self.fsync) if self.commit else None
+        committed = (
+            try_commit(
+                uri, target.step, target.world_size, attempt=attempt if attempt else None, fsync=self.fsync
+            )
+            if self.commit
+            else None
+        )
         return replace(info, uri=target.loc.uri, seconds=snap + time.perf_counter() - t0, committed=committed)
 
     def _drain(self, keep: int) -> None:
@@ -191,7 +232,7 @@ class AsyncCheckpointer:
         self._pool.shutdown(wait=True)
         self._free.clear()
 
-    def __enter__(self) -> "AsyncCheckpointer":
+    def __enter__(self) -> AsyncCheckpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from astate_store.errors import CheckpointError
 from astate_store.checkpoint.format import ALIGN
+from astate_store.errors import CheckpointError
 
-__all__ = ["Checksum", "Crc32", "Xxh3", "CHECKSUMS", "DEFAULT_CHECKSUM", "checksum_algo", "check_block_size",
-           "BlockSums"]
+__all__ = [
+    "Checksum",
+    "Crc32",
+    "Xxh3",
+    "CHECKSUMS",
+    "DEFAULT_CHECKSUM",
+    "checksum_algo",
+    "check_block_size",
+    "BlockSums",
+]
 
 
 class Checksum:
@@ -55,8 +64,10 @@ class Xxh3(Checksum):
         try:
             import xxhash
         except ImportError:  # pragma: no cover - depends on the environment
-            raise CheckpointError("checksum 'xxh3_64' needs the package xxhash (pip install xxhash), or restore "
-                                  "with verify=False") from None
+            raise CheckpointError(
+                "checksum 'xxh3_64' needs the package xxhash (pip install xxhash), or restore "
+                "with verify=False"
+            ) from None
         self._x = xxhash
 
     def digest(self, data: Any) -> int:
@@ -90,7 +101,7 @@ def _have_xxhash() -> bool:
 DEFAULT_CHECKSUM = "xxh3_64" if _have_xxhash() else "crc32"
 
 
-def checksum_algo(name: Optional[str]) -> Checksum:
+def checksum_algo(name: str | None) -> Checksum:
     """The algorithm called ``name`` (None: ``DEFAULT_CHECKSUM``).
 
     Raises:
@@ -108,7 +119,12 @@ def check_block_size(block_size: int) -> int:
     Raises:
         CheckpointError: otherwise.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < ALIGN or block_size % ALIGN:
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int)
+        or block_size < ALIGN
+        or block_size % ALIGN
+    ):
         raise CheckpointError(f"block_size must be a positive multiple of {ALIGN}, got {block_size!r}")
     return block_size
 
@@ -127,7 +143,7 @@ class BlockSums:
         pos, n = 0, len(mv)
         while pos < n:
             take = min(self.block - self._len, n - pos)
-            piece = mv[pos:pos + take]
+            piece = mv[pos : pos + take]
             if take == self.block:  # a whole block in one piece: one-shot
                 self.sums.append(self.algo.digest(piece))
             else:

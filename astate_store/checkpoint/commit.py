@@ -9,15 +9,14 @@ import logging
 import posixpath
 import time
 import zlib
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from astate_store.errors import CheckpointCorrupted, CheckpointError, LayoutError
-from astate_store.model.layout import TensorLayout, check_step, group_layouts
 from astate_store.checkpoint.format import (
     COMMIT_NAME,
     DATA_RE,
@@ -31,14 +30,23 @@ from astate_store.checkpoint.format import (
 from astate_store.checkpoint.index import is_committed
 from astate_store.checkpoint.storage import URI, Location, fsync_path, hook, put_atomic, read_all, resolve
 from astate_store.checkpoint.writer import check_world_size
+from astate_store.errors import CheckpointCorrupted, CheckpointError, LayoutError
+from astate_store.model.layout import TensorLayout, check_step, group_layouts
 
 __all__ = ["try_commit"]
 
 log = logging.getLogger("astate_store.checkpoint")
 
 
-def try_commit(uri: URI, step: int, world_size: int, *, attempt: Optional[str] = None, fsync: bool = True,
-               cleanup: bool = True) -> bool:
+def try_commit(
+    uri: URI,
+    step: int,
+    world_size: int,
+    *,
+    attempt: str | None = None,
+    fsync: bool = True,
+    cleanup: bool = True,
+) -> bool:
     """Commit ``step`` if all ``world_size`` parts are there: merged manifest first, ``COMMIT`` last.
 
     Safe to call from every rank, concurrently and repeatedly: committers write identical
@@ -69,8 +77,10 @@ def try_commit(uri: URI, step: int, world_size: int, *, attempt: Optional[str] =
             return False
         tables, metas = parts
         if len({(m["checksum"], m["block_size"]) for m in metas}) != 1:
-            raise CheckpointError(f"step {step}: ranks used different checksum settings "
-                                  f"{sorted({(m['checksum'], m['block_size']) for m in metas})}")
+            raise CheckpointError(
+                f"step {step}: ranks used different checksum settings "
+                f"{sorted({(m['checksum'], m['block_size']) for m in metas})}"
+            )
         files = {m["file"]: int(m["file_bytes"]) for m in metas}
         _check_data_files(loc, step, files)
         table, layouts = _merge(tables, step)
@@ -82,8 +92,9 @@ def try_commit(uri: URI, step: int, world_size: int, *, attempt: Optional[str] =
         raise CheckpointError(f"step {step}: committing under {loc.uri} failed: {exc}") from exc
 
 
-def _read_parts(loc: Location, step: int, world_size: int,
-                attempt: Optional[str]) -> Optional[tuple[list[pa.Table], list[dict[str, Any]]]]:
+def _read_parts(
+    loc: Location, step: int, world_size: int, attempt: str | None
+) -> tuple[list[pa.Table], list[dict[str, Any]]] | None:
     """Every rank's part manifest and its metadata; None while one is missing or from another run."""
     sdir = loc.step_dir(step)
     paths = [posixpath.join(sdir, part_name(r)) for r in range(world_size)]
@@ -98,8 +109,9 @@ def _read_parts(loc: Location, step: int, world_size: int,
             return None
         except (ValueError, pa.ArrowException) as exc:
             raise CheckpointCorrupted(f"step {step}: part manifest {p} is unreadable: {exc}") from exc
-        if (meta.get("step"), meta.get("rank"), meta.get("world_size")) != (step, r, world_size) or \
-                (attempt is not None and meta.get("attempt") != str(attempt)):
+        if (meta.get("step"), meta.get("rank"), meta.get("world_size")) != (step, r, world_size) or (
+            attempt is not None and meta.get("attempt") != str(attempt)
+        ):
             log.debug("step %d: part %s is from another run (%s); not committing", step, p, meta)
             return None
         tables.append(table)
@@ -114,10 +126,14 @@ def _check_data_files(loc: Location, step: int, files: Mapping[str, int]) -> Non
     infos = loc.fs.get_file_info([posixpath.join(sdir, f) for f in files])
     for (f, size), inf in zip(files.items(), infos):
         if inf.type == pafs.FileType.NotFound:
-            raise CheckpointCorrupted(f"step {step}: data file {posixpath.join(sdir, f)} of a part is missing")
+            raise CheckpointCorrupted(
+                f"step {step}: data file {posixpath.join(sdir, f)} of a part is missing"
+            )
         if inf.size != size:
-            raise CheckpointCorrupted(f"step {step}: data file {posixpath.join(sdir, f)} has {inf.size} bytes, "
-                                      f"its part manifest says {size}")
+            raise CheckpointCorrupted(
+                f"step {step}: data file {posixpath.join(sdir, f)} has {inf.size} bytes, "
+                f"its part manifest says {size}"
+            )
 
 
 def _merge(tables: Sequence[pa.Table], step: int) -> tuple[pa.Table, Mapping[str, TensorLayout]]:
@@ -127,8 +143,11 @@ def _merge(tables: Sequence[pa.Table], step: int) -> tuple[pa.Table, Mapping[str
         CheckpointError: the shards disagree or do not tile a tensor.
     """
     table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
-    table = table.take(pc.sort_indices(table, sort_keys=[("name", "ascending"), ("rank", "ascending"),
-                                                        ("byte_offset", "ascending")]))
+    table = table.take(
+        pc.sort_indices(
+            table, sort_keys=[("name", "ascending"), ("rank", "ascending"), ("byte_offset", "ascending")]
+        )
+    )
     try:
         layouts = group_layouts(manifest_records(table))
     except (LayoutError, ValueError) as exc:
@@ -136,13 +155,27 @@ def _merge(tables: Sequence[pa.Table], step: int) -> tuple[pa.Table, Mapping[str
     return table, layouts
 
 
-def _write_commit(loc: Location, step: int, world_size: int, part_metas: Sequence[Mapping[str, Any]],
-                  files: Mapping[str, int], table: pa.Table, layouts: Mapping[str, TensorLayout], fsync: bool) -> None:
+def _write_commit(
+    loc: Location,
+    step: int,
+    world_size: int,
+    part_metas: Sequence[Mapping[str, Any]],
+    files: Mapping[str, int],
+    table: pa.Table,
+    layouts: Mapping[str, TensorLayout],
+    fsync: bool,
+) -> None:
     """The merged manifest, then the ``COMMIT`` marker that names it: the step exists from here on."""
     sdir = loc.step_dir(step)
     part_meta = part_metas[0]
-    meta = {"format": FORMAT, "kind": "manifest", "step": step, "world_size": world_size,
-            "checksum": part_meta["checksum"], "block_size": part_meta["block_size"]}
+    meta = {
+        "format": FORMAT,
+        "kind": "manifest",
+        "step": step,
+        "world_size": world_size,
+        "checksum": part_meta["checksum"],
+        "block_size": part_meta["block_size"],
+    }
     data = parquet_bytes(table, meta)
     crc = zlib.crc32(data)
     mname = manifest_name(crc)
@@ -166,7 +199,9 @@ def _write_commit(loc: Location, step: int, world_size: int, part_metas: Sequenc
     user_meta = {str(m["rank"]): m["meta"] for m in part_metas if isinstance(m.get("meta"), str)}
     if user_meta:
         marker["meta"] = user_meta  # every rank's put(meta=...), base64 msgpack
-    put_atomic(loc, posixpath.join(sdir, COMMIT_NAME), json.dumps(marker, sort_keys=True).encode(), fsync=fsync)
+    put_atomic(
+        loc, posixpath.join(sdir, COMMIT_NAME), json.dumps(marker, sort_keys=True).encode(), fsync=fsync
+    )
     if loc.local and fsync:
         fsync_path(loc.root, directory=True)  # the step directory's own entry
     hook("committed")

@@ -9,7 +9,8 @@ import json
 import math
 import re
 import uuid
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -92,8 +93,14 @@ def align_up(pos: int) -> int:
     return -(-pos // ALIGN) * ALIGN
 
 
-def manifest_table(rows: Sequence[ShardRecord], rank_of: Sequence[int], files: Sequence[str],
-                   offsets: Sequence[int], sums: Sequence[Sequence[int]], block_size: int) -> pa.Table:
+def manifest_table(
+    rows: Sequence[ShardRecord],
+    rank_of: Sequence[int],
+    files: Sequence[str],
+    offsets: Sequence[int],
+    sums: Sequence[Sequence[int]],
+    block_size: int,
+) -> pa.Table:
     """Manifest rows of ``rows`` (a record's own rank/byte_offset are not used: ``rank_of``, ``offsets``)."""
     return pa.table(
         {
@@ -113,7 +120,7 @@ def manifest_table(rows: Sequence[ShardRecord], rank_of: Sequence[int], files: S
     )
 
 
-def manifest_records(table: pa.Table, file_index: Optional[Mapping[str, int]] = None) -> list[ShardRecord]:
+def manifest_records(table: pa.Table, file_index: Mapping[str, int] | None = None) -> list[ShardRecord]:
     """Manifest rows as dense ShardRecords at their byte offsets; ``rank`` is the row's rank, or with
     ``file_index`` the index of its data file (the planner's source id when restoring).
 
@@ -129,11 +136,21 @@ def manifest_records(table: pa.Table, file_index: Optional[Mapping[str, int]] = 
         if dt not in DTYPES:
             raise LayoutError(f"tensor {cols['name'][i]!r}: unknown dtype {dt!r}")
         if cols["length"][i] != math.prod(sizes) * itemsize(dt):
-            raise LayoutError(f"tensor {cols['name'][i]!r}: length {cols['length'][i]} does not match sizes {sizes}")
-        out.append(ShardRecord(cols["name"][i], dt, tuple(cols["global_shape"][i]),
-                               Box(tuple(cols["offsets"][i]), sizes), contiguous_strides(sizes),
-                               file_index[files[i]] if file_index is not None else int(cols["rank"][i]), 0,
-                               int(cols["byte_offset"][i])))
+            raise LayoutError(
+                f"tensor {cols['name'][i]!r}: length {cols['length'][i]} does not match sizes {sizes}"
+            )
+        out.append(
+            ShardRecord(
+                cols["name"][i],
+                dt,
+                tuple(cols["global_shape"][i]),
+                Box(tuple(cols["offsets"][i]), sizes),
+                contiguous_strides(sizes),
+                file_index[files[i]] if file_index is not None else int(cols["rank"][i]),
+                0,
+                int(cols["byte_offset"][i]),
+            )
+        )
     return out
 
 

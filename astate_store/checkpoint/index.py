@@ -7,22 +7,37 @@ import json
 import posixpath
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from astate_store.errors import CheckpointCorrupted, CheckpointError, CheckpointNotFound
-from astate_store.model.layout import check_step
 from astate_store.checkpoint.format import COMMIT_NAME, FORMAT, MANIFEST_SCHEMA, STEP_RE, parquet_meta
 from astate_store.checkpoint.storage import URI, Location, read_all, resolve
+from astate_store.errors import CheckpointCorrupted, CheckpointError, CheckpointNotFound
+from astate_store.model.layout import check_step
 
-__all__ = ["CheckpointInfo", "is_committed", "list_checkpoints", "load_marker", "checkpoint_info", "load_manifest",
-           "read_manifest"]
+__all__ = [
+    "CheckpointInfo",
+    "is_committed",
+    "list_checkpoints",
+    "load_marker",
+    "checkpoint_info",
+    "load_manifest",
+    "read_manifest",
+]
 
 # Keys every commit marker has; the others (bytes, tensors, shards, written_at) are informational.
-_MARKER_KEYS = ("manifest", "manifest_bytes", "manifest_crc32", "files", "world_size", "checksum", "block_size")
+_MARKER_KEYS = (
+    "manifest",
+    "manifest_bytes",
+    "manifest_crc32",
+    "files",
+    "world_size",
+    "checksum",
+    "block_size",
+)
 
 
 @dataclass(frozen=True)
@@ -67,7 +82,7 @@ def list_checkpoints(uri: URI) -> list[int]:
     return [s for s, i in zip(steps, infos) if i.type == pafs.FileType.File]
 
 
-def load_marker(loc: Location, step: Optional[int]) -> tuple[int, dict[str, Any]]:
+def load_marker(loc: Location, step: int | None) -> tuple[int, dict[str, Any]]:
     """``(step, commit marker)`` of ``step`` (None: the newest complete one).
 
     Raises:
@@ -86,9 +101,11 @@ def load_marker(loc: Location, step: Optional[int]) -> tuple[int, dict[str, Any]
         raw = read_all(loc.fs, path)
     except FileNotFoundError:
         partial = loc.fs.get_file_info(sdir).type == pafs.FileType.Directory
-        raise CheckpointNotFound(f"no complete checkpoint of step {step} under {loc.uri}"
-                                 f"{' (only an uncommitted partial one)' if partial else ''}; complete: "
-                                 f"{list_checkpoints((loc.fs, loc.root))}") from None
+        raise CheckpointNotFound(
+            f"no complete checkpoint of step {step} under {loc.uri}"
+            f"{' (only an uncommitted partial one)' if partial else ''}; complete: "
+            f"{list_checkpoints((loc.fs, loc.root))}"
+        ) from None
     try:
         marker = json.loads(raw)
         if not isinstance(marker, dict) or marker.get("format") != FORMAT or marker.get("step") != step:
@@ -101,7 +118,7 @@ def load_marker(loc: Location, step: Optional[int]) -> tuple[int, dict[str, Any]
     return step, marker
 
 
-def checkpoint_info(uri: URI, step: Optional[int] = None) -> CheckpointInfo:
+def checkpoint_info(uri: URI, step: int | None = None) -> CheckpointInfo:
     """The commit marker of ``step`` (default: the newest complete one).
 
     Raises:
@@ -110,12 +127,22 @@ def checkpoint_info(uri: URI, step: Optional[int] = None) -> CheckpointInfo:
     """
     loc = resolve(uri)
     step, m = load_marker(loc, step)
-    return CheckpointInfo(step, loc.uri, int(m["world_size"]), int(m.get("bytes", 0)), int(m.get("tensors", 0)),
-                          int(m.get("shards", 0)), dict(m["files"]), m["manifest"], m["checksum"],
-                          int(m["block_size"]), float(m.get("written_at", 0.0)))
+    return CheckpointInfo(
+        step,
+        loc.uri,
+        int(m["world_size"]),
+        int(m.get("bytes", 0)),
+        int(m.get("tensors", 0)),
+        int(m.get("shards", 0)),
+        dict(m["files"]),
+        m["manifest"],
+        m["checksum"],
+        int(m["block_size"]),
+        float(m.get("written_at", 0.0)),
+    )
 
 
-def read_meta(uri: URI, step: Optional[int] = None, rank: int = 0) -> tuple[int, Optional[bytes]]:
+def read_meta(uri: URI, step: int | None = None, rank: int = 0) -> tuple[int, bytes | None]:
     """``(step, the msgpack bytes rank put with it)`` from a complete checkpoint (default: the
     newest); None when that rank gave no meta.
 
@@ -131,7 +158,9 @@ def read_meta(uri: URI, step: Optional[int] = None, rank: int = 0) -> tuple[int,
     try:
         return step, base64.b64decode(entry, validate=True)
     except (TypeError, ValueError) as exc:
-        raise CheckpointCorrupted(f"step {step}: the commit marker's meta of rank {rank} is not base64: {exc}") from None
+        raise CheckpointCorrupted(
+            f"step {step}: the commit marker's meta of rank {rank} is not base64: {exc}"
+        ) from None
 
 
 def load_manifest(loc: Location, step: int, marker: dict[str, Any]) -> pa.Table:
@@ -146,8 +175,10 @@ def load_manifest(loc: Location, step: int, marker: dict[str, Any]) -> pa.Table:
     except FileNotFoundError:
         raise CheckpointCorrupted(f"step {step}: manifest {path} is missing") from None
     if len(data) != marker["manifest_bytes"] or zlib.crc32(data) != marker["manifest_crc32"]:
-        raise CheckpointCorrupted(f"step {step}: manifest {path} fails its size/crc32 check "
-                                  f"({len(data)} bytes, commit marker says {marker['manifest_bytes']})")
+        raise CheckpointCorrupted(
+            f"step {step}: manifest {path} fails its size/crc32 check "
+            f"({len(data)} bytes, commit marker says {marker['manifest_bytes']})"
+        )
     try:
         table = pq.read_table(pa.BufferReader(data))
         parquet_meta(table)
@@ -158,7 +189,7 @@ def load_manifest(loc: Location, step: int, marker: dict[str, Any]) -> pa.Table:
     return table
 
 
-def read_manifest(uri: URI, step: Optional[int] = None) -> pa.Table:
+def read_manifest(uri: URI, step: int | None = None) -> pa.Table:
     """The merged manifest of a complete checkpoint as a ``pyarrow.Table`` (one row per shard).
 
     Raises:

@@ -40,19 +40,27 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from astate_store.errors import CheckpointError, CheckpointInUse, CheckpointNotFound
 from astate_store.checkpoint.format import COMMIT_NAME, FORMAT, STEP_RE
 from astate_store.checkpoint.index import list_checkpoints
 from astate_store.checkpoint.retention import REMOVE, RetentionPolicy, keep_reasons
 from astate_store.checkpoint.storage import URI, Location, put_atomic, resolve
+from astate_store.errors import CheckpointError, CheckpointInUse, CheckpointNotFound
 
-__all__ = ["LEASE_TTL", "REMOVING_NAME", "ReaderLease", "live_readers", "remove_checkpoint", "apply_retention",
-           "RetentionResult", "policy_view"]
+__all__ = [
+    "LEASE_TTL",
+    "REMOVING_NAME",
+    "ReaderLease",
+    "live_readers",
+    "remove_checkpoint",
+    "apply_retention",
+    "RetentionResult",
+    "policy_view",
+]
 
 log = logging.getLogger("astate_store.checkpoint")
 
@@ -68,7 +76,7 @@ def _lease_name(ttl: float, lease_id: str) -> str:
     return f"reader-{int(round(ttl * 1000)):09d}-{lease_id}.lease"
 
 
-def _mtime(info: pafs.FileInfo) -> Optional[float]:
+def _mtime(info: pafs.FileInfo) -> float | None:
     ns = info.mtime_ns
     return None if ns is None else ns / 1e9
 
@@ -89,8 +97,15 @@ class ReaderLease:
         self.held = False
 
     def _write(self) -> None:
-        body = {"format": FORMAT, "kind": "reader_lease", "step": self.step, "ttl": self.ttl, "pid": os.getpid(),
-                "host": socket.gethostname(), "renewed_at": time.time()}
+        body = {
+            "format": FORMAT,
+            "kind": "reader_lease",
+            "step": self.step,
+            "ttl": self.ttl,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "renewed_at": time.time(),
+        }
         put_atomic(self.loc, self.path, json.dumps(body, sort_keys=True).encode(), fsync=False)
 
     def _renew(self) -> None:
@@ -103,7 +118,7 @@ class ReaderLease:
                 except (OSError, pa.ArrowException) as exc:  # the next renewal tries again
                     log.warning("step %d: renewing reader lease %s failed: %s", self.step, self.path, exc)
 
-    def __enter__(self) -> "ReaderLease":
+    def __enter__(self) -> ReaderLease:
         sdir = self.loc.step_dir(self.step)
         if self.loc.fs.get_file_info(posixpath.join(sdir, COMMIT_NAME)).type == pafs.FileType.NotFound:
             return self  # nothing to protect (and no lease left in a directory removed meanwhile)
@@ -111,14 +126,21 @@ class ReaderLease:
             self._write()
             self.held = True
         except (OSError, pa.ArrowException) as exc:
-            log.warning("step %d under %s: cannot write a reader lease (%s); restoring without protection "
-                        "against retention", self.step, self.loc.uri, exc)
+            log.warning(
+                "step %d under %s: cannot write a reader lease (%s); restoring without protection "
+                "against retention",
+                self.step,
+                self.loc.uri,
+                exc,
+            )
             return self
         removing = posixpath.join(sdir, REMOVING_NAME)
         if self.loc.fs.get_file_info(removing).type != pafs.FileType.NotFound:
             self._release()
-            raise CheckpointNotFound(f"checkpoint step {self.step} under {self.loc.uri} is being removed "
-                                     f"(retention or `astate checkpoint rm`)")
+            raise CheckpointNotFound(
+                f"checkpoint step {self.step} under {self.loc.uri} is being removed "
+                f"(retention or `astate checkpoint rm`)"
+            )
         threading.Thread(target=self._renew, name="astate-ckpt-lease", daemon=True).start()
         return self
 
@@ -144,7 +166,7 @@ def _leases(loc: Location, step: int) -> list[pafs.FileInfo]:
     return [i for i in loc.fs.get_file_info(sel) if LEASE_RE.match(i.base_name)]
 
 
-def live_readers(loc: Location, step: int, now: Optional[float] = None) -> list[str]:
+def live_readers(loc: Location, step: int, now: float | None = None) -> list[str]:
     """Names of the leases of ``step`` still within their ttl (+ slack) at ``now`` (default: this
     host's clock; removers pass the storage's clock, the tombstone's modification time)."""
     now = time.time() if now is None else now
@@ -196,15 +218,32 @@ def _remove(loc: Location, step: int, by: str) -> None:
         if REMOVING_NAME in names:  # an earlier remover died after deleting COMMIT: finish its work
             loc.fs.delete_dir(sdir)
             return
-        raise CheckpointInUse(f"step {step} under {loc.uri} is not complete: another session may still be "
-                              "writing it (it is never removed)")
+        raise CheckpointInUse(
+            f"step {step} under {loc.uri} is not complete: another session may still be "
+            "writing it (it is never removed)"
+        )
     complete = list_checkpoints((loc.fs, loc.root))
     if complete and step == complete[-1]:
-        raise CheckpointInUse(f"step {step} is the newest complete checkpoint under {loc.uri}; it is never removed")
+        raise CheckpointInUse(
+            f"step {step} is the newest complete checkpoint under {loc.uri}; it is never removed"
+        )
     tomb = posixpath.join(sdir, REMOVING_NAME)
-    put_atomic(loc, tomb, json.dumps({"format": FORMAT, "kind": "removing", "step": step, "by": by,
-                                      "pid": os.getpid(), "host": socket.gethostname(),
-                                      "at": time.time()}).encode(), fsync=False)
+    put_atomic(
+        loc,
+        tomb,
+        json.dumps(
+            {
+                "format": FORMAT,
+                "kind": "removing",
+                "step": step,
+                "by": by,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "at": time.time(),
+            }
+        ).encode(),
+        fsync=False,
+    )
     now = _mtime(loc.fs.get_file_info(tomb))
     readers = live_readers(loc, step, now)
     if readers:
@@ -212,8 +251,10 @@ def _remove(loc: Location, step: int, by: str) -> None:
             loc.fs.delete_file(tomb)
         except (OSError, pa.ArrowException):
             pass  # the next remover sees a live lease again, or finishes
-        raise CheckpointInUse(f"step {step} under {loc.uri} is being restored ({len(readers)} live reader "
-                              f"lease{'s' if len(readers) != 1 else ''}: {', '.join(sorted(readers)[:4])})")
+        raise CheckpointInUse(
+            f"step {step} under {loc.uri} is being restored ({len(readers)} live reader "
+            f"lease{'s' if len(readers) != 1 else ''}: {', '.join(sorted(readers)[:4])})"
+        )
     _delete_step(loc, step)
     log.info("removed checkpoint step %d under %s%s", step, loc.uri, f" ({by})" if by else "")
 
@@ -239,8 +280,9 @@ def policy_view(uri: URI, policy: RetentionPolicy) -> dict[int, str]:
     return view
 
 
-def apply_retention(uri: URI, policy: RetentionPolicy, upto: Optional[int] = None, *,
-                    by: str = "retention") -> RetentionResult:
+def apply_retention(
+    uri: URI, policy: RetentionPolicy, upto: int | None = None, *, by: str = "retention"
+) -> RetentionResult:
     """Remove the complete checkpoints under ``uri`` that ``policy`` does not keep (only steps
     below ``upto`` when given: the checkpoint just completed), and the debris of removers that
     died half-way. Safe to run from several processes at once; never raises for one step (it is
@@ -264,7 +306,7 @@ def apply_retention(uri: URI, policy: RetentionPolicy, upto: Optional[int] = Non
     return res
 
 
-def _sweep_abandoned(loc: Location, upto: Optional[int], res: RetentionResult) -> None:
+def _sweep_abandoned(loc: Location, upto: int | None, res: RetentionResult) -> None:
     """Delete step directories a dead remover left (``REMOVING`` without ``COMMIT``) below ``upto``."""
     try:
         entries = loc.fs.get_file_info(pafs.FileSelector(loc.root, allow_not_found=True))
@@ -276,7 +318,9 @@ def _sweep_abandoned(loc: Location, upto: Optional[int], res: RetentionResult) -
             continue
         step = int(m.group(1))
         sdir = loc.step_dir(step)
-        infos: Any = loc.fs.get_file_info([posixpath.join(sdir, REMOVING_NAME), posixpath.join(sdir, COMMIT_NAME)])
+        infos: Any = loc.fs.get_file_info(
+            [posixpath.join(sdir, REMOVING_NAME), posixpath.join(sdir, COMMIT_NAME)]
+        )
         if infos[0].type == pafs.FileType.File and infos[1].type == pafs.FileType.NotFound:
             try:
                 loc.fs.delete_dir(sdir)

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
+from astate_store.checkpoint.checksum import Checksum
+from astate_store.checkpoint.storage import Location
 from astate_store.errors import CheckpointCorrupted
 from astate_store.model.layout import itemsize, torch_dtype
 from astate_store.plan import DTYPE_CODES
-from astate_store.checkpoint.checksum import Checksum
-from astate_store.checkpoint.storage import Location
 
 __all__ = ["DataFile", "CopyItem", "ReadContext", "progressions", "split_items", "run_items"]
 
@@ -35,9 +36,9 @@ class DataFile:
         self.labels: list[str] = []
         self.verified: list[np.ndarray] = []  #: per shard, per block: verified (or claimed by a worker)
         self._lock = threading.Lock()
-        self._mm: Optional[mmap.mmap] = None
-        self.tensor: Optional[torch.Tensor] = None
-        self.mv: Optional[memoryview] = None
+        self._mm: mmap.mmap | None = None
+        self.tensor: torch.Tensor | None = None
+        self.mv: memoryview | None = None
         self._remote: Any = None
 
     def open(self) -> None:
@@ -65,7 +66,9 @@ class DataFile:
         """Bytes ``[lo, hi)`` as a writable uint8 tensor (remote files) plus a memoryview of them."""
         buf = self._remote.read_at(hi - lo, lo)
         if len(buf) != hi - lo:
-            raise CheckpointCorrupted(f"data file {self.path} is short: wanted bytes [{lo}, {hi}), got {len(buf)}")
+            raise CheckpointCorrupted(
+                f"data file {self.path} is short: wanted bytes [{lo}, {hi}), got {len(buf)}"
+            )
         arr = np.frombuffer(buf, dtype=np.uint8).copy()
         return torch.from_numpy(arr), memoryview(arr)
 
@@ -116,13 +119,13 @@ class ReadContext:
     request region) and the manifest's checksums (flat, indexed through ``DataFile.sum_base``)."""
 
     step: int
-    files: list[Optional[DataFile]]
+    files: list[DataFile | None]
     dests: list[torch.Tensor]
     sums: np.ndarray
     algo: Checksum
     block: int
     verify: bool
-    done: Optional[Callable[[int], None]] = None  #: told the source bytes of each finished item (progress)
+    done: Callable[[int], None] | None = None  #: told the source bytes of each finished item (progress)
 
 
 def progressions(reads: np.ndarray) -> list[CopyItem]:
@@ -140,13 +143,23 @@ def progressions(reads: np.ndarray) -> list[CopyItem]:
     sd = reads["src_dtype"].astype(np.int64)
     dd = reads["dst_dtype"].astype(np.int64)
     if n == 1:
-        return [CopyItem(int(fr[0]), int(dr[0]), int(so[0]), int(do[0]), 1, int(ln[0]), 0, 0, int(sd[0]),
-                         int(dd[0]))]
+        return [
+            CopyItem(
+                int(fr[0]), int(dr[0]), int(so[0]), int(do[0]), 1, int(ln[0]), 0, 0, int(sd[0]), int(dd[0])
+            )
+        ]
     dso = np.diff(so)
     ddo = np.diff(do)
     # link i joins read i to read i + 1
-    link = (fr[1:] == fr[:-1]) & (dr[1:] == dr[:-1]) & (ln[1:] == ln[:-1]) & (sd[1:] == sd[:-1]) & \
-        (dd[1:] == dd[:-1]) & (dso >= ln[:-1]) & (ddo > 0)
+    link = (
+        (fr[1:] == fr[:-1])
+        & (dr[1:] == dr[:-1])
+        & (ln[1:] == ln[:-1])
+        & (sd[1:] == sd[:-1])
+        & (dd[1:] == dd[:-1])
+        & (dso >= ln[:-1])
+        & (ddo > 0)
+    )
     # a new link group starts where a link is invalid or its deltas differ from the previous link
     same = np.zeros(n - 1, bool)
     same[1:] = link[1:] & link[:-1] & (dso[1:] == dso[:-1]) & (ddo[1:] == ddo[:-1])
@@ -172,8 +185,20 @@ def progressions(reads: np.ndarray) -> list[CopyItem]:
         cnt = b + 1 - first
         if cnt == 1:
             continue
-        out.append(CopyItem(fr_l[first], dr_l[first], so_l[first], do_l[first], cnt, ln_l[first], dso_l[first],
-                            ddo_l[first], sd_l[first], dd_l[first]))
+        out.append(
+            CopyItem(
+                fr_l[first],
+                dr_l[first],
+                so_l[first],
+                do_l[first],
+                cnt,
+                ln_l[first],
+                dso_l[first],
+                ddo_l[first],
+                sd_l[first],
+                dd_l[first],
+            )
+        )
         nxt = b + 1
     while nxt < n:
         single(nxt)
@@ -190,14 +215,29 @@ def split_items(items: list[CopyItem], item_bytes: int) -> list[CopyItem]:
             step = max(sisz, item_bytes // sisz * sisz)
             for p in range(0, it.length, step):
                 ln = min(step, it.length - p)
-                out.append(CopyItem(it.file, it.dst, it.so + p, it.do + p // sisz * disz, 1, ln, 0, 0, it.sdt,
-                                    it.ddt))
+                out.append(
+                    CopyItem(
+                        it.file, it.dst, it.so + p, it.do + p // sisz * disz, 1, ln, 0, 0, it.sdt, it.ddt
+                    )
+                )
         elif it.n > 1 and it.n * max(it.sdelta, 1) > item_bytes:
             k = max(1, item_bytes // max(it.sdelta, 1))
             for j in range(0, it.n, k):
                 m = min(k, it.n - j)
-                out.append(CopyItem(it.file, it.dst, it.so + j * it.sdelta, it.do + j * it.ddelta, m, it.length,
-                                    it.sdelta, it.ddelta, it.sdt, it.ddt))
+                out.append(
+                    CopyItem(
+                        it.file,
+                        it.dst,
+                        it.so + j * it.sdelta,
+                        it.do + j * it.ddelta,
+                        m,
+                        it.length,
+                        it.sdelta,
+                        it.ddelta,
+                        it.sdt,
+                        it.ddt,
+                    )
+                )
         else:
             out.append(it)
     return out
@@ -223,20 +263,22 @@ def _touched(f: DataFile, it: CopyItem, block: int) -> list[tuple[int, int, int]
     return out
 
 
-def _verify_blocks(ctx: ReadContext, f: DataFile, shard: int, blocks: Iterable[int], mv: memoryview,
-                   base: int) -> None:
+def _verify_blocks(
+    ctx: ReadContext, f: DataFile, shard: int, blocks: Iterable[int], mv: memoryview, base: int
+) -> None:
     """Check blocks of a shard; ``mv`` holds the file's bytes from offset ``base``."""
     s0 = int(f.starts[shard])
     n = int(f.lengths[shard])
     for k in blocks:
         a = s0 + k * ctx.block
         b = min(a + ctx.block, s0 + n)
-        got = ctx.algo.digest(mv[a - base:b - base])
+        got = ctx.algo.digest(mv[a - base : b - base])
         want = int(ctx.sums[int(f.sum_base[shard]) + k])
         if got != want:
             raise CheckpointCorrupted(
-                f"step {ctx.step}: tensor {f.labels[shard]} in file {f.path}: block {k} (bytes [{a}, {b})) fails "
-                f"its checksum (stored {want:#x}, read {got:#x})")
+                f"step {ctx.step}: tensor {f.labels[shard]} in file {f.path}: block {k} (bytes [{a}, {b})) "
+                f"fails its checksum (stored {want:#x}, read {got:#x})"
+            )
 
 
 def _source_bytes(ctx: ReadContext, f: DataFile, it: CopyItem, hi: int) -> tuple[torch.Tensor, int]:
@@ -247,7 +289,9 @@ def _source_bytes(ctx: ReadContext, f: DataFile, it: CopyItem, hi: int) -> tuple
     if f.loc.local:
         assert f.tensor is not None and f.mv is not None
         if hi > f.size:
-            raise CheckpointCorrupted(f"step {ctx.step}: data file {f.path} is short ({f.size} bytes, need {hi})")
+            raise CheckpointCorrupted(
+                f"step {ctx.step}: data file {f.path} is short ({f.size} bytes, need {hi})"
+            )
         if ctx.verify:
             for shard, b0, b1 in _touched(f, it, ctx.block):
                 todo = f.claim(shard, b0, b1)
@@ -257,8 +301,14 @@ def _source_bytes(ctx: ReadContext, f: DataFile, it: CopyItem, hi: int) -> tuple
     if ctx.verify:
         touched = _touched(f, it, ctx.block)
         lo = min(int(f.starts[s]) + b0 * ctx.block for s, b0, _ in touched) if touched else it.so
-        rd_hi = max(min(int(f.starts[s]) + b1 * ctx.block, int(f.starts[s] + f.lengths[s]))
-                    for s, _, b1 in touched) if touched else hi
+        rd_hi = (
+            max(
+                min(int(f.starts[s]) + b1 * ctx.block, int(f.starts[s] + f.lengths[s]))
+                for s, _, b1 in touched
+            )
+            if touched
+            else hi
+        )
         lo, rd_hi = min(lo, it.so), max(rd_hi, hi)
     else:
         touched, lo, rd_hi = [], it.so, hi
@@ -277,7 +327,7 @@ def run_item(ctx: ReadContext, it: CopyItem) -> None:
     sdt = torch_dtype(DTYPE_CODES[it.sdt])
     sisz, disz = itemsize(DTYPE_CODES[it.sdt]), itemsize(DTYPE_CODES[it.ddt])
     elems = it.length // sisz
-    src = src_all[it.so - base:hi - base].view(sdt)
+    src = src_all[it.so - base : hi - base].view(sdt)
     dst_t = ctx.dests[it.dst]
     doff = dst_t.storage_offset() + it.do // disz
     if it.n == 1:
@@ -293,14 +343,15 @@ def run_item(ctx: ReadContext, it: CopyItem) -> None:
 
 
 def run_items(ctx: ReadContext, items: list[CopyItem], threads: int) -> None:
-    """Run every item, on ``threads`` workers; the first error is raised and stops the items not yet started."""
+    """Run every item, on ``threads`` workers; the first error is raised and stops the items not
+    yet started."""
     if threads == 1 or len(items) == 1:
         for it in items:
             run_item(ctx, it)
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="astate-restore") as pool:
         futs = [pool.submit(run_item, ctx, it) for it in items]
-        err: Optional[BaseException] = None
+        err: BaseException | None = None
         for fut in futs:
             try:
                 fut.result()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -14,11 +15,6 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import torch
 
-from astate_store.errors import CheckpointCorrupted, CheckpointError, LayoutError, PlanError
-from astate_store.model.layout import TensorLayout, TensorLike, check_step, group_layouts
-from astate_store.model.validation import Entry, check_fit, validate_tensors
-from astate_store.plan import plan_consumer
-from astate_store.model.progress import Progress, ProgressCounter
 from astate_store.checkpoint.checksum import CHECKSUMS, Checksum, Crc32
 from astate_store.checkpoint.format import manifest_records
 from astate_store.checkpoint.index import load_manifest, load_marker
@@ -32,6 +28,11 @@ from astate_store.checkpoint.reads import (
     split_items,
 )
 from astate_store.checkpoint.storage import URI, Location, resolve
+from astate_store.errors import CheckpointCorrupted, CheckpointError, LayoutError, PlanError
+from astate_store.model.layout import TensorLayout, TensorLike, check_step, group_layouts
+from astate_store.model.progress import Progress, ProgressCounter
+from astate_store.model.validation import Entry, check_fit, validate_tensors
+from astate_store.plan import plan_consumer
 
 __all__ = ["ITEM_BYTES", "restore"]
 
@@ -40,9 +41,16 @@ __all__ = ["ITEM_BYTES", "restore"]
 ITEM_BYTES = 32 << 20
 
 
-def restore(uri: URI, buffers: Mapping[str, TensorLike], *, step: Optional[int] = None, verify: bool = True,
-            threads: Optional[int] = None, progress: Optional[Progress] = None,
-            lease_ttl: float = LEASE_TTL) -> int:
+def restore(
+    uri: URI,
+    buffers: Mapping[str, TensorLike],
+    *,
+    step: int | None = None,
+    verify: bool = True,
+    threads: int | None = None,
+    progress: Progress | None = None,
+    lease_ttl: float = LEASE_TTL,
+) -> int:
     """Fill preallocated buffers, in place, from the newest complete checkpoint under ``uri`` (or ``step``).
 
     Buffers may have any layout (resharding): each reads only the byte ranges of its box, from
@@ -81,8 +89,14 @@ def restore(uri: URI, buffers: Mapping[str, TensorLike], *, step: Optional[int] 
         return _restore(loc, entries, step, verify, threads, progress)
 
 
-def _restore(loc: Location, entries: Sequence[Entry], step: int, verify: bool, threads: Optional[int],
-             progress: Optional[Progress]) -> int:
+def _restore(
+    loc: Location,
+    entries: Sequence[Entry],
+    step: int,
+    verify: bool,
+    threads: int | None,
+    progress: Progress | None,
+) -> int:
     step, marker = load_marker(loc, step)
     table = _rows_for(load_manifest(loc, step, marker), entries, step)
     file_names = sorted(set(table.column("file").to_pylist()))
@@ -97,8 +111,16 @@ def _restore(loc: Location, entries: Sequence[Entry], step: int, verify: bool, t
     order = np.lexsort((reads["src_offset"], reads["src_rank"]))
     items = split_items(progressions(reads[order]), ITEM_BYTES)
     counter = ProgressCounter(progress, sum(it.n * it.length for it in items))
-    ctx = ReadContext(step, files, [e.tensor.detach() for e in entries], sums, _verifier(marker, step, verify),
-                      int(marker["block_size"]), verify, counter.add)
+    ctx = ReadContext(
+        step,
+        files,
+        [e.tensor.detach() for e in entries],
+        sums,
+        _verifier(marker, step, verify),
+        int(marker["block_size"]),
+        verify,
+        counter.add,
+    )
     _copy(ctx, loc, items, used, threads or max(1, min(4, os.cpu_count() or 1)))
     counter.finish()
     return step
@@ -114,14 +136,17 @@ def _rows_for(table: pa.Table, entries: Sequence[Entry], step: int) -> pa.Table:
     for e in entries:
         if e.name not in all_names:
             near = ", ".join(sorted(all_names)[:8])
-            raise LayoutError(f"tensor {e.name!r} is not in checkpoint step {step} ({near}"
-                              f"{', ...' if len(all_names) > 8 else ''})")
+            raise LayoutError(
+                f"tensor {e.name!r} is not in checkpoint step {step} ({near}"
+                f"{', ...' if len(all_names) > 8 else ''})"
+            )
     names = sorted({e.name for e in entries})
     return table.filter(pc.is_in(table.column("name"), value_set=pa.array(names)))
 
 
-def _saved_layouts(table: pa.Table, file_names: Sequence[str], step: int,
-                   marker: Mapping[str, Any]) -> Mapping[str, TensorLayout]:
+def _saved_layouts(
+    table: pa.Table, file_names: Sequence[str], step: int, marker: Mapping[str, Any]
+) -> Mapping[str, TensorLayout]:
     """The saved layouts, each shard's ``rank`` being the index of its data file in ``file_names``
     (so the planner's sources are files).
 
@@ -132,7 +157,9 @@ def _saved_layouts(table: pa.Table, file_names: Sequence[str], step: int,
     try:
         return group_layouts(manifest_records(table, findex))
     except LayoutError as exc:
-        raise CheckpointCorrupted(f"step {step}: manifest {marker['manifest']} is inconsistent: {exc}") from exc
+        raise CheckpointCorrupted(
+            f"step {step}: manifest {marker['manifest']} is inconsistent: {exc}"
+        ) from exc
 
 
 def _check_buffers(entries: Sequence[Entry], layouts: Mapping[str, TensorLayout], step: int) -> None:
@@ -152,8 +179,9 @@ def _plan_reads(entries: Sequence[Entry], layouts: Mapping[str, TensorLayout]) -
     return plan.reads
 
 
-def _data_files(loc: Location, step: int, marker: Mapping[str, Any], file_names: Sequence[str],
-                used: Sequence[int]) -> list[Optional[DataFile]]:
+def _data_files(
+    loc: Location, step: int, marker: Mapping[str, Any], file_names: Sequence[str], used: Sequence[int]
+) -> list[DataFile | None]:
     """The data files the reads use (None for the others), each checked to exist with the exact size
     the commit marker gives before any byte is written.
 
@@ -163,14 +191,16 @@ def _data_files(loc: Location, step: int, marker: Mapping[str, Any], file_names:
     expect = marker["files"]
     sdir = loc.step_dir(step)
     paths = [posixpath.join(sdir, file_names[i]) for i in used]
-    files: list[Optional[DataFile]] = [None] * len(file_names)
+    files: list[DataFile | None] = [None] * len(file_names)
     for i, p, inf in zip(used, paths, loc.fs.get_file_info(paths)):
         fname = file_names[i]
         if inf.type != pafs.FileType.File:
             raise CheckpointCorrupted(f"step {step}: data file {p} is missing")
         want = expect.get(fname)
         if want is None or inf.size != int(want):
-            raise CheckpointCorrupted(f"step {step}: data file {p} has {inf.size} bytes, the commit marker says {want}")
+            raise CheckpointCorrupted(
+                f"step {step}: data file {p} has {inf.size} bytes, the commit marker says {want}"
+            )
         files[i] = DataFile(loc, p, fname, int(inf.size))
     return files
 
@@ -178,13 +208,18 @@ def _data_files(loc: Location, step: int, marker: Mapping[str, Any], file_names:
 def _checksum_arrays(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """Every row's checksums flat, and row ``r``'s span ``[offsets[r], offsets[r + 1])`` in them."""
     sumcol = table.column("checksums").combine_chunks()  # .values + absolute .offsets stay consistent
-    sums = sumcol.values.to_numpy(zero_copy_only=False).astype(np.uint64) if len(sumcol) else np.zeros(0, np.uint64)
+    sums = (
+        sumcol.values.to_numpy(zero_copy_only=False).astype(np.uint64)
+        if len(sumcol)
+        else np.zeros(0, np.uint64)
+    )
     sum_off = sumcol.offsets.to_numpy() if len(sumcol) else np.zeros(1, np.int64)
     return sums, sum_off
 
 
-def _index_shards(table: pa.Table, files: Sequence[Optional[DataFile]], used: Sequence[int], step: int,
-                  block: int) -> np.ndarray:
+def _index_shards(
+    table: pa.Table, files: Sequence[DataFile | None], used: Sequence[int], step: int, block: int
+) -> np.ndarray:
     """Give each used file its shard table (sorted by byte offset) for checksum lookups; return the
     flat checksums.
 
@@ -198,8 +233,9 @@ def _index_shards(table: pa.Table, files: Sequence[Optional[DataFile]], used: Se
     per_file: dict[int, list[int]] = {}
     for r, fname in enumerate(cols["file"]):
         if cols["block_size"][r] != block:
-            raise CheckpointCorrupted(f"step {step}: manifest row {r} has block size {cols['block_size'][r]}, "
-                                      f"marker says {block}")
+            raise CheckpointCorrupted(
+                f"step {step}: manifest row {r} has block size {cols['block_size'][r]}, marker says {block}"
+            )
         if fname in findex:
             per_file.setdefault(findex[fname], []).append(r)
     for i in used:
@@ -212,11 +248,15 @@ def _index_shards(table: pa.Table, files: Sequence[Optional[DataFile]], used: Se
         for r in rows:
             nb = -(-cols["length"][r] // block)
             if sum_off[r + 1] - sum_off[r] != nb:
-                raise CheckpointCorrupted(f"step {step}: manifest lists {sum_off[r + 1] - sum_off[r]} checksums for "
-                                          f"tensor {cols['name'][r]!r} shard at {cols['offsets'][r]}, needs {nb}")
+                raise CheckpointCorrupted(
+                    f"step {step}: manifest lists {sum_off[r + 1] - sum_off[r]} checksums for "
+                    f"tensor {cols['name'][r]!r} shard at {cols['offsets'][r]}, needs {nb}"
+                )
         if len(rows) and int((f.starts + f.lengths).max()) > f.size:
-            raise CheckpointCorrupted(f"step {step}: data file {f.path} has {f.size} bytes, the manifest places shards "
-                                      f"up to byte {int((f.starts + f.lengths).max())}")
+            raise CheckpointCorrupted(
+                f"step {step}: data file {f.path} has {f.size} bytes, the manifest places shards "
+                f"up to byte {int((f.starts + f.lengths).max())}"
+            )
         f.labels = [f"{cols['name'][r]!r} (shard at {tuple(cols['offsets'][r])})" for r in rows]
         f.verified = [np.zeros(-(-cols["length"][r] // block), bool) for r in rows]
     return sums
@@ -229,7 +269,9 @@ def _verifier(marker: Mapping[str, Any], step: int, verify: bool) -> Checksum:
         CheckpointCorrupted: the marker names an unknown algorithm.
     """
     if marker["checksum"] not in CHECKSUMS:
-        raise CheckpointCorrupted(f"step {step}: unknown checksum {marker['checksum']!r} in the commit marker")
+        raise CheckpointCorrupted(
+            f"step {step}: unknown checksum {marker['checksum']!r} in the commit marker"
+        )
     return CHECKSUMS[marker["checksum"]]() if verify else Crc32()
 
 
@@ -248,7 +290,9 @@ def _copy(ctx: ReadContext, loc: Location, items: list[CopyItem], used: Sequence
         if any(t.device.type == "cuda" for t in ctx.dests):
             torch.cuda.synchronize()
     except (OSError, pa.ArrowException) as exc:
-        raise CheckpointCorrupted(f"step {ctx.step}: reading data files under {loc.uri} failed: {exc}") from exc
+        raise CheckpointCorrupted(
+            f"step {ctx.step}: reading data files under {loc.uri} failed: {exc}"
+        ) from exc
     finally:
         for f in ctx.files:
             if f is not None:

@@ -6,8 +6,9 @@ the ``REMOVING`` tombstone, deletion) is :mod:`astate_store.checkpoint.leases`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from astate_store.errors import CheckpointError
 
@@ -26,7 +27,7 @@ class RetentionPolicy:
     The newest complete checkpoint is always kept (``keep_last >= 1``)."""
 
     keep_last: int
-    keep_every: Optional[int] = None
+    keep_every: int | None = None
 
     def __post_init__(self) -> None:
         for name, v, least in (("keep_last", self.keep_last, 1), ("keep_every", self.keep_every, 1)):
@@ -36,7 +37,7 @@ class RetentionPolicy:
                 raise CheckpointError(f"{name} must be an int >= {least}, got {v!r}")
 
     @classmethod
-    def of(cls, keep_last: Any, keep_every: Any = None) -> Optional["RetentionPolicy"]:
+    def of(cls, keep_last: Any, keep_every: Any = None) -> RetentionPolicy | None:
         """The policy of ``Store.checkpoint``'s arguments; None when neither is given (keep all).
 
         Raises:
@@ -49,7 +50,7 @@ class RetentionPolicy:
         return cls(keep_last, keep_every)
 
 
-def keep_reasons(steps: Sequence[int], policy: RetentionPolicy, upto: Optional[int] = None) -> dict[int, str]:
+def keep_reasons(steps: Sequence[int], policy: RetentionPolicy, upto: int | None = None) -> dict[int, str]:
     """Step -> why the policy keeps it (``"newest"``, ``"last N"``, ``"every K"``, ``"newer"``)
     or ``"remove"``, for every step of ``steps`` (complete checkpoints, any order).
 
@@ -57,7 +58,7 @@ def keep_reasons(steps: Sequence[int], policy: RetentionPolicy, upto: Optional[i
     are kept as ``"newer"`` and only older ones can be removed.
     """
     ordered = sorted(set(steps))
-    last = set(ordered[-policy.keep_last:])
+    last = set(ordered[-policy.keep_last :])
     first_of_window: set[int] = set()
     if policy.keep_every is not None:
         seen: set[int] = set()

@@ -14,8 +14,8 @@ from typing import Union
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from astate_store.errors import CheckpointError
 from astate_store.checkpoint.format import step_dir_name
+from astate_store.errors import CheckpointError
 
 __all__ = ["URI", "Location", "resolve", "read_all", "fsync_path", "temp_path", "put_atomic", "hook"]
 

@@ -7,18 +7,15 @@ from __future__ import annotations
 import base64
 import posixpath
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from astate_store.errors import CheckpointError, LayoutError
-from astate_store.model.progress import Progress, ProgressCounter
-from astate_store.model.layout import DTYPES, ShardRecord, TensorLayout, TensorLike, check_step, contiguous_strides, dtype_name, validate_name
-from astate_store.model.validation import validate_tensors, with_aliases
 from astate_store.checkpoint.checksum import BlockSums, Checksum, check_block_size, checksum_algo
 from astate_store.checkpoint.format import (
     BLOCK_SIZE,
@@ -31,9 +28,33 @@ from astate_store.checkpoint.format import (
 )
 from astate_store.checkpoint.index import is_committed
 from astate_store.checkpoint.storage import URI, Location, fsync_path, hook, put_atomic, resolve, temp_path
+from astate_store.errors import CheckpointError, LayoutError
+from astate_store.model.layout import (
+    DTYPES,
+    ShardRecord,
+    TensorLayout,
+    TensorLike,
+    check_step,
+    contiguous_strides,
+    dtype_name,
+    validate_name,
+)
+from astate_store.model.progress import Progress, ProgressCounter
+from astate_store.model.validation import validate_tensors, with_aliases
 
-__all__ = ["WRITE_CHUNK", "PartInfo", "PartTarget", "local_shards", "owned_shards", "validate_shards",
-           "check_world_size", "check_part_args", "file_layout", "write_part_files", "write_part"]
+__all__ = [
+    "WRITE_CHUNK",
+    "PartInfo",
+    "PartTarget",
+    "local_shards",
+    "owned_shards",
+    "validate_shards",
+    "check_world_size",
+    "check_part_args",
+    "file_layout",
+    "write_part_files",
+    "write_part",
+]
 
 #: Bytes per write call (a multiple of BLOCK_SIZE, so whole blocks are summed in one shot).
 WRITE_CHUNK = 16 << 20
@@ -55,7 +76,7 @@ class PartInfo:
     file_bytes: int  #: size of the data file
     shards: int
     seconds: float
-    committed: Optional[bool] = None  #: set by ``AsyncCheckpointer(commit=True)``: try_commit's result
+    committed: bool | None = None  #: set by ``AsyncCheckpointer(commit=True)``: try_commit's result
 
 
 @dataclass(frozen=True)
@@ -70,7 +91,7 @@ class PartTarget:
     algo: Checksum
     block_size: int
     fsync: bool
-    meta: Optional[bytes] = None  # the rank's put(meta=...) of the step: kept in its part manifest
+    meta: bytes | None = None  # the rank's put(meta=...) of the step: kept in its part manifest
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,12 +107,16 @@ def local_shards(tensors: Mapping[str, TensorLike], rank: int = 0) -> list[tuple
     if isinstance(tensors, Mapping) and not tensors:
         return []  # a rank may hold nothing; validate_tensors refuses an empty mapping
     # tied weights (one tensor under several names) are written under each name
-    return [(r, e.tensor) for e in validate_tensors(tensors, "local_shards(tensors)")
-            for r in with_aliases([e], [e.record(rank, strides=contiguous_strides(e.box.sizes))])]
+    return [
+        (r, e.tensor)
+        for e in validate_tensors(tensors, "local_shards(tensors)")
+        for r in with_aliases([e], [e.record(rank, strides=contiguous_strides(e.box.sizes))])
+    ]
 
 
-def owned_shards(shards: Pairs, layouts: Mapping[str, TensorLayout],
-                 rank: int) -> list[tuple[ShardRecord, torch.Tensor]]:
+def owned_shards(
+    shards: Pairs, layouts: Mapping[str, TensorLayout], rank: int
+) -> list[tuple[ShardRecord, torch.Tensor]]:
     """Keep the shards this rank writes: of replicas (the same box on several ranks in ``layouts``),
     only the lowest rank writes. Shards whose box ``layouts`` does not list are kept."""
     out = []
@@ -109,8 +134,10 @@ def _check_pair(item: Any) -> tuple[ShardRecord, torch.Tensor]:
     except (TypeError, ValueError):
         raise LayoutError(f"shards must be (ShardRecord, torch.Tensor) pairs, got {item!r:.80}") from None
     if not isinstance(rec, ShardRecord) or not isinstance(t, torch.Tensor):
-        raise LayoutError(f"shards must be (ShardRecord, torch.Tensor) pairs, got "
-                          f"({type(rec).__name__}, {type(t).__name__})")
+        raise LayoutError(
+            f"shards must be (ShardRecord, torch.Tensor) pairs, got "
+            f"({type(rec).__name__}, {type(t).__name__})"
+        )
     validate_name(rec.name)
     if rec.dtype not in DTYPES:
         raise LayoutError(f"tensor {rec.name!r}: unknown dtype name {rec.dtype!r}")
@@ -118,11 +145,15 @@ def _check_pair(item: Any) -> tuple[ShardRecord, torch.Tensor]:
     if got != rec.dtype:
         raise LayoutError(f"tensor {rec.name!r}: record dtype {rec.dtype} but the tensor is {got}")
     if tuple(t.shape) != tuple(rec.box.sizes):
-        raise LayoutError(f"tensor {rec.name!r}: tensor shape {tuple(t.shape)} differs from the record's box "
-                          f"sizes {rec.box.sizes}")
+        raise LayoutError(
+            f"tensor {rec.name!r}: tensor shape {tuple(t.shape)} differs from the record's box "
+            f"sizes {rec.box.sizes}"
+        )
     if not rec.box.within(rec.global_shape):
-        raise LayoutError(f"tensor {rec.name!r}: box {rec.box.offsets}+{rec.box.sizes} is out of bounds of "
-                          f"{rec.global_shape}")
+        raise LayoutError(
+            f"tensor {rec.name!r}: box {rec.box.offsets}+{rec.box.sizes} is out of bounds of "
+            f"{rec.global_shape}"
+        )
     if t.device.type not in ("cpu", "cuda"):
         raise LayoutError(f"tensor {rec.name!r}: device {t.device} is not supported (cpu or cuda)")
     return rec, t
@@ -132,7 +163,8 @@ def validate_shards(shards: Pairs) -> list[tuple[ShardRecord, torch.Tensor]]:
     """Checked ``(record, detached tensor)`` pairs in file order (name, then box).
 
     Raises:
-        LayoutError: not a pair, a bad name or dtype, a tensor that does not match its record, or a box given twice.
+        LayoutError: not a pair, a bad name or dtype, a tensor that does not match its record, or a
+            box given twice.
     """
     seen: set = set()
     out = []
@@ -193,7 +225,7 @@ def tensor_chunks(t: torch.Tensor, chunk: int) -> Iterator[np.ndarray]:
     if t.device.type == "cpu" and t.is_contiguous():
         flat = _u8(t)
         for i in range(0, n, chunk):
-            yield flat[i:i + chunk]
+            yield flat[i : i + chunk]
         return
     if t.dim() == 0 or n <= chunk:
         yield _u8(t.contiguous().cpu())
@@ -201,14 +233,15 @@ def tensor_chunks(t: torch.Tensor, chunk: int) -> Iterator[np.ndarray]:
     row = max(1, n // t.shape[0])
     per = max(1, chunk // row)
     for i in range(0, t.shape[0], per):
-        yield _u8(t[i:i + per].contiguous().cpu())
+        yield _u8(t[i : i + per].contiguous().cpu())
 
 
 ChunksOf = Callable[[int], Iterable[np.ndarray]]
 
 
-def _write_data(target: PartTarget, path: str, recs: Sequence[ShardRecord], offsets: Sequence[int],
-                chunks_of: ChunksOf) -> list[list[int]]:
+def _write_data(
+    target: PartTarget, path: str, recs: Sequence[ShardRecord], offsets: Sequence[int], chunks_of: ChunksOf
+) -> list[list[int]]:
     """Write the data file (to a temporary name, renamed into place where possible) and return the
     per-shard block checksums. Checksums of a chunk are computed on a helper thread while the
     chunk is written (both release the GIL)."""
@@ -226,7 +259,7 @@ def _write_data(target: PartTarget, path: str, recs: Sequence[ShardRecord], offs
                     out.write(b"\0" * pad)
                     pos += pad
                 sums = BlockSums(target.algo, target.block_size)
-                pending: Optional[Future] = None
+                pending: Future | None = None
                 for ch in chunks_of(i):
                     fut = pool.submit(sums.feed, ch)
                     out.write(ch)
@@ -256,27 +289,62 @@ def _write_data(target: PartTarget, path: str, recs: Sequence[ShardRecord], offs
     return out_sums
 
 
-def _write_part_manifest(target: PartTarget, fname: str, file_bytes: int, recs: Sequence[ShardRecord],
-                         offsets: Sequence[int], sums: Sequence[Sequence[int]]) -> PartInfo:
+def _write_part_manifest(
+    target: PartTarget,
+    fname: str,
+    file_bytes: int,
+    recs: Sequence[ShardRecord],
+    offsets: Sequence[int],
+    sums: Sequence[Sequence[int]],
+) -> PartInfo:
     t = target
     table = manifest_table(recs, [t.rank] * len(recs), [fname] * len(recs), offsets, sums, t.block_size)
-    meta = {"format": FORMAT, "kind": "part", "step": t.step, "rank": t.rank, "world_size": t.world_size,
-            "attempt": str(t.attempt), "file": fname, "file_bytes": file_bytes, "checksum": t.algo.name,
-            "block_size": t.block_size}
+    meta = {
+        "format": FORMAT,
+        "kind": "part",
+        "step": t.step,
+        "rank": t.rank,
+        "world_size": t.world_size,
+        "attempt": str(t.attempt),
+        "file": fname,
+        "file_bytes": file_bytes,
+        "checksum": t.algo.name,
+        "block_size": t.block_size,
+    }
     if t.meta is not None:
         meta["meta"] = base64.b64encode(t.meta).decode("ascii")
     pname = part_name(t.rank)
     # The directory entries of the data file and the part are flushed by the committer (one fsync of
     # the step directory before COMMIT covers every rank's names).
-    put_atomic(t.loc, posixpath.join(t.loc.step_dir(t.step), pname), parquet_bytes(table, meta), fsync=t.fsync,
-               sync_dir=False)
+    put_atomic(
+        t.loc,
+        posixpath.join(t.loc.step_dir(t.step), pname),
+        parquet_bytes(table, meta),
+        fsync=t.fsync,
+        sync_dir=False,
+    )
     hook("part_written")
-    return PartInfo(t.step, t.rank, t.world_size, t.loc.uri, fname, pname, sum(r.nbytes for r in recs), file_bytes,
-                    len(recs), 0.0)
+    return PartInfo(
+        t.step,
+        t.rank,
+        t.world_size,
+        t.loc.uri,
+        fname,
+        pname,
+        sum(r.nbytes for r in recs),
+        file_bytes,
+        len(recs),
+        0.0,
+    )
 
 
-def write_part_files(target: PartTarget, recs: Sequence[ShardRecord], offsets: Sequence[int], file_bytes: int,
-                     chunks_of: ChunksOf) -> PartInfo:
+def write_part_files(
+    target: PartTarget,
+    recs: Sequence[ShardRecord],
+    offsets: Sequence[int],
+    file_bytes: int,
+    chunks_of: ChunksOf,
+) -> PartInfo:
     """Write a part: refuse a committed step, then the data file (shard ``i``'s bytes from
     ``chunks_of(i)``), then the part manifest. ``seconds`` of the result is left 0.
 
@@ -287,20 +355,35 @@ def write_part_files(target: PartTarget, recs: Sequence[ShardRecord], offsets: S
     sdir = loc.step_dir(step)
     try:
         if is_committed(loc, step):
-            raise CheckpointError(f"step {step} is already committed under {loc.uri}; checkpoints are immutable")
+            raise CheckpointError(
+                f"step {step} is already committed under {loc.uri}; checkpoints are immutable"
+            )
         loc.fs.create_dir(sdir, recursive=True)
         fname = data_file_name(target.rank)
         sums = _write_data(target, posixpath.join(sdir, fname), recs, offsets, chunks_of)
         hook("data_written")
         return _write_part_manifest(target, fname, file_bytes, recs, offsets, sums)
     except (OSError, pa.ArrowException) as exc:
-        raise CheckpointError(f"step {step} rank {target.rank}: writing under {loc.uri} failed: {exc}") from exc
+        raise CheckpointError(
+            f"step {step} rank {target.rank}: writing under {loc.uri} failed: {exc}"
+        ) from exc
 
 
-def write_part(uri: URI, step: int, rank: int, world_size: int, shards: Pairs, *,
-               layouts: Optional[Mapping[str, TensorLayout]] = None, attempt: str = "",
-               checksum: Optional[str] = None, block_size: int = BLOCK_SIZE, fsync: bool = True,
-               progress: Optional[Progress] = None, meta: Optional[bytes] = None) -> PartInfo:
+def write_part(
+    uri: URI,
+    step: int,
+    rank: int,
+    world_size: int,
+    shards: Pairs,
+    *,
+    layouts: Mapping[str, TensorLayout] | None = None,
+    attempt: str = "",
+    checksum: str | None = None,
+    block_size: int = BLOCK_SIZE,
+    fsync: bool = True,
+    progress: Progress | None = None,
+    meta: bytes | None = None,
+) -> PartInfo:
     """Write publisher rank ``rank``'s shards of version ``step`` (one data file + its part manifest).
 
     Args:
@@ -342,7 +425,12 @@ def write_part(uri: URI, step: int, rank: int, world_size: int, shards: Pairs, *
     target = PartTarget(resolve(uri), step, rank, world_size, attempt, algo, block_size, fsync, meta)
     offsets, file_bytes = file_layout(items)
     counter = ProgressCounter(progress, sum(r.nbytes for r, _ in items))
-    info = write_part_files(target, [r for r, _ in items], offsets, file_bytes,
-                            lambda i: counter.chunks(tensor_chunks(items[i][1], WRITE_CHUNK), len))
+    info = write_part_files(
+        target,
+        [r for r, _ in items],
+        offsets,
+        file_bytes,
+        lambda i: counter.chunks(tensor_chunks(items[i][1], WRITE_CHUNK), len),
+    )
     counter.finish()
     return replace(info, seconds=time.perf_counter() - t0)

@@ -6,7 +6,6 @@ import atexit
 import logging
 import os
 import sys
-from typing import Optional
 
 import typer
 
@@ -15,16 +14,27 @@ from astate_store.cli.common import CaOpt, CertOpt, EtcdFlags, EtcdOpt, KeyOpt, 
 
 __all__ = ["app", "main"]
 
-app = typer.Typer(name="astate", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Operate an astate-store: run etcd, list and inspect namespaces, watch syncs, check "
-                       "checkpoints, move versions to and from Hugging Face safetensors, diagnose a host.")
+app = typer.Typer(
+    name="astate",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Operate an astate-store: run etcd, list and inspect namespaces, watch syncs, check "
+    "checkpoints, move versions to and from Hugging Face safetensors, diagnose a host.",
+)
 
 
 @app.callback()
-def _root(ctx: typer.Context, etcd: EtcdOpt = None, cacert: CaOpt = None, cert: CertOpt = None, key: KeyOpt = None,
-          user: UserOpt = None, password: PasswordOpt = None,
-          verbose: bool = typer.Option(False, "--verbose", "-v", help="log the store's info messages to stderr"),
-          ) -> None:
+def _root(
+    ctx: typer.Context,
+    etcd: EtcdOpt = None,
+    cacert: CaOpt = None,
+    cert: CertOpt = None,
+    key: KeyOpt = None,
+    user: UserOpt = None,
+    password: PasswordOpt = None,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="log the store's info messages to stderr"),
+) -> None:
     """Connection flags given here apply to every command (a command's own flags win)."""
     ctx.obj = EtcdFlags(etcd, cacert, cert, key, user, password)
     level = logging.INFO if verbose else logging.WARNING
@@ -39,7 +49,7 @@ doctor.register(app)
 serve_cmd.register(app)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """The console script's entry point."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:

@@ -24,9 +24,10 @@ import getpass
 import os
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Annotated, Any, Iterator, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -35,39 +36,60 @@ from astate_store.catalog.config import ENV_ENDPOINT, ENV_PASSWORD, EtcdConfig
 from astate_store.errors import AStateError, CatalogError
 from astate_store.model.progress import Progress
 
-__all__ = ["EtcdFlags", "EtcdOpt", "CaOpt", "CertOpt", "KeyOpt", "UserOpt", "PasswordOpt", "out", "err",
-           "guarded", "etcd_config", "progress_bar", "when", "human_bytes", "print_json"]
+__all__ = [
+    "EtcdFlags",
+    "EtcdOpt",
+    "CaOpt",
+    "CertOpt",
+    "KeyOpt",
+    "UserOpt",
+    "PasswordOpt",
+    "out",
+    "err",
+    "guarded",
+    "etcd_config",
+    "progress_bar",
+    "when",
+    "human_bytes",
+    "print_json",
+]
 
 # Piped output (logs, scripts) gets wide lines instead of rich's 80 columns; $COLUMNS still wins.
 _WIDTH = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
 out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
 err = Console(stderr=True, highlight=False, soft_wrap=True, width=_WIDTH)
 
-EtcdOpt = Annotated[Optional[str], typer.Option("--etcd", "--endpoints", help=f"etcd endpoints ({ENV_ENDPOINT})",
-                                                show_default=False)]
-CaOpt = Annotated[Optional[str], typer.Option("--cacert", help="CA certificate of etcd's (ASTATE_ETCD_CA)",
-                                              show_default=False)]
-CertOpt = Annotated[Optional[str], typer.Option("--cert", help="client certificate (ASTATE_ETCD_CERT)",
-                                                show_default=False)]
-KeyOpt = Annotated[Optional[str], typer.Option("--key", help="client key (ASTATE_ETCD_KEY)", show_default=False)]
-UserOpt = Annotated[Optional[str], typer.Option("--user", help="user:password or user (ASTATE_ETCD_USER)",
-                                                show_default=False)]
-PasswordOpt = Annotated[Optional[str], typer.Option("--password", help=f"password ({ENV_PASSWORD})",
-                                                    show_default=False)]
+EtcdOpt = Annotated[
+    str | None,
+    typer.Option("--etcd", "--endpoints", help=f"etcd endpoints ({ENV_ENDPOINT})", show_default=False),
+]
+CaOpt = Annotated[
+    str | None, typer.Option("--cacert", help="CA certificate of etcd's (ASTATE_ETCD_CA)", show_default=False)
+]
+CertOpt = Annotated[
+    str | None, typer.Option("--cert", help="client certificate (ASTATE_ETCD_CERT)", show_default=False)
+]
+KeyOpt = Annotated[str | None, typer.Option("--key", help="client key (ASTATE_ETCD_KEY)", show_default=False)]
+UserOpt = Annotated[
+    str | None, typer.Option("--user", help="user:password or user (ASTATE_ETCD_USER)", show_default=False)
+]
+PasswordOpt = Annotated[
+    str | None, typer.Option("--password", help=f"password ({ENV_PASSWORD})", show_default=False)
+]
 
 
 @dataclass(frozen=True)
 class EtcdFlags:
     """The connection flags as given (None: not given)."""
 
-    etcd: Optional[str] = None
-    cacert: Optional[str] = None
-    cert: Optional[str] = None
-    key: Optional[str] = None
-    user: Optional[str] = None
-    password: Optional[str] = None
+    etcd: str | None = None
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
 
-    def over(self, base: "EtcdFlags") -> "EtcdFlags":
+    def over(self, base: EtcdFlags) -> EtcdFlags:
         """These flags, each falling back to ``base``'s (the global ones)."""
         return replace(base, **{k: v for k, v in self.__dict__.items() if v is not None})
 
@@ -77,7 +99,9 @@ class EtcdFlags:
 
 
 def _flags(ctx: typer.Context, local: EtcdFlags) -> EtcdFlags:
-    base = ctx.find_root().obj if ctx is not None and isinstance(ctx.find_root().obj, EtcdFlags) else EtcdFlags()
+    base = (
+        ctx.find_root().obj if ctx is not None and isinstance(ctx.find_root().obj, EtcdFlags) else EtcdFlags()
+    )
     return local.over(base)
 
 
@@ -95,12 +119,14 @@ def etcd_config(ctx: typer.Context, local: EtcdFlags) -> EtcdConfig:
         password = os.environ.get(ENV_PASSWORD) or None
         if password is None:
             if not sys.stdin.isatty():
-                raise CatalogError(f"--user {user}: no password (use --user {user}:PASSWORD, --password or "
-                                   f"{ENV_PASSWORD})")
+                raise CatalogError(
+                    f"--user {user}: no password (use --user {user}:PASSWORD, --password or {ENV_PASSWORD})"
+                )
             password = getpass.getpass(f"etcd password of {user}: ")
     if f.etcd is None and not os.environ.get(ENV_ENDPOINT):
-        raise CatalogError(f"no etcd endpoint: pass --etcd host:port or set {ENV_ENDPOINT} "
-                           "(`astate etcd` runs one)")
+        raise CatalogError(
+            f"no etcd endpoint: pass --etcd host:port or set {ENV_ENDPOINT} (`astate etcd` runs one)"
+        )
     return EtcdConfig.from_args(f.etcd, ca=f.cacert, cert=f.cert, key=f.key, user=user, password=password)
 
 
@@ -126,12 +152,26 @@ def guarded() -> Iterator[None]:
 def progress_bar(description: str, *, enabled: bool = True) -> Iterator[Progress]:
     """A rich progress bar on stderr (stdout stays clean for ``--json``) and its
     ``progress(done, total)`` callback; hidden with ``enabled=False`` and when stderr is no terminal."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, SpinnerColumn, TextColumn,
-                               TimeRemainingColumn, TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        SpinnerColumn,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.progress import Progress as Bar
 
-    with Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-             TransferSpeedColumn(), TimeRemainingColumn(), console=err,
-             disable=not (enabled and err.is_terminal)) as bar:
+    with Bar(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        disable=not (enabled and err.is_terminal),
+    ) as bar:
         task = bar.add_task(description, total=None)
 
         def update(done: int, total: int) -> None:
@@ -140,7 +180,7 @@ def progress_bar(description: str, *, enabled: bool = True) -> Iterator[Progress
         yield update
 
 
-def when(ts: Optional[float]) -> str:
+def when(ts: float | None) -> str:
     """``2026-12-01 22:14:03 UTC (12s ago)``."""
     if ts is None:
         return "-"
@@ -152,7 +192,7 @@ def when(ts: Optional[float]) -> str:
     return f"{t} ({age:.0f}s ago)"
 
 
-def human_bytes(n: Optional[int]) -> str:
+def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
     v = float(n)

@@ -40,7 +40,9 @@ def model_spec(hidden: int, layers: int, vocab: int, mlp: int) -> dict[str, tupl
     return spec
 
 
-def _box(shape: tuple[int, ...], dim: int | None, rank: int, parts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _box(
+    shape: tuple[int, ...], dim: int | None, rank: int, parts: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if dim is None:
         return (0,) * len(shape), shape
     offs, sizes = [0] * len(shape), list(shape)
@@ -49,7 +51,9 @@ def _box(shape: tuple[int, ...], dim: int | None, rank: int, parts: int) -> tupl
     return tuple(offs), tuple(sizes)
 
 
-def trainer_box(kind: str, shape: tuple[int, ...], rank: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def trainer_box(
+    kind: str, shape: tuple[int, ...], rank: int, tp: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return _box(shape, {"col": 0, "row": 1, "rep": None}[kind], rank, tp)
 
 
@@ -74,7 +78,9 @@ def _init(name: str, sizes: tuple[int, ...], offs: tuple[int, ...], shape: tuple
     return (torch.sin(idx * 0.001 + sum(map(ord, name))) * 0.02).float()
 
 
-def trainer(rank: int, tp: int, endpoint: str, spec: dict[str, Any], steps: int, barrier: Any, out: Any) -> None:
+def trainer(
+    rank: int, tp: int, endpoint: str, spec: dict[str, Any], steps: int, barrier: Any, out: Any
+) -> None:
     logging.basicConfig(level=logging.WARNING)
     params = {}
     for name, (shape, kind) in spec.items():
@@ -93,8 +99,9 @@ def trainer(rank: int, tp: int, endpoint: str, spec: dict[str, Any], steps: int,
             barrier.wait()
 
 
-def rollout(group: str, rank: int, parts: int, endpoint: str, spec: dict[str, Any], steps: int, barrier: Any,
-            out: Any) -> None:
+def rollout(
+    group: str, rank: int, parts: int, endpoint: str, spec: dict[str, Any], steps: int, barrier: Any, out: Any
+) -> None:
     logging.basicConfig(level=logging.WARNING)
     bufs = {}
     for name, (shape, _kind) in spec.items():
@@ -109,8 +116,9 @@ def rollout(group: str, rank: int, parts: int, endpoint: str, spec: dict[str, An
             got = store.get_into(bufs, step=step, timeout=120)
             dt = time.perf_counter() - t0
             assert {n: b.tensor.data_ptr() for n, b in bufs.items()} == ptrs, "buffers moved"
-            sums = {n: bit_checksum(b.tensor) for n, b in bufs.items()
-                    if not (len(spec[n][0]) == 1 and rank > 0)}
+            sums = {
+                n: bit_checksum(b.tensor) for n, b in bufs.items() if not (len(spec[n][0]) == 1 and rank > 0)
+            }
             out.put(("rollout", f"{group}{rank}", got, dt, nbytes, sums))
             barrier.wait()
 
@@ -127,14 +135,22 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     with EmbeddedEtcd() as etcd:
         print(f"embedded etcd at {etcd.endpoint}; model: {len(spec)} tensors, {total / 2**20:.0f} MiB fp32")
-        print("trainer: 2 processes, TP=2 (column/row-parallel); rollout A: 1 process, whole model; "
-              "rollout B: 2 processes, every matrix split on its other dim")
+        print(
+            "trainer: 2 processes, TP=2 (column/row-parallel); rollout A: 1 process, whole model; "
+            "rollout B: 2 processes, every matrix split on its other dim"
+        )
         barrier, out = ctx.Barrier(5), ctx.Queue()
-        procs = [ctx.Process(target=trainer, args=(r, 2, etcd.endpoint, spec, args.steps, barrier, out))
-                 for r in range(2)]
-        procs.append(ctx.Process(target=rollout, args=("A", 0, 1, etcd.endpoint, spec, args.steps, barrier, out)))
-        procs += [ctx.Process(target=rollout, args=("B", r, 2, etcd.endpoint, spec, args.steps, barrier, out))
-                  for r in range(2)]
+        procs = [
+            ctx.Process(target=trainer, args=(r, 2, etcd.endpoint, spec, args.steps, barrier, out))
+            for r in range(2)
+        ]
+        procs.append(
+            ctx.Process(target=rollout, args=("A", 0, 1, etcd.endpoint, spec, args.steps, barrier, out))
+        )
+        procs += [
+            ctx.Process(target=rollout, args=("B", r, 2, etcd.endpoint, spec, args.steps, barrier, out))
+            for r in range(2)
+        ]
         for p in procs:
             p.start()
         ok = True
@@ -158,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
                 ok &= match
                 dt = max(m[3] for m in ms)
                 nb = sum(m[4] for m in ms)
-                line.append(f"rollout {grp}: {dt * 1e3:6.1f} ms {nb / dt / 1e9:5.2f} GB/s "
-                            f"checksum {'OK' if match else 'MISMATCH'}")
+                line.append(
+                    f"rollout {grp}: {dt * 1e3:6.1f} ms {nb / dt / 1e9:5.2f} GB/s "
+                    f"checksum {'OK' if match else 'MISMATCH'}"
+                )
             print(" | ".join(line), flush=True)
         for p in procs:
             p.join(60)

@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -29,17 +28,29 @@ from astate_store.cli.common import (
 __all__ = ["register"]
 
 
-def export(ctx: typer.Context, namespace: str = typer.Argument(..., help="the namespace"),
-           to: Path = typer.Option(..., "--to", help="directory to write the safetensors files into"),
-           step: Optional[int] = typer.Option(None, "--step", help="the oldest acceptable step (as get_into: the "
-                                              "newest committed one >= it is exported; default: the newest)"),
-           max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="most bytes per file (5GB, 500MB, "
-                                              "512MiB ...)"),
-           timeout: float = typer.Option(60.0, "--timeout", help="seconds to wait for the version"),
-           as_json: bool = typer.Option(False, "--json", help="JSON summary on stdout"),
-           quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
-           etcd: EtcdOpt = None, cacert: CaOpt = None, cert: CertOpt = None, key: KeyOpt = None,
-           user: UserOpt = None, password: PasswordOpt = None) -> None:
+def export(
+    ctx: typer.Context,
+    namespace: str = typer.Argument(..., help="the namespace"),
+    to: Path = typer.Option(..., "--to", help="directory to write the safetensors files into"),
+    step: int | None = typer.Option(
+        None,
+        "--step",
+        help="the oldest acceptable step (as get_into: the "
+        "newest committed one >= it is exported; default: the newest)",
+    ),
+    max_shard_size: str = typer.Option(
+        "5GB", "--max-shard-size", help="most bytes per file (5GB, 500MB, 512MiB ...)"
+    ),
+    timeout: float = typer.Option(60.0, "--timeout", help="seconds to wait for the version"),
+    as_json: bool = typer.Option(False, "--json", help="JSON summary on stdout"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    etcd: EtcdOpt = None,
+    cacert: CaOpt = None,
+    cert: CertOpt = None,
+    key: KeyOpt = None,
+    user: UserOpt = None,
+    password: PasswordOpt = None,
+) -> None:
     """Pull a committed version (as a consumer) and write it as HF safetensors shards
     (model-0000i-of-0000n.safetensors) plus model.safetensors.index.json."""
     from astate_store import connect
@@ -50,26 +61,46 @@ def export(ctx: typer.Context, namespace: str = typer.Argument(..., help="the na
         cap = parse_size(max_shard_size)
         with connect(namespace, etcd=config, rank=0, world_size=1) as store:
             with progress_bar(f"exporting {namespace}", enabled=not quiet) as progress:
-                r = export_version(store, to, step=step, max_shard_bytes=cap, timeout=timeout, progress=progress)
+                r = export_version(
+                    store, to, step=step, max_shard_bytes=cap, timeout=timeout, progress=progress
+                )
         if as_json:
-            print_json({"step": r.step, "directory": r.directory, "files": r.files, "total_size": r.total_size,
-                        "tensors": r.tensors})
+            print_json(
+                {
+                    "step": r.step,
+                    "directory": r.directory,
+                    "files": r.files,
+                    "total_size": r.total_size,
+                    "tensors": r.tensors,
+                }
+            )
         else:
             files = f"{len(r.files)} file{'s' if len(r.files) != 1 else ''}"
-            out.print(f"exported {namespace} step {r.step}: {r.tensors} tensors, {human_bytes(r.total_size)} in "
-                      f"{files} + model.safetensors.index.json under {r.directory}")
+            out.print(
+                f"exported {namespace} step {r.step}: {r.tensors} tensors, {human_bytes(r.total_size)} in "
+                f"{files} + model.safetensors.index.json under {r.directory}"
+            )
 
 
-def import_(ctx: typer.Context, path: Path = typer.Argument(..., help="a directory with model.safetensors.index.json "
-                                                             "or *.safetensors files, or one file"),
-            ns: str = typer.Option(..., "--ns", help="the namespace to publish into"),
-            step: int = typer.Option(..., "--step", help="the version number to publish"),
-            serve_seconds: Optional[float] = typer.Option(None, "--serve-seconds", help="stop serving after this "
-                                                          "many seconds (default: until Ctrl-C / SIGTERM)"),
-            transport: str = typer.Option("auto", "--transport", help="auto, shm or tcp (consumers on other hosts)"),
-            quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
-            etcd: EtcdOpt = None, cacert: CaOpt = None, cert: CertOpt = None, key: KeyOpt = None,
-            user: UserOpt = None, password: PasswordOpt = None) -> None:
+def import_(
+    ctx: typer.Context,
+    path: Path = typer.Argument(
+        ..., help="a directory with model.safetensors.index.json or *.safetensors files, or one file"
+    ),
+    ns: str = typer.Option(..., "--ns", help="the namespace to publish into"),
+    step: int = typer.Option(..., "--step", help="the version number to publish"),
+    serve_seconds: float | None = typer.Option(
+        None, "--serve-seconds", help="stop serving after this many seconds (default: until Ctrl-C / SIGTERM)"
+    ),
+    transport: str = typer.Option("auto", "--transport", help="auto, shm or tcp (consumers on other hosts)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    etcd: EtcdOpt = None,
+    cacert: CaOpt = None,
+    cert: CertOpt = None,
+    key: KeyOpt = None,
+    user: UserOpt = None,
+    password: PasswordOpt = None,
+) -> None:
     """Publish a HF safetensors checkpoint as version STEP of NS and serve it, in the foreground.
 
     The files are memory-mapped and published in place (no copy): the bytes live in this
@@ -90,8 +121,10 @@ def import_(ctx: typer.Context, path: Path = typer.Argument(..., help="a directo
             with progress_bar(f"mapping {path}", enabled=not quiet) as progress:
                 ck = import_dir(store, path, step, progress=progress)
             until = "Ctrl-C / SIGTERM stops" if serve_seconds is None else f"for {serve_seconds:g}s"
-            out.print(f"serving {ns} step {step}: {len(ck.tensors)} tensors, {human_bytes(ck.total_size)} from "
-                      f"{len(ck.files)} memory-mapped files (pid {os.getpid()}); {until}")
+            out.print(
+                f"serving {ns} step {step}: {len(ck.tensors)} tensors, {human_bytes(ck.total_size)} from "
+                f"{len(ck.files)} memory-mapped files (pid {os.getpid()}); {until}"
+            )
             stop.wait(serve_seconds)
             out.print(f"stopping: retiring {ns} step {step}")
         finally:

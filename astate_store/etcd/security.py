@@ -20,9 +20,10 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 import pyetcd.etcdrpc as etcdrpc
@@ -58,8 +59,9 @@ class CertPaths:
     client_key: str
 
 
-def make_test_certs(directory: str | os.PathLike[str], *, days: int = 30,
-                    hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> CertPaths:
+def make_test_certs(
+    directory: str | os.PathLike[str], *, days: int = 30, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
+) -> CertPaths:
     """Write a fresh CA, a server certificate for ``hosts`` and a client certificate (ECDSA P-256)
     into ``directory`` (created, mode 0700; keys mode 0600)."""
     from cryptography import x509
@@ -73,12 +75,17 @@ def make_test_certs(directory: str | os.PathLike[str], *, days: int = 30,
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
     def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "astate-store test"),
-                          x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+        return x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "astate-store test"),
+                x509.NameAttribute(NameOID.COMMON_NAME, cn),
+            ]
+        )
 
     def write_key(path: Path, key: Any) -> None:
-        data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
+        data = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -88,26 +95,63 @@ def make_test_certs(directory: str | os.PathLike[str], *, days: int = 30,
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = name("astate-store test CA")
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
 
     def leaf(cn: str, usages: list[Any], sans: list[Any]) -> tuple[Any, Any]:
         key = ec.generate_private_key(ec.SECP256R1())
-        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca_name).public_key(key.public_key())
-             .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-             .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_cert_sign=False,
-                                          crl_sign=False, content_commitment=False, data_encipherment=False,
-                                          key_agreement=True, encipher_only=False, decipher_only=False),
-                            critical=True)
-             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(start)
+            .not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_encipherment=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    content_commitment=False,
+                    data_encipherment=False,
+                    key_agreement=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+            )
+        )
         if sans:
             b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         return b.sign(ca_key, hashes.SHA256()), key
@@ -119,11 +163,19 @@ def make_test_certs(directory: str | os.PathLike[str], *, days: int = 30,
         except ValueError:
             sans.append(x509.DNSName(h))
     # The server certificate also serves etcd's peer port, where a member is a client too.
-    server, server_key = leaf("astate-etcd", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
-                              sans)
+    server, server_key = leaf(
+        "astate-etcd", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], sans
+    )
     client, client_key = leaf("astate-client", [ExtendedKeyUsageOID.CLIENT_AUTH], [])
-    paths = CertPaths(str(d), str(d / "ca.pem"), str(d / "ca.key"), str(d / "server.pem"), str(d / "server.key"),
-                      str(d / "client.pem"), str(d / "client.key"))
+    paths = CertPaths(
+        str(d),
+        str(d / "ca.pem"),
+        str(d / "ca.key"),
+        str(d / "server.pem"),
+        str(d / "server.key"),
+        str(d / "client.pem"),
+        str(d / "client.key"),
+    )
     write_cert(Path(paths.ca), ca)
     write_key(Path(paths.ca_key), ca_key)
     write_cert(Path(paths.server_cert), server)
@@ -148,6 +200,7 @@ def _admin(config: EtcdConfig) -> EtcdClient:
 def _auth_rpc(c: EtcdClient, what: str, method: str, request: Any, *, ok_if: tuple[str, ...] = ()) -> Any:
     """One call of etcd's Auth service, with the client's retries, token and typed errors; an
     answer whose details contain one of ``ok_if`` (``"already exists"``) counts as done."""
+
     def go() -> Any:
         try:
             return getattr(c.raw.authstub, method)(request, c.op_timeout, metadata=c.raw.metadata)
@@ -158,6 +211,7 @@ def _auth_rpc(c: EtcdClient, what: str, method: str, request: Any, *, ok_if: tup
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # etcd said no (pyetcd would drop why)
                 raise CatalogRejected(f"etcd at {c.endpoint} refused {what}: {details}") from exc
             c.raw._manage_grpc_errors(exc)  # marks a failed endpoint, re-raises
+
     return c.call(what, go)
 
 
@@ -178,21 +232,45 @@ def enable_auth(admin_config: EtcdConfig, root_password: str) -> None:
         CatalogAuthError: ``admin_config`` lacks the credentials etcd now requires.
         CatalogUnavailable: etcd does not answer.
     """
+
     def go(c: EtcdClient) -> None:
-        if _auth_rpc(c, "add user root", "UserAdd",
-                     etcdrpc.AuthUserAddRequest(name=ROOT_USER, password=root_password),
-                     ok_if=("already exists",)) is None:
-            _auth_rpc(c, "set root's password", "UserChangePassword",
-                      etcdrpc.AuthUserChangePasswordRequest(name=ROOT_USER, password=root_password))
-        _auth_rpc(c, "add role root", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=ROOT_USER), ok_if=("already exists",))
-        _auth_rpc(c, "grant role root to root", "UserGrantRole",
-                  etcdrpc.AuthUserGrantRoleRequest(user=ROOT_USER, role=ROOT_USER))
+        if (
+            _auth_rpc(
+                c,
+                "add user root",
+                "UserAdd",
+                etcdrpc.AuthUserAddRequest(name=ROOT_USER, password=root_password),
+                ok_if=("already exists",),
+            )
+            is None
+        ):
+            _auth_rpc(
+                c,
+                "set root's password",
+                "UserChangePassword",
+                etcdrpc.AuthUserChangePasswordRequest(name=ROOT_USER, password=root_password),
+            )
+        _auth_rpc(
+            c,
+            "add role root",
+            "RoleAdd",
+            etcdrpc.AuthRoleAddRequest(name=ROOT_USER),
+            ok_if=("already exists",),
+        )
+        _auth_rpc(
+            c,
+            "grant role root to root",
+            "UserGrantRole",
+            etcdrpc.AuthUserGrantRoleRequest(user=ROOT_USER, role=ROOT_USER),
+        )
         _auth_rpc(c, "enable authentication", "AuthEnable", etcdrpc.AuthEnableRequest())
+
     _with_admin(admin_config, go)
 
 
-def grant_namespace(admin_config: EtcdConfig, namespace: str, user: str, password: str, *,
-                    read_only: bool = False) -> str:
+def grant_namespace(
+    admin_config: EtcdConfig, namespace: str, user: str, password: str, *, read_only: bool = False
+) -> str:
     """Give ``user`` (created if missing; its password set to ``password``) access to one
     namespace's keys, ``/astate/<namespace>/``, and nothing else:
 
@@ -225,24 +303,52 @@ def grant_namespace(admin_config: EtcdConfig, namespace: str, user: str, passwor
     prefix = f"/astate/{namespace}/"
     if read_only:
         perms = [(auth_pb2.Permission.READ, prefix)] + [
-            (auth_pb2.Permission.READWRITE, prefix + sub) for sub in _CONSUMER_WRITES]
+            (auth_pb2.Permission.READWRITE, prefix + sub) for sub in _CONSUMER_WRITES
+        ]
     else:
         perms = [(auth_pb2.Permission.READWRITE, prefix)]
 
     def go(c: EtcdClient) -> None:
-        _auth_rpc(c, f"add role {role}", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=role), ok_if=("already exists",))
+        _auth_rpc(
+            c, f"add role {role}", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=role), ok_if=("already exists",)
+        )
         for kind, key in perms:
             perm = auth_pb2.Permission(permType=kind, key=key.encode(), range_end=range_end(key))
-            _auth_rpc(c, f"grant {key} to role {role}", "RoleGrantPermission",
-                      etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm))
-        if _auth_rpc(c, f"add user {user}", "UserAdd", etcdrpc.AuthUserAddRequest(name=user, password=password),
-                     ok_if=("already exists",)) is None:
-            _auth_rpc(c, f"set {user}'s password", "UserChangePassword",
-                      etcdrpc.AuthUserChangePasswordRequest(name=user, password=password))
-        _auth_rpc(c, f"grant role {role} to {user}", "UserGrantRole",
-                  etcdrpc.AuthUserGrantRoleRequest(user=user, role=role))
-        _auth_rpc(c, f"revoke role {other} from {user}", "UserRevokeRole",
-                  etcdrpc.AuthUserRevokeRoleRequest(name=user, role=other),
-                  ok_if=("not granted", "not found"))
+            _auth_rpc(
+                c,
+                f"grant {key} to role {role}",
+                "RoleGrantPermission",
+                etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm),
+            )
+        if (
+            _auth_rpc(
+                c,
+                f"add user {user}",
+                "UserAdd",
+                etcdrpc.AuthUserAddRequest(name=user, password=password),
+                ok_if=("already exists",),
+            )
+            is None
+        ):
+            _auth_rpc(
+                c,
+                f"set {user}'s password",
+                "UserChangePassword",
+                etcdrpc.AuthUserChangePasswordRequest(name=user, password=password),
+            )
+        _auth_rpc(
+            c,
+            f"grant role {role} to {user}",
+            "UserGrantRole",
+            etcdrpc.AuthUserGrantRoleRequest(user=user, role=role),
+        )
+        _auth_rpc(
+            c,
+            f"revoke role {other} from {user}",
+            "UserRevokeRole",
+            etcdrpc.AuthUserRevokeRoleRequest(name=user, role=other),
+            ok_if=("not granted", "not found"),
+        )
+
     _with_admin(admin_config, go)
     return role

@@ -44,9 +44,10 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from astate_store.errors import CatalogUnavailable, UnsafeRendezvousError
 from astate_store.process import pid_alive
@@ -54,13 +55,7 @@ from astate_store.process import pid_alive
 if TYPE_CHECKING:  # the supervisor imports this module alone: nothing above errors/process at run time
     pass
 
-from astate_store.etcd.embedded import (
-    ENV_ENDPOINT,
-    EmbeddedEtcd,
-    _healthy,
-    _log_tail,
-    find_etcd_binary,
-)
+from astate_store.etcd.embedded import ENV_ENDPOINT, EmbeddedEtcd, _healthy, _log_tail, find_etcd_binary
 
 __all__ = ["shared_endpoint", "main", "ENV_HOME", "ENV_IDLE_GRACE"]
 
@@ -87,8 +82,11 @@ def _check_private_dir(path: Path, *, default: bool) -> None:
     Raises:
         UnsafeRendezvousError: naming the path and the fix.
     """
-    fix = (f"remove it (as its owner, or root), or set {ENV_HOME} to a directory of yours with mode 0700"
-           if default else f"point {ENV_HOME} at a directory of yours with mode 0700")
+    fix = (
+        f"remove it (as its owner, or root), or set {ENV_HOME} to a directory of yours with mode 0700"
+        if default
+        else f"point {ENV_HOME} at a directory of yours with mode 0700"
+    )
     st = os.lstat(path)
     what = f"the embedded etcd's rendezvous dir {path}"
     if stat.S_ISLNK(st.st_mode):
@@ -96,11 +94,15 @@ def _check_private_dir(path: Path, *, default: bool) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeRendezvousError(f"{what} is not a directory; {fix}")
     if st.st_uid != os.getuid():
-        raise UnsafeRendezvousError(f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()}): "
-                                    f"its owner could point this process at an etcd of theirs; {fix}")
+        raise UnsafeRendezvousError(
+            f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()}): "
+            f"its owner could point this process at an etcd of theirs; {fix}"
+        )
     if st.st_mode & 0o022:
-        raise UnsafeRendezvousError(f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
-                                    f"anyone could replace its files; run `chmod 700 {path}`, or {fix}")
+        raise UnsafeRendezvousError(
+            f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
+            f"anyone could replace its files; run `chmod 700 {path}`, or {fix}"
+        )
     if default and st.st_mode & 0o077:
         os.chmod(path, 0o700)  # ours, made by an older version with the umask's mode
 
@@ -173,16 +175,19 @@ def _read_info(path: Path) -> dict[str, Any] | None:
         return None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafeRendezvousError(f"the embedded etcd's rendezvous file {path} is a symbolic link: not "
-                                        f"trusting it; remove it (`rm {path}`)") from None
+            raise UnsafeRendezvousError(
+                f"the embedded etcd's rendezvous file {path} is a symbolic link: not "
+                f"trusting it; remove it (`rm {path}`)"
+            ) from None
         return None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
             raise UnsafeRendezvousError(
                 f"the embedded etcd's rendezvous file {path} is not a private file of this user (owner uid "
-                f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; this is uid {os.getuid()}): not trusting the "
-                f"etcd it names; remove it (`rm {path}`) and check who else can write to {path.parent}")
+                f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; this is uid {os.getuid()}): not trusting "
+                f"the etcd it names; remove it (`rm {path}`) and check who else can write to {path.parent}"
+            )
         data = f.read(1 << 20)
     try:
         info = json.loads(data)
@@ -238,7 +243,8 @@ def _live_info(home: Path, path: Path) -> dict[str, Any] | None:
         if time.monotonic() > deadline:
             raise CatalogUnavailable(
                 f"embedded etcd at {endpoint} (pid {pid}, supervisor pid {sup}) does not answer /health; "
-                f"see {home / 'embedded-etcd.log'}, or set {ENV_ENDPOINT}")
+                f"see {home / 'embedded-etcd.log'}, or set {ENV_ENDPOINT}"
+            )
         time.sleep(0.1)
 
 
@@ -269,12 +275,32 @@ def _start_supervisor(home: Path) -> dict[str, Any]:
     rfd, wfd = os.pipe()
     try:
         with open(log_path, "ab") as logf:
-            # -I: no PYTHON* variables, no cwd or user site on the path (the supervisor needs the stdlib only).
+            # -I: no PYTHON* variables, no cwd or user site on the path (it needs the stdlib only).
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _BOOT, str(Path(__file__).resolve().parents[1]), "--supervise",
-                 "--home", str(home), "--ready-fd", str(wfd), "--grace", repr(grace), "--etcd-binary", binary],
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(wfd,), close_fds=True,
-                start_new_session=True, cwd="/")
+                [
+                    sys.executable,
+                    "-I",
+                    "-c",
+                    _BOOT,
+                    str(Path(__file__).resolve().parents[1]),
+                    "--supervise",
+                    "--home",
+                    str(home),
+                    "--ready-fd",
+                    str(wfd),
+                    "--grace",
+                    repr(grace),
+                    "--etcd-binary",
+                    binary,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                pass_fds=(wfd,),
+                close_fds=True,
+                start_new_session=True,
+                cwd="/",
+            )
     except BaseException:
         os.close(rfd)
         raise
@@ -296,14 +322,18 @@ def _start_supervisor(home: Path) -> dict[str, Any]:
         os.close(rfd)
     try:
         info = json.loads(buf.decode())
-        info["supervisor"], info["pid"], info["endpoint"] = int(info["supervisor"]), int(info["pid"]), \
-            str(info["endpoint"])
+        info["supervisor"], info["pid"], info["endpoint"] = (
+            int(info["supervisor"]),
+            int(info["pid"]),
+            str(info["endpoint"]),
+        )
     except (ValueError, KeyError, TypeError):
         if proc.poll() is None:  # it never reported: our own child, stop it
             proc.terminate()
         raise CatalogUnavailable(
             f"the embedded etcd supervisor (pid {proc.pid}) did not start etcd; {log_path} ends:\n"
-            f"{_log_tail(log_path)}") from None
+            f"{_log_tail(log_path)}"
+        ) from None
     info.update(starter=os.getpid(), started_at=time.time(), log=str(log_path), idle_grace=grace)
     return info
 
@@ -350,23 +380,35 @@ def shared_endpoint() -> str:
             for attempt in range(2):
                 info = _live_info(home, path)
                 if info is not None:
-                    log.info("reusing embedded etcd at %s (pid %s, supervisor %s)", info["endpoint"], info["pid"],
-                             info["supervisor"])
+                    log.info(
+                        "reusing embedded etcd at %s (pid %s, supervisor %s)",
+                        info["endpoint"],
+                        info["pid"],
+                        info["supervisor"],
+                    )
                 else:
                     _remove_stale_run_dirs(home)
                     info = _start_supervisor(home)
                     _write_info(path, info)
-                    log.warning("started embedded etcd at %s (pid %d) under supervisor %d; it stops %.1fs after "
-                                "the last process using it exits (log: %s)", info["endpoint"], info["pid"],
-                                info["supervisor"], info["idle_grace"], info["log"])
+                    log.warning(
+                        "started embedded etcd at %s (pid %d) under supervisor %d; it stops %.1fs after "
+                        "the last process using it exits (log: %s)",
+                        info["endpoint"],
+                        info["pid"],
+                        info["supervisor"],
+                        info["idle_grace"],
+                        info["log"],
+                    )
                 if mine is not None and mine.home == home and mine.supervisor == int(info["supervisor"]):
                     return mine.endpoint
                 try:
                     new = _register(home, info)
                 except FileNotFoundError:  # that supervisor died (signal, etcd crash) just now
                     if attempt:
-                        raise CatalogUnavailable(f"the embedded etcd supervisor {info['supervisor']} "
-                                                 "exited while this process joined") from None
+                        raise CatalogUnavailable(
+                            f"the embedded etcd supervisor {info['supervisor']} "
+                            "exited while this process joined"
+                        ) from None
                     continue
                 if mine is not None:
                     os.close(mine.fd)  # registered with a supervisor that is gone
@@ -398,8 +440,14 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 class _SupervisedEtcd(EmbeddedEtcd):
     def _spawn(self, cmd: list[str], logf: Any) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(cmd, stdout=logf, stderr=logf, stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent())
+        return subprocess.Popen(
+            cmd,
+            stdout=logf,
+            stderr=logf,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
 
 
 class _Supervisor:
@@ -486,14 +534,21 @@ class _Supervisor:
             signal.signal(sig, lambda signum, _frame: self.stopping.set())
         shutil.rmtree(self.run_dir, ignore_errors=True)  # left by a dead process with our pid
         self.pdir.mkdir(parents=True)
-        self._alive_fd = os.open(self.run_dir / "supervisor.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        self._alive_fd = os.open(
+            self.run_dir / "supervisor.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600
+        )
         fcntl.flock(self._alive_fd, fcntl.LOCK_EX)
         code = 0
         try:
             self.etcd = _SupervisedEtcd(self.binary, data_dir=str(self.run_dir / "etcd")).start()
             assert self.etcd.proc is not None
-            log.info("supervisor %d: etcd pid %d at %s; stops %.1fs after the last participant", self.me,
-                     self.etcd.proc.pid, self.etcd.endpoint, self.grace)
+            log.info(
+                "supervisor %d: etcd pid %d at %s; stops %.1fs after the last participant",
+                self.me,
+                self.etcd.proc.pid,
+                self.etcd.endpoint,
+                self.grace,
+            )
             self._report({"endpoint": self.etcd.endpoint, "pid": self.etcd.proc.pid, "supervisor": self.me})
             code = self._loop()
         except Exception:
@@ -530,8 +585,12 @@ class _Supervisor:
         while not self.stopping.wait(poll):
             rc = self.etcd.proc.poll()
             if rc is not None:
-                log.error("etcd (pid %d) exited with %s; its log ends:\n%s", self.etcd.proc.pid, rc,
-                          _log_tail(os.path.join(self.etcd.data_dir, "etcd.log")))
+                log.error(
+                    "etcd (pid %d) exited with %s; its log ends:\n%s",
+                    self.etcd.proc.pid,
+                    rc,
+                    _log_tail(os.path.join(self.etcd.data_dir, "etcd.log")),
+                )
                 return 1
             now = time.monotonic()
             state = self._check(now - last_seen)
@@ -550,14 +609,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     starts it writes the rendezvous file from what it reports on ``--ready-fd``."""
     ap = argparse.ArgumentParser(prog="python -m astate_store.etcd.embedded", description=main.__doc__)
     ap.add_argument("--supervise", action="store_true", required=True)
-    ap.add_argument("--home", default=None, help="rendezvous dir (default: $ASTATE_HOME or /tmp/astate-store-<uid>)")
-    ap.add_argument("--ready-fd", type=int, default=-1, help="fd to write {endpoint, pid, supervisor} to, then close")
-    ap.add_argument("--grace", type=float, default=None,
-                    help=f"idle seconds before stopping (default ${ENV_IDLE_GRACE}, else {DEFAULT_IDLE_GRACE})")
+    ap.add_argument(
+        "--home", default=None, help="rendezvous dir (default: $ASTATE_HOME or /tmp/astate-store-<uid>)"
+    )
+    ap.add_argument(
+        "--ready-fd", type=int, default=-1, help="fd to write {endpoint, pid, supervisor} to, then close"
+    )
+    ap.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        help=f"idle seconds before stopping (default ${ENV_IDLE_GRACE}, else {DEFAULT_IDLE_GRACE})",
+    )
     ap.add_argument("--etcd-binary", default=None, help="etcd executable (default: as find_etcd_binary)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s",
+    )
     home = Path(args.home) if args.home else _home()
     grace = _idle_grace() if args.grace is None else max(0.0, args.grace)
     return _Supervisor(home, grace, args.etcd_binary).run(args.ready_fd)

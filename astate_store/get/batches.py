@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from operator import attrgetter, eq
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -47,8 +48,8 @@ from astate_store.get.sources import (
     to_transport_ops,
 )
 from astate_store.model.layout import DTYPE_CODES, Box, ShardRecord
-from astate_store.model.validation import Entry
 from astate_store.model.validated import ValidatedTensors
+from astate_store.model.validation import Entry
 from astate_store.plan.columns import whole_buffer_reads
 from astate_store.plan.prepack import consumer_requests
 
@@ -81,7 +82,11 @@ class Batches:
         self._ready: OrderedDict[object, Work] = OrderedDict()
         self._tries: tuple[object, list[dict[str, SourceGroup]]] = (None, [])  # (sources, buffers) -> sets
         self._pack_key: object = None
-        self._wanted: tuple[object, Wanted, bool] = (None, {}, False)  # buffers: (box, dtype) per name, all host
+        self._wanted: tuple[object, Wanted, bool] = (
+            None,
+            {},
+            False,
+        )  # buffers: (box, dtype) per name, all host
         self._whole: tuple[object, bool] = (None, False)  # buffers: all whole contiguous host tensors
 
     # ---- sources ------------------------------------------------------------------------------
@@ -98,8 +103,9 @@ class Batches:
             self._groups.move_to_end(key)
         return hit
 
-    def tries(self, version: Version, groups: dict[str, SourceGroup], dests: list[Entry]
-              ) -> list[dict[str, SourceGroup]]:
+    def tries(
+        self, version: Version, groups: dict[str, SourceGroup], dests: list[Entry]
+    ) -> list[dict[str, SourceGroup]]:
         """The group sets to try in turn (``failover_order``), once per sources and buffers.
         With publisher ranks gone, first check (before any byte moves) that live sources hold
         every byte asked for (``check_live``), else raise ``NoLiveSource`` naming what is lost."""
@@ -110,13 +116,17 @@ class Batches:
             if not groups:
                 raise PeerUnreachable(
                     f"namespace {self.ctx.namespace!r}: step {version.step}: publisher ranks "
-                    f"{sorted(version.missing)} are gone (their leases ended) and no consumer re-serves the version")
+                    f"{sorted(version.missing)} are gone (their leases ended) and no consumer re-serves "
+                    "the version"
+                )
             self._tries = (key, failover_order(groups, dests))
         return self._tries[1]
 
     def _gone_manifests(self, version: Version) -> dict[int, Manifest]:
         """The manifests (leaseless: what each rank held) of the version's gone publisher ranks."""
-        return {r: m for r, m in self.ctx.catalog.versions.manifests_of(version).items() if r in version.missing}
+        return {
+            r: m for r, m in self.ctx.catalog.versions.manifests_of(version).items() if r in version.missing
+        }
 
     # ---- buffers ------------------------------------------------------------------------------
 
@@ -151,8 +161,9 @@ class Batches:
         """Drop the ready-made batches (they name peer indices that may be gone)."""
         self._ready.clear()
 
-    def lookup(self, version: Version, groups: Mapping[str, SourceGroup] | None, dests: list[Entry]
-               ) -> tuple[Work, bool]:
+    def lookup(
+        self, version: Version, groups: Mapping[str, SourceGroup] | None, dests: list[Entry]
+    ) -> tuple[Work, bool]:
         """The batch that pulls ``dests`` from ``groups`` (None: the version's publishers, its
         only source), and whether it was planned just now (a rebased one counts as not)."""
         # Steady state: same sources, same buffers, same staging slots -> the ready-made batch.
@@ -182,8 +193,9 @@ class Batches:
         A 10^4-tensor model's first read of its second slot otherwise re-planned (~0.2 s).
         None when there is no such batch, or it converts locally (its chunks hold offsets too)."""
         stem, slots = key[:-1], key[-1]
-        old = next(((k, w) for k, w in reversed(self._ready.items())
-                    if k[:-1] == stem and not w.conversions), None)
+        old = next(
+            ((k, w) for k, w in reversed(self._ready.items()) if k[:-1] == stem and not w.conversions), None
+        )
         if old is None or not len(old[1].ops) or len(old[0][-1]) != len(slots):  # type: ignore[arg-type]
             return None
         ops = old[1].ops.copy()
@@ -223,7 +235,9 @@ class Batches:
                     cg = replace(g, layouts={e.name: ready}, packed=(), key=(g.key, "conv", e.name, e.dtype))
                     batches.append(self._rows(cg, base, self._plan(cg, dest_records([e])).reads, [e]))
                 else:
-                    conversions.append(self.converter.plan(g, base, e, lambda gg, recs: self._plan(gg, recs).reads))
+                    conversions.append(
+                        self.converter.plan(g, base, e, lambda gg, recs: self._plan(gg, recs).reads)
+                    )
             if self.ctx.options.prepack and gid == PUBLISHERS:
                 self._request_packs(g, same_recs, cp, convert)
         ops = np.concatenate(batches) if batches else np.empty((0, 5), dtype=np.int64)
@@ -243,9 +257,13 @@ class Batches:
         lays = [version.layouts[r] for r in ranks]
         if not self._whole[1] or any(lay.columns is None or lay.packed for lay in lays):
             return None
-        reads = whole_buffer_reads([lay.columns for lay in lays], list(map(_NAME, dests)),  # type: ignore[misc]
-                                   np.fromiter(map(DTYPE_CODES.__getitem__, map(_DTYPE, dests)), np.int64, len(dests)),
-                                   list(map(_SHAPE, dests)), self.ctx.rotation)
+        reads = whole_buffer_reads(
+            [lay.columns for lay in lays],
+            list(map(_NAME, dests)),  # type: ignore[misc]
+            np.fromiter(map(DTYPE_CODES.__getitem__, map(_DTYPE, dests)), np.int64, len(dests)),
+            list(map(_SHAPE, dests)),
+            self.ctx.rotation,
+        )
         if reads is None:
             return None
         peers = [publisher_peer(r, lay) for r, lay in zip(ranks, lays)]
@@ -268,23 +286,32 @@ class Batches:
         used = frozenset(ranks[i] for i in np.unique(reads[:, 0]).tolist())
         return Work(ops, [], used, int(reads[:, 5].sum()), len(ops))
 
-    def _rows(self, g: SourceGroup, base: Mapping[int, int], reads: np.ndarray, dests: Sequence[Entry]
-              ) -> np.ndarray:
+    def _rows(
+        self, g: SourceGroup, base: Mapping[int, int], reads: np.ndarray, dests: Sequence[Entry]
+    ) -> np.ndarray:
         ptrs = np.asarray([e.tensor.data_ptr() for e in dests], dtype=np.int64)
         return to_transport_ops(g, self.ctx.transport.peer_index, base, reads, ptrs)
 
     def _plan(self, g: SourceGroup, dests: tuple[ShardRecord, ...]) -> Any:
         before = self._planner.misses
         packed = {self.ctx.reader_id: g.packed} if g.packed else None
-        cp = self._planner.plan_consumer(g.layouts, dests, consumer=self.ctx.reader_id, rotation=self.ctx.rotation,
-                                         packed=packed, key=(g.key, dests))
+        cp = self._planner.plan_consumer(
+            g.layouts,
+            dests,
+            consumer=self.ctx.reader_id,
+            rotation=self.ctx.rotation,
+            packed=packed,
+            key=(g.key, dests),
+        )
         if self._planner.misses != before:
             self.ctx.stats.plans += 1
         else:
             self.ctx.stats.plan_hits += 1
         return cp
 
-    def _request_packs(self, g: SourceGroup, dests: tuple[ShardRecord, ...], cp: Any, convert: list[Entry]) -> None:
+    def _request_packs(
+        self, g: SourceGroup, dests: tuple[ShardRecord, ...], cp: Any, convert: list[Entry]
+    ) -> None:
         """Tell the publishers which pieces to build for this consumer (see ``prepack``); ``dests``
         are the same-dtype buffers' records. Sent only when the shard layout or the buffers change."""
         key = (g.shards_key, dests, dest_records(convert))
@@ -293,8 +320,13 @@ class Batches:
         items: Sequence[Any] = ()
         if cp is not None:
             # With copies already built, plan without them to see which are still wanted.
-            items = cp.pack_items if not g.packed else self._planner.plan_consumer(
-                g.layouts, dests, consumer=self.ctx.reader_id, rotation=self.ctx.rotation).pack_items
+            items = (
+                cp.pack_items
+                if not g.packed
+                else self._planner.plan_consumer(
+                    g.layouts, dests, consumer=self.ctx.reader_id, rotation=self.ctx.rotation
+                ).pack_items
+            )
         packs = consumer_requests(items, g.layouts, convert, self.ctx.rotation)
         self.ctx.catalog.consumers.register(self.ctx.reader_id, packs)
         self._pack_key = key
@@ -313,5 +345,8 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 def _whole_contiguous(dests: list[Entry]) -> bool:
     """Every buffer a whole tensor in contiguous memory, under one name (no tied aliases)."""
-    return all(map(eq, map(_SHAPE, dests), map(attrgetter("box.sizes"), dests))) and \
-        not any(map(attrgetter("aliases"), dests)) and all(map(torch.Tensor.is_contiguous, map(_TENSOR, dests)))
+    return (
+        all(map(eq, map(_SHAPE, dests), map(attrgetter("box.sizes"), dests)))
+        and not any(map(attrgetter("aliases"), dests))
+        and all(map(torch.Tensor.is_contiguous, map(_TENSOR, dests)))
+    )

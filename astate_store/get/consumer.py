@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
+from astate_store.catalog import Version
 from astate_store.context import StoreContext
 from astate_store.errors import (
     CatalogCorrupted,
@@ -28,16 +29,15 @@ from astate_store.errors import (
     VersionNotFound,
     WaitTimeout,
 )
-from astate_store.catalog import Version
 from astate_store.get.batches import Batches, Work, conversion_nbytes
 from astate_store.get.conversion import Converter
 from astate_store.get.links import Links
 from astate_store.get.sources import PUBLISHERS, SourceGroup
 from astate_store.metrics import PullTimes
 from astate_store.model.layout import GCPaused, TensorLike
-from astate_store.model.validation import Entry
 from astate_store.model.progress import Progress, ProgressCounter
 from astate_store.model.validated import ValidatedTensors
+from astate_store.model.validation import Entry
 
 __all__ = ["Consumer", "Work"]
 
@@ -72,8 +72,13 @@ class Consumer:
         self.batches = Batches(self.ctx, self.converter, self.links, self.buffers)
         self._last = None
 
-    def get_into(self, buffers: Mapping[str, TensorLike], step: int | None, timeout: float | None,
-                 progress: Progress | None = None) -> int:
+    def get_into(
+        self,
+        buffers: Mapping[str, TensorLike],
+        step: int | None,
+        timeout: float | None,
+        progress: Progress | None = None,
+    ) -> int:
         """Pull the newest committed version >= ``step`` into the buffers; see ``Store.get_into``."""
         with GCPaused():  # a first pull builds objects per tensor (see ``_read``)
             dests = self.buffers.validate(buffers)
@@ -81,7 +86,9 @@ class Consumer:
         self._register()
         return self._timed(dests, step, timeout, progress)
 
-    def _timed(self, dests: list[Entry], step: int | None, timeout: float | None, progress: Progress | None) -> int:
+    def _timed(
+        self, dests: list[Entry], step: int | None, timeout: float | None, progress: Progress | None
+    ) -> int:
         """The pull, counted once (not per tensor) in the store's figures: outcome, bytes, phases."""
         t, start = PullTimes(progress), _now()
         try:
@@ -96,9 +103,20 @@ class Consumer:
         seconds = _now() - start
         self.ctx.stats.pulled(t, s, work.nbytes, work.reads, len(work.conversions), seconds)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("namespace %s: pulled step %d: %d bytes in %d reads, %.4fs (wait %.4f, metadata %.4f, "
-                      "plan %.4f, transfer %.4f, convert %.4f)", self.ctx.namespace, s, work.nbytes, work.reads,
-                      seconds, t.wait, t.metadata, t.plan, t.transfer, t.convert)
+            log.debug(
+                "namespace %s: pulled step %d: %d bytes in %d reads, %.4fs (wait %.4f, metadata %.4f, "
+                "plan %.4f, transfer %.4f, convert %.4f)",
+                self.ctx.namespace,
+                s,
+                work.nbytes,
+                work.reads,
+                seconds,
+                t.wait,
+                t.metadata,
+                t.plan,
+                t.transfer,
+                t.convert,
+            )
         return s
 
     def _pull_newest(self, dests: list[Entry], step: int | None, timeout: float | None, t: PullTimes) -> int:
@@ -120,12 +138,18 @@ class Consumer:
             torn += 1
             t.torn += 1
             self.ctx.stats.torn_retries += 1
-            log.info("namespace %s: step %d was retired while being read (torn); its bytes are discarded, "
-                     "retrying on a newer version", self.ctx.namespace, s)
+            log.info(
+                "namespace %s: step %d was retired while being read (torn); its bytes are discarded, "
+                "retrying on a newer version",
+                self.ctx.namespace,
+                s,
+            )
             if torn > _MAX_TORN_RETRIES:
-                raise TornReadError(f"namespace {self.ctx.namespace!r}: step {s} and {torn - 1} newer ones "
-                                    "were retired while being read; the publisher changes memory faster "
-                                    "than it can be read")
+                raise TornReadError(
+                    f"namespace {self.ctx.namespace!r}: step {s} and {torn - 1} newer ones "
+                    "were retired while being read; the publisher changes memory faster "
+                    "than it can be read"
+                )
 
     def _register(self) -> None:
         """Register as a consumer (publishers that stream oversized snapshots wait for known
@@ -167,7 +191,6 @@ class Consumer:
         t.metadata += _now() - t0
         return ok
 
-
     # ---- one pull -------------------------------------------------------------------------
 
     def _pull(self, version: Version, dests: list[Entry], t: PullTimes) -> frozenset[object]:
@@ -197,9 +220,14 @@ class Consumer:
                     raise
                 t.failovers += 1
                 self.ctx.stats.failovers += 1
-                log.warning("namespace %s: step %d: reading from %s failed (%s); failing over to %s",
-                            self.ctx.namespace, version.step, "+".join(sorted(gs)), exc,
-                            "+".join(sorted(tries[i + 1])))
+                log.warning(
+                    "namespace %s: step %d: reading from %s failed (%s); failing over to %s",
+                    self.ctx.namespace,
+                    version.step,
+                    "+".join(sorted(gs)),
+                    exc,
+                    "+".join(sorted(tries[i + 1])),
+                )
         raise AssertionError("failover_order gives at least one set")  # pragma: no cover
 
     def _afresh(self) -> None:
@@ -212,13 +240,18 @@ class Consumer:
         Only for a batch not built yet (new layouts, buffers or slots): a ready-made one read
         these pages before. With re-serving groups or gone ranks, sources are chosen per buffer:
         nothing to guess ahead."""
-        if version.missing or version.replica_layouts or not self.batches.host_buffers(dests) or \
-                self.batches.ready(self.batches.key(version, (PUBLISHERS,))):
+        if (
+            version.missing
+            or version.replica_layouts
+            or not self.batches.host_buffers(dests)
+            or self.batches.ready(self.batches.key(version, (PUBLISHERS,)))
+        ):
             return
         self.links.warm(version, self.batches.wanted, self.buffers.fingerprint)
 
-    def _pull_from(self, version: Version, groups: Mapping[str, SourceGroup] | None, dests: list[Entry],
-                   t: PullTimes) -> frozenset[object]:
+    def _pull_from(
+        self, version: Version, groups: Mapping[str, SourceGroup] | None, dests: list[Entry], t: PullTimes
+    ) -> frozenset[object]:
         """One pull from ``groups`` (None: the version's publishers, its only source)."""
         t0 = _now()
         work, built = self.batches.lookup(version, groups, dests)
@@ -236,8 +269,12 @@ class Consumer:
         t.convert += t3 - t2
         if self.links.disconnect_departed(version, lambda: self.batches.groups(version)):
             self.batches.clear()  # ready-made batches may name the departed peers' indices
-        if built and (groups is None or PUBLISHERS in groups) and not version.replica_layouts and \
-                self.batches.host_buffers(dests):
+        if (
+            built
+            and (groups is None or PUBLISHERS in groups)
+            and not version.replica_layouts
+            and self.batches.host_buffers(dests)
+        ):
             self.links.prefault_ahead(version, work.ops)
         t.plan += _now() - t3  # connection upkeep counts with planning
         self._last = work

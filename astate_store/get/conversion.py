@@ -8,18 +8,18 @@ chunk k is converted.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import numpy as np
 import torch
 
 from astate_store.context import StoreContext, sync_device
 from astate_store.errors import LayoutError
+from astate_store.get.sources import SourceGroup, to_transport_ops
 from astate_store.model.layout import Box, ShardRecord, contiguous_strides, itemsize, torch_dtype
 from astate_store.model.validation import Entry
-from astate_store.get.sources import SourceGroup, to_transport_ops
 
 __all__ = ["Conversion", "Converter"]
 
@@ -56,11 +56,15 @@ class Converter:
             return [e.box]
         row = max(1, int(np.prod(sizes[1:], dtype=np.int64)) * isz)
         if row > half and len(sizes) > 1:
-            raise LayoutError(f"tensor {e.name!r}: one row of {row} bytes exceeds half the staging cap "
-                              f"{self.ctx.options.staging_cap_bytes}; raise staging_cap_bytes")
+            raise LayoutError(
+                f"tensor {e.name!r}: one row of {row} bytes exceeds half the staging cap "
+                f"{self.ctx.options.staging_cap_bytes}; raise staging_cap_bytes"
+            )
         per = max(1, half // row)
-        return [Box((e.box.offsets[0] + i,) + e.box.offsets[1:], (min(per, sizes[0] - i),) + sizes[1:])
-                for i in range(0, sizes[0], per)]
+        return [
+            Box((e.box.offsets[0] + i,) + e.box.offsets[1:], (min(per, sizes[0] - i),) + sizes[1:])
+            for i in range(0, sizes[0], per)
+        ]
 
     def plan(self, g: SourceGroup, base: Mapping[int, int], e: Entry, plan: PlanFn) -> Conversion:
         """The chunks of one buffer's conversion; ``plan`` plans reads of source records."""
@@ -70,17 +74,24 @@ class Converter:
         half = max(1, cap // 2) if cap else _DEFAULT_HALF
         boxes = self._row_chunks(e, isz, half)
         staging = self._staging(2 * min(half, e.box.numel * isz), e.tensor.device)
-        halves = (staging[: staging.numel() // 2], staging[staging.numel() // 2:])
-        recs = tuple(ShardRecord(e.name, src_dtype, e.global_shape, c, contiguous_strides(c.sizes), -1, i, 0)
-                     for i, c in enumerate(boxes))
+        halves = (staging[: staging.numel() // 2], staging[staging.numel() // 2 :])
+        recs = tuple(
+            ShardRecord(e.name, src_dtype, e.global_shape, c, contiguous_strides(c.sizes), -1, i, 0)
+            for i, c in enumerate(boxes)
+        )
         reads = plan(g, recs)  # every chunk in one planning call
         reads = reads[np.argsort(reads["dst_region"], kind="stable")]
         cuts = np.searchsorted(reads["dst_region"], np.arange(len(boxes) + 1))
         chunks = []
         for i, c in enumerate(boxes):
             buf = halves[i % 2]
-            ops = to_transport_ops(g, self.ctx.transport.peer_index, base, reads[cuts[i]:cuts[i + 1]],
-                                   np.full(len(boxes), buf.data_ptr(), dtype=np.int64))
+            ops = to_transport_ops(
+                g,
+                self.ctx.transport.peer_index,
+                base,
+                reads[cuts[i] : cuts[i + 1]],
+                np.full(len(boxes), buf.data_ptr(), dtype=np.int64),
+            )
             src = buf[: c.numel * isz].view(torch_dtype(src_dtype)).view(c.sizes)
             local = tuple(slice(o - b, o - b + s) for o, b, s in zip(c.offsets, e.box.offsets, c.sizes))
             chunks.append((ops, src, e.tensor[local]))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -61,9 +61,16 @@ def keys(catalog: Catalog, step: int | None = None) -> dict[str, KeyInfo]:
     return {n: KeyInfo(tuple(t.global_shape), t.dtype, t.nbytes) for n, t in sorted(layouts.items())}
 
 
-def get(catalog: Catalog, get_into: GetInto, names: Iterable[str] | str | None = None, *, step: int | None = None,
-        timeout: float | None = None, device: torch.device | str = "cpu", progress: Progress | None = None
-        ) -> tuple[int, dict[str, torch.Tensor]]:
+def get(
+    catalog: Catalog,
+    get_into: GetInto,
+    names: Iterable[str] | str | None = None,
+    *,
+    step: int | None = None,
+    timeout: float | None = None,
+    device: torch.device | str = "cpu",
+    progress: Progress | None = None,
+) -> tuple[int, dict[str, torch.Tensor]]:
     """(step, name -> tensor) of the newest committed version >= ``step``: whole tensors of the
     published global shape and dtype, allocated on ``device``, filled by one ``get_into``
     (``progress`` as there).
@@ -88,8 +95,10 @@ def get(catalog: Catalog, get_into: GetInto, names: Iterable[str] | str | None =
             want = s + 1  # dropped by retention meanwhile: only a newer one can serve
             continue
         chosen = _check(info, wanted, s)
-        bufs = {n: torch.empty(info[n].global_shape, dtype=torch_dtype(info[n].dtype, tensor=n), device=dev)
-                for n in chosen}
+        bufs = {
+            n: torch.empty(info[n].global_shape, dtype=torch_dtype(info[n].dtype, tensor=n), device=dev)
+            for n in chosen
+        }
         try:
             got = get_into(bufs, s, _left(deadline), progress)
         except LayoutError as exc:
@@ -101,18 +110,26 @@ def get(catalog: Catalog, get_into: GetInto, names: Iterable[str] | str | None =
             if attempt == _SHAPE_RETRIES:
                 raise TornReadError(
                     f"namespace {catalog.namespace!r}: get(): the newest version changed its tensors' shapes "
-                    f"under {_SHAPE_RETRIES + 1} pulls in a row (last: step {s} listed, step {newer} newest); "
-                    "the publisher changes shapes faster than they can be read") from exc
-            log.info("namespace %s: get(): step %d changed shape under the pull; listing step %d again",
-                     catalog.namespace, s, newer)
+                    f"under {_SHAPE_RETRIES + 1} pulls in a row (last: step {s} listed, step {newer} "
+                    "newest); "
+                    "the publisher changes shapes faster than they can be read"
+                ) from exc
+            log.info(
+                "namespace %s: get(): step %d changed shape under the pull; listing step %d again",
+                catalog.namespace,
+                s,
+                newer,
+            )
             want = newer
             continue
         if got != s and not _same_dtypes(catalog, got, bufs):
             want = got  # a newer version with the same shapes but other dtypes: allocate for it
             continue
         return got, bufs
-    raise TornReadError(f"namespace {catalog.namespace!r}: get(): the newest version kept changing its tensors "
-                        f"or being dropped under {_SHAPE_RETRIES + 1} pulls in a row")
+    raise TornReadError(
+        f"namespace {catalog.namespace!r}: get(): the newest version kept changing its tensors "
+        f"or being dropped under {_SHAPE_RETRIES + 1} pulls in a row"
+    )
 
 
 def _names(names: Iterable[str] | str | None) -> list[str] | None:
@@ -128,7 +145,9 @@ def _names(names: Iterable[str] | str | None) -> list[str] | None:
     try:
         out = list(names)
     except TypeError:
-        raise LayoutError(f"get(names=...) must be None, a name or names, got {type(names).__name__}") from None
+        raise LayoutError(
+            f"get(names=...) must be None, a name or names, got {type(names).__name__}"
+        ) from None
     bad = [n for n in out if not isinstance(n, str)]
     if bad:
         raise LayoutError(f"get(names=...): names are strings, got {bad[:4]!r}")
@@ -142,8 +161,10 @@ def _check(info: Mapping[str, KeyInfo], wanted: list[str] | None, step: int) -> 
     unknown = [n for n in wanted if n not in info]
     if unknown:
         known = list(info)
-        raise LayoutError(f"get(): tensors {unknown} are not in step {step}'s published tensors "
-                          f"({', '.join(known[:8])}{', ...' if len(known) > 8 else ''})")
+        raise LayoutError(
+            f"get(): tensors {unknown} are not in step {step}'s published tensors "
+            f"({', '.join(known[:8])}{', ...' if len(known) > 8 else ''})"
+        )
     return wanted
 
 

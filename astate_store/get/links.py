@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -124,8 +125,9 @@ class Links:
                 if b != base and mine:
                     tr.prefault(peer, _shifted(mine, b))
 
-    def sources_read(self, groups: Mapping[str, SourceGroup], ops: np.ndarray, conversions: list[Conversion]
-                     ) -> frozenset[object]:
+    def sources_read(
+        self, groups: Mapping[str, SourceGroup], ops: np.ndarray, conversions: list[Conversion]
+    ) -> frozenset[object]:
         """The sources whose memory these ops read: their torn markers decide whether the bytes
         are good (a source that did not serve this pull cannot tear it)."""
         from astate_store.catalog.readers import replica_source
@@ -154,9 +156,11 @@ class Links:
                 return False  # every peer that left was disconnected when the window filled
             peers = st.peers[-1]
         else:
-            peers = frozenset(publisher_peer(r, lay) for r, lay in version.layouts.items()) \
-                if not version.missing and not version.replica_layouts else \
-                frozenset(peer for g in groups().values() for peer, _r, _l in g.sources.values())
+            peers = (
+                frozenset(publisher_peer(r, lay) for r, lay in version.layouts.items())
+                if not version.missing and not version.replica_layouts
+                else frozenset(peer for g in groups().values() for peer, _r, _l in g.sources.values())
+            )
             st.key, st.streak = key, 1
         st.peers.append(peers)
         live = frozenset().union(*st.peers)
@@ -170,8 +174,12 @@ class Links:
         for p in [p for p in self.connected if p not in live]:
             del self.connected[p]
         if gone:
-            log.info("step %d: disconnected %d peers no recent version lists (%s)", version.step, len(gone),
-                     ", ".join(map(str, gone[:4])) + (", ..." if len(gone) > 4 else ""))
+            log.info(
+                "step %d: disconnected %d peers no recent version lists (%s)",
+                version.step,
+                len(gone),
+                ", ".join(map(str, gone[:4])) + (", ..." if len(gone) > 4 else ""),
+            )
         return bool(gone)
 
 

@@ -12,21 +12,42 @@ ranks that held its bytes, before any byte moves (:func:`check_live`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from operator import attrgetter
-from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from astate_store.catalog import Layout, Manifest, Version
 from astate_store.errors import LayoutError, NoLiveSource
-from astate_store.model.layout import Box, ShardColumns, ShardRecord, TensorLayout, group_layouts, merge_tensor_layout
-from astate_store.model.validation import Entry, check_fit
+from astate_store.model.layout import (
+    Box,
+    ShardColumns,
+    ShardRecord,
+    TensorLayout,
+    group_layouts,
+    merge_tensor_layout,
+)
 from astate_store.model.spans import span_runs
+from astate_store.model.validation import Entry, check_fit
 
-__all__ = ["PUBLISHERS", "SourceGroup", "source_groups", "assign", "failover_order", "bases", "dest_records",
-           "converted_layout", "to_transport_ops", "publisher_peer", "byte_spans", "read_spans", "Wanted",
-           "covers", "check_live"]
+__all__ = [
+    "PUBLISHERS",
+    "SourceGroup",
+    "source_groups",
+    "assign",
+    "failover_order",
+    "bases",
+    "dest_records",
+    "converted_layout",
+    "to_transport_ops",
+    "publisher_peer",
+    "byte_spans",
+    "read_spans",
+    "Wanted",
+    "covers",
+    "check_live",
+]
 
 PUBLISHERS = "pub"  # the group id of the version's publisher ranks
 
@@ -63,10 +84,16 @@ def _publisher_group(version: Version) -> SourceGroup:
     # The plan cache key: the same layouts with fewer live ranks are other sources (a plan made
     # while all lived may read a rank that is gone now).
     key = version.layout_key if not version.missing else (version.layout_key, version.missing)
-    return SourceGroup(PUBLISHERS, layouts, src, key,
-                       tuple(r for r in mine if r.dtype == layouts[r.name].dtype),
-                       tuple(version.layouts[r].shards for r in sorted(version.layouts)),
-                       tuple(r for r in mine if r.dtype != layouts[r.name].dtype), partial)
+    return SourceGroup(
+        PUBLISHERS,
+        layouts,
+        src,
+        key,
+        tuple(r for r in mine if r.dtype == layouts[r.name].dtype),
+        tuple(version.layouts[r].shards for r in sorted(version.layouts)),
+        tuple(r for r in mine if r.dtype != layouts[r.name].dtype),
+        partial,
+    )
 
 
 def _live_layouts(shards: Iterable[ShardRecord]) -> tuple[dict[str, TensorLayout], frozenset[str]]:
@@ -111,7 +138,9 @@ def _replica_group(version: Version, name: str, members: Sequence[str]) -> Sourc
             continue  # the group holds only part of this tensor: not a source of it
     if not layouts:
         return None
-    return SourceGroup("g:" + name, layouts, src, tuple((m, version.replica_layouts[m].layout_id) for m in members))
+    return SourceGroup(
+        "g:" + name, layouts, src, tuple((m, version.replica_layouts[m].layout_id) for m in members)
+    )
 
 
 def source_groups(version: Version) -> dict[str, SourceGroup]:
@@ -130,7 +159,9 @@ def source_groups(version: Version) -> dict[str, SourceGroup]:
     return groups
 
 
-def assign(groups: Mapping[str, SourceGroup], dests: Sequence[Entry], rotation: int) -> dict[str, list[Entry]]:
+def assign(
+    groups: Mapping[str, SourceGroup], dests: Sequence[Entry], rotation: int
+) -> dict[str, list[Entry]]:
     """One source group per buffer: every buffer is checked to fit first (before any byte moves),
     then consumers spread over the groups that hold the tensor, deterministically per consumer.
 
@@ -146,8 +177,10 @@ def assign(groups: Mapping[str, SourceGroup], dests: Sequence[Entry], rotation: 
             cands = [g for g in order if covers(groups[g], e)]
         if not cands:
             names = sorted({n for g in groups.values() for n in g.layouts})
-            raise LayoutError(f"tensor {e.name!r} is not in step's published tensors ({', '.join(names[:8])}"
-                              f"{', ...' if len(names) > 8 else ''})")
+            raise LayoutError(
+                f"tensor {e.name!r} is not in step's published tensors ({', '.join(names[:8])}"
+                f"{', ...' if len(names) > 8 else ''})"
+            )
         check_fit(e, groups[cands[0]].layouts[e.name], "the published tensor")
         out.setdefault(cands[(rotation + i) % len(cands)], []).append(e)
     return out
@@ -184,8 +217,12 @@ def _covered(shards: Sequence[ShardRecord], box: Box) -> int:
     return n
 
 
-def check_live(version: Version, groups: Mapping[str, SourceGroup], dests: Sequence[Entry],
-               gone: Callable[[], Mapping[int, Manifest]]) -> None:
+def check_live(
+    version: Version,
+    groups: Mapping[str, SourceGroup],
+    dests: Sequence[Entry],
+    gone: Callable[[], Mapping[int, Manifest]],
+) -> None:
     """Before any byte moves: every buffer is covered by some live group, or raise naming each
     tensor and box no live source holds and the gone ranks that held them. ``gone``: the
     manifests (leaseless) of the ranks in ``version.missing``; read only when some buffer is not
@@ -218,17 +255,24 @@ def check_live(version: Version, groups: Mapping[str, SourceGroup], dests: Seque
     if not holes:
         return
     items = sorted(holes.items(), key=lambda kv: (kv[0][0], kv[0][1].offsets))
-    text = "; ".join(f"{n!r} box {b.offsets}+{b.sizes} (held by ranks {sorted(r)})" for (n, b), r in items[:8])
+    text = "; ".join(
+        f"{n!r} box {b.offsets}+{b.sizes} (held by ranks {sorted(r)})" for (n, b), r in items[:8]
+    )
     raise NoLiveSource(
-        f"step {version.step}: publisher ranks {sorted(version.missing)} are gone (their leases ended) and no live "
-        f"publisher, replica or re-serving consumer holds {len(items)} pieces of the buffers asked for: {text}"
-        f"{'; ...' if len(items) > 8 else ''}", step=version.step,
-        holes=[(n, b.offsets, b.sizes, tuple(sorted(r))) for (n, b), r in items])
+        f"step {version.step}: publisher ranks {sorted(version.missing)} are gone (their leases ended) "
+        f"and no live publisher, replica or re-serving consumer holds {len(items)} pieces of the "
+        f"buffers asked for: {text}"
+        f"{'; ...' if len(items) > 8 else ''}",
+        step=version.step,
+        holes=[(n, b.offsets, b.sizes, tuple(sorted(r))) for (n, b), r in items],
+    )
 
 
 def _names_of(e: Entry) -> list[Entry]:
     """The buffer under its own name and under each alias (a tied buffer is filled by any)."""
-    return [e] + [replace(e, name=a, aliases=tuple(n for n in (e.name, *e.aliases) if n != a)) for a in e.aliases]
+    return [e] + [
+        replace(e, name=a, aliases=tuple(n for n in (e.name, *e.aliases) if n != a)) for a in e.aliases
+    ]
 
 
 def _held_by(manifests: Mapping[int, Manifest], names: set[str]) -> dict[str, list[tuple[Box, int]]]:
@@ -238,7 +282,9 @@ def _held_by(manifests: Mapping[int, Manifest], names: set[str]) -> dict[str, li
         st, of, sz = m.starts.tolist(), m.offsets.tolist(), m.sizes.tolist()
         for i, n in enumerate(m.names):
             if n in names:
-                out.setdefault(n, []).append((Box(tuple(of[st[i]:st[i + 1]]), tuple(sz[st[i]:st[i + 1]])), rank))
+                out.setdefault(n, []).append(
+                    (Box(tuple(of[st[i] : st[i + 1]]), tuple(sz[st[i] : st[i + 1]])), rank)
+                )
     return out
 
 
@@ -253,21 +299,30 @@ def failover_order(groups: Mapping[str, SourceGroup], dests: Sequence[Entry]) ->
     replicas = sorted(k for k in groups if k != PUBLISHERS)
     if len(replicas) > 1:
         tries += [{k: groups[k]} for k in replicas]
-    return [gs for i, gs in enumerate(tries)
-            if i == 0 or all(any(covers(g, x) for g in gs.values() for x in _names_of(e)) for e in dests)]
+    return [
+        gs
+        for i, gs in enumerate(tries)
+        if i == 0 or all(any(covers(g, x) for g in gs.values() for x in _names_of(e)) for e in dests)
+    ]
 
 
 def bases(version: Version, g: SourceGroup) -> dict[int, int]:
     """Per source id, the byte offset of this step's bytes in its regions (a publisher's
     staging slot; 0 for in-place and re-served memory)."""
-    return {sid: (0 if r is None else version.pieces[r].base_offset) for sid, (_p, r, _l) in g.sources.items()}
+    return {
+        sid: (0 if r is None else version.pieces[r].base_offset) for sid, (_p, r, _l) in g.sources.items()
+    }
 
 
 Wanted = Mapping[str, Sequence[tuple[Box, str]]]  # tensor name -> (box, dtype) of each buffer of it
 
 
-def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wanted: Wanted,
-               columns: ShardColumns | None = None) -> list[tuple[int, int, int]]:
+def byte_spans(
+    shards: Sequence[ShardRecord],
+    packed: Sequence[ShardRecord],
+    wanted: Wanted,
+    columns: ShardColumns | None = None,
+) -> list[tuple[int, int, int]]:
     """``(region, lo, hi)`` runs (``spans.span_runs``) of the bytes a plan for the ``wanted``
     buffers may read in one source, relative to its base offset: each buffer's piece of each
     shard, and its pre-packed copies. A piece that a copy holds whole (of the buffer's or the
@@ -301,8 +356,9 @@ def byte_spans(shards: Sequence[ShardRecord], packed: Sequence[ShardRecord], wan
         r = shards[i]
         for box, dtype in boxes:
             piece = r.box.intersect(box)
-            if piece is not None and not any(c.box == piece and c.dtype in (dtype, r.dtype)
-                                             for c in copies.get(r.name, ())):
+            if piece is not None and not any(
+                c.box == piece and c.dtype in (dtype, r.dtype) for c in copies.get(r.name, ())
+            ):
                 pieces.add(r, piece)
     published = {r.name: r.dtype for r in shards if r.name in copies} if copies else {}
     for name, recs in copies.items():
@@ -334,7 +390,7 @@ class _ShardIndex:
     def global_shape(self, i: int) -> tuple[int, ...]:
         if self._spans is None:
             return self._shards[i].global_shape
-        return tuple(self._flat[self._starts[i]:self._starts[i + 1]])
+        return tuple(self._flat[self._starts[i] : self._starts[i + 1]])
 
     def whole_spans(self, idx: list[int]) -> np.ndarray:
         """``(3, len(idx))`` rows (region, lo, hi): the byte spans of the shards ``idx`` whole."""
@@ -385,15 +441,21 @@ def dest_records(dests: Sequence[Entry]) -> tuple[ShardRecord, ...]:
 
 def converted_layout(g: SourceGroup, e: Entry) -> TensorLayout | None:
     """The publisher-converted copies of this buffer's pieces, if together they cover it."""
-    recs = tuple(r for r in g.converted if r.name == e.name and r.dtype == e.dtype
-                 and e.box.intersect(r.box) == r.box)
+    recs = tuple(
+        r for r in g.converted if r.name == e.name and r.dtype == e.dtype and e.box.intersect(r.box) == r.box
+    )
     if not recs or sum(r.box.numel for r in recs) != e.box.numel:
         return None
     return TensorLayout(e.name, e.dtype, e.global_shape, recs)
 
 
-def to_transport_ops(g: SourceGroup, peer_index: Callable[[Hashable], int], base: Mapping[int, int],
-                     reads: np.ndarray, dst_base: np.ndarray) -> np.ndarray:
+def to_transport_ops(
+    g: SourceGroup,
+    peer_index: Callable[[Hashable], int],
+    base: Mapping[int, int],
+    reads: np.ndarray,
+    dst_base: np.ndarray,
+) -> np.ndarray:
     """Plan rows -> (peer index, region, remote offset, local address, length), vectorized."""
     n = max(g.sources) + 1
     peer_idx = np.full(n, -1, dtype=np.int64)

@@ -23,9 +23,10 @@ import logging
 import os
 import re
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,8 +37,19 @@ from astate_store.model.progress import Progress, ProgressCounter
 if TYPE_CHECKING:
     from astate_store.store import Store
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME", "ExportResult", "ImportedCheckpoint", "parse_size",
-           "shard_names", "export_version", "write_safetensors", "safetensors_files", "load_dir", "import_dir"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_NAME",
+    "ExportResult",
+    "ImportedCheckpoint",
+    "parse_size",
+    "shard_names",
+    "export_version",
+    "write_safetensors",
+    "safetensors_files",
+    "load_dir",
+    "import_dir",
+]
 
 log = logging.getLogger("astate_store")
 
@@ -47,13 +59,41 @@ INDEX_NAME = "model.safetensors.index.json"
 _WRITE_CHUNK = 16 << 20
 
 # astate dtype name <-> safetensors dtype code
-_TO_ST = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
-          "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
-          "bool": "BOOL"}
+_TO_ST = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
-          "TB": 10**12, "KI": 2**10, "KIB": 2**10, "MI": 2**20, "MIB": 2**20, "GI": 2**30, "GIB": 2**30, "TI": 2**40,
-          "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "M": 10**6,
+    "MB": 10**6,
+    "G": 10**9,
+    "GB": 10**9,
+    "T": 10**12,
+    "TB": 10**12,
+    "KI": 2**10,
+    "KIB": 2**10,
+    "MI": 2**20,
+    "MIB": 2**20,
+    "GI": 2**30,
+    "GIB": 2**30,
+    "TI": 2**40,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -101,15 +141,22 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) ->
     pos = 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
-        head[name] = {"dtype": _TO_ST[dtype_name(t.dtype, tensor=name)], "shape": list(t.shape),
-                      "data_offsets": [pos, pos + n]}
+        head[name] = {
+            "dtype": _TO_ST[dtype_name(t.dtype, tensor=name)],
+            "shape": list(t.shape),
+            "data_offsets": [pos, pos + n],
+        }
         pos += n
     raw = json.dumps(head, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)  # the data starts 8-aligned, as the format's own writer does
 
 
-def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
-                      metadata: Optional[Mapping[str, str]] = None, counter: Optional[ProgressCounter] = None) -> int:
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    counter: ProgressCounter | None = None,
+) -> int:
     """Write one safetensors file (to a temporary name, renamed into place); returns its size.
     Tensors are written from their own memory (CPU, contiguous ones without a copy)."""
     path = Path(path)
@@ -122,7 +169,7 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.
             for t in tensors.values():
                 flat = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
                 for i in range(0, len(flat), _WRITE_CHUNK):
-                    part = flat[i:i + _WRITE_CHUNK]
+                    part = flat[i : i + _WRITE_CHUNK]
                     f.write(memoryview(part))
                     if counter is not None:
                         counter.add(len(part))
@@ -144,9 +191,15 @@ class ExportResult:
     tensors: int
 
 
-def export_version(store: "Store", directory: str | os.PathLike[str], *, step: Optional[int] = None,
-                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, timeout: Optional[float] = 60.0,
-                   progress: Optional[Progress] = None) -> ExportResult:
+def export_version(
+    store: Store,
+    directory: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    timeout: float | None = 60.0,
+    progress: Progress | None = None,
+) -> ExportResult:
     """Write a committed version of ``store``'s namespace as HF safetensors files in ``directory``.
 
     Args:
@@ -182,14 +235,23 @@ def export_version(store: "Store", directory: str | os.PathLike[str], *, step: O
     for fname, group in zip(names, groups):
         write_safetensors(out / fname, {n: buffers[n] for n in group}, meta, counter)
         weight_map.update({n: fname for n in group})
-    index = {"metadata": {"total_size": total, "astate_namespace": store.namespace, "astate_step": got},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": total, "astate_namespace": store.namespace, "astate_step": got},
+        "weight_map": weight_map,
+    }
     tmp = out / f".{INDEX_NAME}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, out / INDEX_NAME)
     counter.finish()
-    log.info("exported %s step %d: %d tensors, %d bytes in %d files under %s", store.namespace, got, len(buffers),
-             total, len(names), out)
+    log.info(
+        "exported %s step %d: %d tensors, %d bytes in %d files under %s",
+        store.namespace,
+        got,
+        len(buffers),
+        total,
+        len(names),
+        out,
+    )
     return ExportResult(got, str(out), names, total, len(buffers))
 
 
@@ -234,7 +296,7 @@ class ImportedCheckpoint:
     files: list[Path]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     total_size: int = 0
-    step: Optional[int] = None
+    step: int | None = None
     _handles: list[Any] = field(default_factory=list, repr=False)
 
     def close(self) -> None:
@@ -243,7 +305,7 @@ class ImportedCheckpoint:
         self._handles.clear()
 
 
-def load_dir(path: str | os.PathLike[str], *, progress: Optional[Progress] = None) -> ImportedCheckpoint:
+def load_dir(path: str | os.PathLike[str], *, progress: Progress | None = None) -> ImportedCheckpoint:
     """Map a safetensors checkpoint: every tensor a view into its file's private memory map.
 
     Raises:
@@ -270,16 +332,20 @@ def load_dir(path: str | os.PathLike[str], *, progress: Optional[Progress] = Non
     if weight_map is not None:
         for name, fname in weight_map.items():
             if where.get(name) is None or where[name].name != Path(fname).name:
-                raise LayoutError(f"tensor {name!r}: the index places it in {fname}, "
-                                  f"{'it is in ' + where[name].name if name in where else 'no file holds it'}")
+                raise LayoutError(
+                    f"tensor {name!r}: the index places it in {fname}, "
+                    f"{'it is in ' + where[name].name if name in where else 'no file holds it'}"
+                )
     sizes = {}
     for f, h in handles:
         for name in h.keys():
             sl = h.get_slice(name)
             dt = sl.get_dtype()
             if dt not in _TO_ST.values():
-                raise LayoutError(f"tensor {name!r} in {f.name}: safetensors dtype {dt} is not supported "
-                                  f"({', '.join(sorted(_TO_ST.values()))})")
+                raise LayoutError(
+                    f"tensor {name!r} in {f.name}: safetensors dtype {dt} is not supported "
+                    f"({', '.join(sorted(_TO_ST.values()))})"
+                )
             sizes[name] = itemsize(next(k for k, v in _TO_ST.items() if v == dt)) * _numel(sl.get_shape())
     counter = ProgressCounter(progress, sum(sizes.values()))
     for f, h in handles:
@@ -299,8 +365,9 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def import_dir(store: "Store", path: str | os.PathLike[str], step: int, *,
-               progress: Optional[Progress] = None) -> ImportedCheckpoint:
+def import_dir(
+    store: Store, path: str | os.PathLike[str], step: int, *, progress: Progress | None = None
+) -> ImportedCheckpoint:
     """Publish a HF safetensors checkpoint as version ``step`` of ``store``'s namespace, in place
     (memory-mapped, ``put(copy=False)``). The store must be a single-rank publisher (world size 1).
     Keep the result alive, and this process running, while consumers pull; to stop serving,
@@ -315,6 +382,12 @@ def import_dir(store: "Store", path: str | os.PathLike[str], step: int, *,
         raise LayoutError(f"{path}: the checkpoint holds no tensors")
     store.put(step, ck.tensors, copy=False)
     ck.step = step
-    log.info("imported %s as %s step %d: %d tensors, %d bytes, served from memory-mapped files", path,
-             store.namespace, step, len(ck.tensors), ck.total_size)
+    log.info(
+        "imported %s as %s step %d: %d tensors, %d bytes, served from memory-mapped files",
+        path,
+        store.namespace,
+        step,
+        len(ck.tensors),
+        ck.total_size,
+    )
     return ck

@@ -21,8 +21,9 @@ says where in the engine's source each convention is defined.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable, Mapping, Sequence, Union
+from typing import Any, Union
 
 import torch
 
@@ -114,7 +115,9 @@ class _Plan:
     par: _Parallel
     names: Collection[str]  # the engine parameters the caller has (presets may pick spellings)
     hf_experts: str = "per_expert"  # HF names of routed experts: "per_expert" or "fused" (transformers >= 5)
-    vocab_padding: int | None = None  # rows of embeddings / LM head padded to a multiple of this (None: engine's)
+    vocab_padding: int | None = (
+        None  # rows of embeddings / LM head padded to a multiple of this (None: engine's)
+    )
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     pieces: list[_Piece] = field(default_factory=list)
 
@@ -124,8 +127,16 @@ class _Plan:
         if old != shape:  # a preset bug, not user input
             raise AssertionError(f"{name}: planned as {old} and {shape}")
 
-    def add(self, hf: str, hf_shape: Sequence[int], hf_offsets: Sequence[int], engine: str, *,
-            select: int | None = None, narrow: tuple[int, int, int] | None = None) -> None:
+    def add(
+        self,
+        hf: str,
+        hf_shape: Sequence[int],
+        hf_offsets: Sequence[int],
+        engine: str,
+        *,
+        select: int | None = None,
+        narrow: tuple[int, int, int] | None = None,
+    ) -> None:
         self.pieces.append(_Piece(hf, tuple(hf_shape), tuple(hf_offsets), engine, select, narrow))
 
     def split(self, n: int, what: str) -> int:
@@ -159,8 +170,9 @@ def row(plan: _Plan, hf: str, engine: str, shape: Sequence[int]) -> None:
     plan.add(hf, shape, (0, plan.par.rank * n), engine)
 
 
-def merged(plan: _Plan, engine: str, parts: Sequence[tuple[str, int]], trailing: tuple[int, ...], *,
-           tp: bool = True) -> None:
+def merged(
+    plan: _Plan, engine: str, parts: Sequence[tuple[str, int]], trailing: tuple[int, ...], *, tp: bool = True
+) -> None:
     """MergedColumnParallelLinear: each part split over the TP ranks, rank r's slices stacked in
     order: ``[gate_r | up_r]``; with ``tp=False`` (``disable_tp``) the whole parts stacked."""
     at = 0
@@ -172,8 +184,17 @@ def merged(plan: _Plan, engine: str, parts: Sequence[tuple[str, int]], trailing:
     plan.engine(engine, (at, *trailing))
 
 
-def qkv(plan: _Plan, engine: str, q: str, k: str, v: str, heads: int, kv_heads: int, head_dim: int,
-        trailing: tuple[int, ...]) -> None:
+def qkv(
+    plan: _Plan,
+    engine: str,
+    q: str,
+    k: str,
+    v: str,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    trailing: tuple[int, ...],
+) -> None:
     """vLLM QKVParallelLinear: rank r holds ``[q heads of r | k heads of r | v heads of r]``. With
     fewer KV heads than ranks each KV head is replicated on ``tp / kv_heads`` ranks: rank r's k and v
     slots hold head ``r * kv_heads // tp``."""
@@ -184,25 +205,39 @@ def qkv(plan: _Plan, engine: str, q: str, k: str, v: str, heads: int, kv_heads: 
         kv_first = par.rank * kv_local
     else:
         if kv_heads == 0 or par.size % kv_heads:
-            raise LayoutError(f"preset {plan.preset!r}: num_key_value_heads ({kv_heads}) neither divides "
-                              f"nor is a multiple of tp_size={par.size}")
+            raise LayoutError(
+                f"preset {plan.preset!r}: num_key_value_heads ({kv_heads}) neither divides "
+                f"nor is a multiple of tp_size={par.size}"
+            )
         kv_local, kv_first = 1, par.rank * kv_heads // par.size
     zeros = (0,) * len(trailing)
     qn, kvn = q_local * head_dim, kv_local * head_dim
     plan.add(q, (heads * head_dim, *trailing), (par.rank * qn, *zeros), engine, narrow=(0, 0, qn))
     plan.add(k, (kv_heads * head_dim, *trailing), (kv_first * head_dim, *zeros), engine, narrow=(0, qn, kvn))
-    plan.add(v, (kv_heads * head_dim, *trailing), (kv_first * head_dim, *zeros), engine,
-             narrow=(0, qn + kvn, kvn))
+    plan.add(
+        v, (kv_heads * head_dim, *trailing), (kv_first * head_dim, *zeros), engine, narrow=(0, qn + kvn, kvn)
+    )
     plan.engine(engine, (qn + 2 * kvn, *trailing))
 
 
-def megatron_qkv(plan: _Plan, engine: str, q: str, k: str, v: str, heads: int, groups: int, head_dim: int,
-                 trailing: tuple[int, ...]) -> None:
+def megatron_qkv(
+    plan: _Plan,
+    engine: str,
+    q: str,
+    k: str,
+    v: str,
+    heads: int,
+    groups: int,
+    head_dim: int,
+    trailing: tuple[int, ...],
+) -> None:
     """Megatron-core ``linear_qkv``: per query group ``[q heads of the group | k | v]``, groups in
     order, rank r holding groups ``[r * g, (r + 1) * g)``. One box per group and name."""
     if groups == 0 or heads % groups:
-        raise LayoutError(f"preset {plan.preset!r}: num_key_value_heads ({groups}) does not divide "
-                          f"num_attention_heads ({heads})")
+        raise LayoutError(
+            f"preset {plan.preset!r}: num_key_value_heads ({groups}) does not divide "
+            f"num_attention_heads ({heads})"
+        )
     local = plan.split(groups, "num_key_value_heads (Megatron needs whole query groups per rank)")
     per = heads // groups
     zeros = (0,) * len(trailing)
@@ -210,12 +245,27 @@ def megatron_qkv(plan: _Plan, engine: str, q: str, k: str, v: str, heads: int, g
     for j in range(local):
         g = plan.par.rank * local + j
         at = j * block
-        plan.add(q, (heads * head_dim, *trailing), (g * per * head_dim, *zeros), engine,
-                 narrow=(0, at, per * head_dim))
-        plan.add(k, (groups * head_dim, *trailing), (g * head_dim, *zeros), engine,
-                 narrow=(0, at + per * head_dim, head_dim))
-        plan.add(v, (groups * head_dim, *trailing), (g * head_dim, *zeros), engine,
-                 narrow=(0, at + (per + 1) * head_dim, head_dim))
+        plan.add(
+            q,
+            (heads * head_dim, *trailing),
+            (g * per * head_dim, *zeros),
+            engine,
+            narrow=(0, at, per * head_dim),
+        )
+        plan.add(
+            k,
+            (groups * head_dim, *trailing),
+            (g * head_dim, *zeros),
+            engine,
+            narrow=(0, at + per * head_dim, head_dim),
+        )
+        plan.add(
+            v,
+            (groups * head_dim, *trailing),
+            (g * head_dim, *zeros),
+            engine,
+            narrow=(0, at + (per + 1) * head_dim, head_dim),
+        )
     plan.engine(engine, (local * block, *trailing))
 
 
@@ -264,7 +314,9 @@ def experts(plan: _Plan, hf: str, w13: str, w2: str, num_experts: int, inter: in
         return
     for e in range(count):
         name = f"{hf}.{first + e}"
-        plan.add(f"{name}.gate_proj.weight", (inter, hidden), (tp_rank * n, 0), w13, select=e, narrow=(0, 0, n))
+        plan.add(
+            f"{name}.gate_proj.weight", (inter, hidden), (tp_rank * n, 0), w13, select=e, narrow=(0, 0, n)
+        )
         plan.add(f"{name}.up_proj.weight", (inter, hidden), (tp_rank * n, 0), w13, select=e, narrow=(0, n, n))
         plan.add(f"{name}.down_proj.weight", (hidden, inter), (0, tp_rank * n), w2, select=e)
 
@@ -273,7 +325,9 @@ def experts(plan: _Plan, hf: str, w13: str, w2: str, num_experts: int, inter: in
 # presets from HF names
 
 
-def _embeddings(plan: _Plan, cfg: _Config, embed: str, norm: str, lm_head: str, hf_prefix: str = "model.") -> None:
+def _embeddings(
+    plan: _Plan, cfg: _Config, embed: str, norm: str, lm_head: str, hf_prefix: str = "model."
+) -> None:
     v, h = cfg.num("vocab_size"), cfg.num("hidden_size")
     multiple = plan.vocab_padding or VLLM_VOCAB_PADDING
     vocab(plan, f"{hf_prefix}embed_tokens.weight", embed, v, h, multiple)
@@ -284,24 +338,52 @@ def _embeddings(plan: _Plan, cfg: _Config, embed: str, norm: str, lm_head: str, 
 
 def _dense_mlp(plan: _Plan, hf: str, engine: str, inter: int, hidden: int, bias: bool = False) -> None:
     """``mlp.gate_proj`` / ``up_proj`` / ``down_proj`` into ``gate_up_proj`` + ``down_proj``."""
-    merged(plan, f"{engine}.gate_up_proj.weight",
-           [(f"{hf}.gate_proj.weight", inter), (f"{hf}.up_proj.weight", inter)], (hidden,))
+    merged(
+        plan,
+        f"{engine}.gate_up_proj.weight",
+        [(f"{hf}.gate_proj.weight", inter), (f"{hf}.up_proj.weight", inter)],
+        (hidden,),
+    )
     row(plan, f"{hf}.down_proj.weight", f"{engine}.down_proj.weight", (hidden, inter))
     if bias:
-        merged(plan, f"{engine}.gate_up_proj.bias", [(f"{hf}.gate_proj.bias", inter), (f"{hf}.up_proj.bias", inter)],
-               ())
+        merged(
+            plan,
+            f"{engine}.gate_up_proj.bias",
+            [(f"{hf}.gate_proj.bias", inter), (f"{hf}.up_proj.bias", inter)],
+            (),
+        )
         replicated(plan, f"{hf}.down_proj.bias", f"{engine}.down_proj.bias", (hidden,))
 
 
-def _attention(plan: _Plan, cfg: _Config, p: str, *, qkv_bias: bool, o_bias: bool = False,
-               qk_norm: bool = False) -> None:
+def _attention(
+    plan: _Plan, cfg: _Config, p: str, *, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False
+) -> None:
     """Llama-family attention in vLLM: ``q/k/v_proj`` into ``qkv_proj``, ``o_proj`` row-parallel."""
     h, heads, kvh, hd = cfg.num("hidden_size"), cfg.num("num_attention_heads"), cfg.kv_heads(), cfg.head_dim()
     a = f"{p}.self_attn"
-    qkv(plan, f"{a}.qkv_proj.weight", f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight",
-        heads, kvh, hd, (h,))
+    qkv(
+        plan,
+        f"{a}.qkv_proj.weight",
+        f"{a}.q_proj.weight",
+        f"{a}.k_proj.weight",
+        f"{a}.v_proj.weight",
+        heads,
+        kvh,
+        hd,
+        (h,),
+    )
     if qkv_bias:
-        qkv(plan, f"{a}.qkv_proj.bias", f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias", heads, kvh, hd, ())
+        qkv(
+            plan,
+            f"{a}.qkv_proj.bias",
+            f"{a}.q_proj.bias",
+            f"{a}.k_proj.bias",
+            f"{a}.v_proj.bias",
+            heads,
+            kvh,
+            hd,
+            (),
+        )
     row(plan, f"{a}.o_proj.weight", f"{a}.o_proj.weight", (h, heads * hd))
     if o_bias:
         replicated(plan, f"{a}.o_proj.bias", f"{a}.o_proj.bias", (h,))
@@ -312,11 +394,14 @@ def _attention(plan: _Plan, cfg: _Config, p: str, *, qkv_bias: bool, o_bias: boo
 
 def _norms(plan: _Plan, p: str, hidden: int) -> None:
     replicated(plan, f"{p}.input_layernorm.weight", f"{p}.input_layernorm.weight", (hidden,))
-    replicated(plan, f"{p}.post_attention_layernorm.weight", f"{p}.post_attention_layernorm.weight", (hidden,))
+    replicated(
+        plan, f"{p}.post_attention_layernorm.weight", f"{p}.post_attention_layernorm.weight", (hidden,)
+    )
 
 
-def _llama_like(plan: _Plan, cfg: _Config, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                qk_norm: bool) -> None:
+def _llama_like(
+    plan: _Plan, cfg: _Config, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool
+) -> None:
     h, inter = cfg.num("hidden_size"), cfg.num("intermediate_size")
     _embeddings(plan, cfg, "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
     for i in range(cfg.num("num_hidden_layers")):
@@ -328,7 +413,9 @@ def _llama_like(plan: _Plan, cfg: _Config, *, qkv_bias: bool, o_bias: bool, mlp_
 
 def _llama(plan: _Plan, cfg: _Config) -> None:
     bias = bool(cfg.get("attention_bias", False))
-    _llama_like(plan, cfg, qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=False)
+    _llama_like(
+        plan, cfg, qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=False
+    )
 
 
 def _qwen2(plan: _Plan, cfg: _Config) -> None:
@@ -370,8 +457,12 @@ def _qwen3_moe(plan: _Plan, cfg: _Config) -> None:
 def _deepseek_v3(plan: _Plan, cfg: _Config) -> None:
     h, heads = cfg.num("hidden_size"), cfg.num("num_attention_heads")
     q_lora = cfg.get("q_lora_rank", None)
-    kv_lora, nope, rope, vd = (cfg.num("kv_lora_rank"), cfg.num("qk_nope_head_dim"), cfg.num("qk_rope_head_dim"),
-                               cfg.num("v_head_dim"))
+    kv_lora, nope, rope, vd = (
+        cfg.num("kv_lora_rank"),
+        cfg.num("qk_nope_head_dim"),
+        cfg.num("qk_rope_head_dim"),
+        cfg.num("v_head_dim"),
+    )
     n_routed = cfg.num("n_routed_experts", 0)
     first_dense, freq = cfg.num("first_k_dense_replace", 0), max(cfg.num("moe_layer_freq", 1), 1)
     shared = cfg.num("n_shared_experts", 0)
@@ -380,14 +471,20 @@ def _deepseek_v3(plan: _Plan, cfg: _Config) -> None:
     for i in range(cfg.num("num_hidden_layers")):  # MTP layers (index >= num_hidden_layers) are not mapped
         p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
         if q_lora is not None:
-            merged(plan, f"{a}.fused_qkv_a_proj.weight",
-                   [(f"{a}.q_a_proj.weight", q_lora), (f"{a}.kv_a_proj_with_mqa.weight", kv_lora + rope)], (h,),
-                   tp=False)
+            merged(
+                plan,
+                f"{a}.fused_qkv_a_proj.weight",
+                [(f"{a}.q_a_proj.weight", q_lora), (f"{a}.kv_a_proj_with_mqa.weight", kv_lora + rope)],
+                (h,),
+                tp=False,
+            )
             replicated(plan, f"{a}.q_a_layernorm.weight", f"{a}.q_a_layernorm.weight", (q_lora,))
             column(plan, f"{a}.q_b_proj.weight", f"{a}.q_b_proj.weight", (heads * (nope + rope), q_lora))
         else:
             column(plan, f"{a}.q_proj.weight", f"{a}.q_proj.weight", (heads * (nope + rope), h))
-            replicated(plan, f"{a}.kv_a_proj_with_mqa.weight", f"{a}.kv_a_proj_with_mqa.weight", (kv_lora + rope, h))
+            replicated(
+                plan, f"{a}.kv_a_proj_with_mqa.weight", f"{a}.kv_a_proj_with_mqa.weight", (kv_lora + rope, h)
+            )
         replicated(plan, f"{a}.kv_a_layernorm.weight", f"{a}.kv_a_layernorm.weight", (kv_lora,))
         column(plan, f"{a}.kv_b_proj.weight", f"{a}.kv_b_proj.weight", (heads * (nope + vd), kv_lora))
         row(plan, f"{a}.o_proj.weight", f"{a}.o_proj.weight", (h, heads * vd))
@@ -397,11 +494,17 @@ def _deepseek_v3(plan: _Plan, cfg: _Config) -> None:
             # DeepseekV3Config has no topk_method field
             default = "noaux_tc" if cfg.get("model_type", "") == "deepseek_v3" else ""
             if cfg.get("topk_method", default) == "noaux_tc":
-                replicated(plan, f"{p}.mlp.gate.e_score_correction_bias", f"{p}.mlp.gate.e_score_correction_bias",
-                           (n_routed,))
+                replicated(
+                    plan,
+                    f"{p}.mlp.gate.e_score_correction_bias",
+                    f"{p}.mlp.gate.e_score_correction_bias",
+                    (n_routed,),
+                )
             if shared:
                 _dense_mlp(plan, f"{p}.mlp.shared_experts", f"{p}.mlp.shared_experts", moe_inter * shared, h)
-            experts(plan, f"{p}.mlp.experts", *_expert_params(plan, f"{p}.mlp.experts"), n_routed, moe_inter, h)
+            experts(
+                plan, f"{p}.mlp.experts", *_expert_params(plan, f"{p}.mlp.experts"), n_routed, moe_inter, h
+            )
         else:
             _dense_mlp(plan, f"{p}.mlp", f"{p}.mlp", cfg.num("intermediate_size"), h)
         _norms(plan, p, h)
@@ -411,11 +514,17 @@ def _megatron(plan: _Plan, cfg: _Config) -> None:
     """Megatron-core GPTModel (Llama / Qwen2 family) with the Transformer Engine layer spec (norms
     fused into ``linear_qkv`` / ``linear_fc1`` as ``layer_norm_weight``) or the local spec
     (``input_layernorm`` / ``pre_mlp_layernorm``), picked from the parameters given."""
-    h, heads, groups, hd = cfg.num("hidden_size"), cfg.num("num_attention_heads"), cfg.kv_heads(), cfg.head_dim()
+    h, heads, groups, hd = (
+        cfg.num("hidden_size"),
+        cfg.num("num_attention_heads"),
+        cfg.kv_heads(),
+        cfg.head_dim(),
+    )
     inter = cfg.num("intermediate_size")
     bias = bool(cfg.get("attention_bias", cfg.get("model_type", "") == "qwen2"))
-    multiple = (plan.vocab_padding or cfg.num("make_vocab_size_divisible_by", MEGATRON_VOCAB_DIVISIBLE_BY)) * \
-        plan.par.size
+    multiple = (
+        plan.vocab_padding or cfg.num("make_vocab_size_divisible_by", MEGATRON_VOCAB_DIVISIBLE_BY)
+    ) * plan.par.size
     v = cfg.num("vocab_size")
     vocab(plan, "model.embed_tokens.weight", "embedding.word_embeddings.weight", v, h, multiple)
     replicated(plan, "model.norm.weight", "decoder.final_layernorm.weight", (h,))
@@ -424,29 +533,59 @@ def _megatron(plan: _Plan, cfg: _Config) -> None:
     for i in range(cfg.num("num_hidden_layers")):
         hf, d = f"model.layers.{i}", f"decoder.layers.{i}"
         sa = f"{d}.self_attention"
-        megatron_qkv(plan, f"{sa}.linear_qkv.weight", f"{hf}.self_attn.q_proj.weight", f"{hf}.self_attn.k_proj.weight",
-                     f"{hf}.self_attn.v_proj.weight", heads, groups, hd, (h,))
+        megatron_qkv(
+            plan,
+            f"{sa}.linear_qkv.weight",
+            f"{hf}.self_attn.q_proj.weight",
+            f"{hf}.self_attn.k_proj.weight",
+            f"{hf}.self_attn.v_proj.weight",
+            heads,
+            groups,
+            hd,
+            (h,),
+        )
         if bias:
-            megatron_qkv(plan, f"{sa}.linear_qkv.bias", f"{hf}.self_attn.q_proj.bias", f"{hf}.self_attn.k_proj.bias",
-                         f"{hf}.self_attn.v_proj.bias", heads, groups, hd, ())
+            megatron_qkv(
+                plan,
+                f"{sa}.linear_qkv.bias",
+                f"{hf}.self_attn.q_proj.bias",
+                f"{hf}.self_attn.k_proj.bias",
+                f"{hf}.self_attn.v_proj.bias",
+                heads,
+                groups,
+                hd,
+                (),
+            )
         row(plan, f"{hf}.self_attn.o_proj.weight", f"{sa}.linear_proj.weight", (h, heads * hd))
-        merged(plan, f"{d}.mlp.linear_fc1.weight",
-               [(f"{hf}.mlp.gate_proj.weight", inter), (f"{hf}.mlp.up_proj.weight", inter)], (h,))
+        merged(
+            plan,
+            f"{d}.mlp.linear_fc1.weight",
+            [(f"{hf}.mlp.gate_proj.weight", inter), (f"{hf}.mlp.up_proj.weight", inter)],
+            (h,),
+        )
         row(plan, f"{hf}.mlp.down_proj.weight", f"{d}.mlp.linear_fc2.weight", (h, inter))
-        replicated(plan, f"{hf}.input_layernorm.weight",
-                   plan.pick(f"{sa}.linear_qkv.layer_norm_weight", f"{d}.input_layernorm.weight"), (h,))
-        replicated(plan, f"{hf}.post_attention_layernorm.weight",
-                   plan.pick(f"{d}.mlp.linear_fc1.layer_norm_weight", f"{d}.pre_mlp_layernorm.weight"), (h,))
+        replicated(
+            plan,
+            f"{hf}.input_layernorm.weight",
+            plan.pick(f"{sa}.linear_qkv.layer_norm_weight", f"{d}.input_layernorm.weight"),
+            (h,),
+        )
+        replicated(
+            plan,
+            f"{hf}.post_attention_layernorm.weight",
+            plan.pick(f"{d}.mlp.linear_fc1.layer_norm_weight", f"{d}.pre_mlp_layernorm.weight"),
+            (h,),
+        )
 
 
 # preset name -> builder; docs/presets.md describes each
 PRESETS: dict[str, Callable[[_Plan, _Config], None]] = {
-    "llama": _llama,          # vLLM LlamaForCausalLM (also Mistral); SGLang uses the same names
-    "qwen2": _qwen2,          # vLLM Qwen2ForCausalLM: qkv biases
-    "qwen3": _qwen3,          # vLLM Qwen3ForCausalLM: q_norm / k_norm
+    "llama": _llama,  # vLLM LlamaForCausalLM (also Mistral); SGLang uses the same names
+    "qwen2": _qwen2,  # vLLM Qwen2ForCausalLM: qkv biases
+    "qwen3": _qwen3,  # vLLM Qwen3ForCausalLM: q_norm / k_norm
     "qwen3_moe": _qwen3_moe,  # vLLM Qwen3MoeForCausalLM: FusedMoE experts
     "deepseek_v3": _deepseek_v3,  # vLLM DeepseekV3ForCausalLM (and V2): MLA, shared + routed experts
-    "megatron": _megatron,    # Megatron-core GPTModel: interleaved linear_qkv, [gate | up] linear_fc1
+    "megatron": _megatron,  # Megatron-core GPTModel: interleaved linear_qkv, [gate | up] linear_fc1
 }
 
 
@@ -457,8 +596,16 @@ PRESETS: dict[str, Callable[[_Plan, _Config], None]] = {
 _HF_EXPERTS = ("per_expert", "fused")
 
 
-def _plan(preset: str, config: Any, names: Collection[str], tp_rank: int, tp_size: int,
-          expert_parallel: bool, hf_experts: str, vocab_padding: int | None) -> _Plan:
+def _plan(
+    preset: str,
+    config: Any,
+    names: Collection[str],
+    tp_rank: int,
+    tp_size: int,
+    expert_parallel: bool,
+    hf_experts: str,
+    vocab_padding: int | None,
+) -> _Plan:
     build = PRESETS.get(preset)
     if build is None:
         raise LayoutError(f"unknown preset {preset!r}; presets: {', '.join(sorted(PRESETS))}")
@@ -466,26 +613,41 @@ def _plan(preset: str, config: Any, names: Collection[str], tp_rank: int, tp_siz
         if isinstance(value, bool) or not isinstance(value, int):
             raise LayoutError(f"preset {preset!r}: {what} must be an int, got {value!r}")
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise LayoutError(f"preset {preset!r}: need 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
+        raise LayoutError(
+            f"preset {preset!r}: need 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}"
+        )
     if hf_experts not in _HF_EXPERTS:
         raise LayoutError(f"preset {preset!r}: hf_experts must be one of {_HF_EXPERTS}, got {hf_experts!r}")
-    if vocab_padding is not None and (isinstance(vocab_padding, bool) or not isinstance(vocab_padding, int)
-                                      or vocab_padding < 1):
-        raise LayoutError(f"preset {preset!r}: vocab_padding must be an int >= 1 or None, got {vocab_padding!r}")
+    if vocab_padding is not None and (
+        isinstance(vocab_padding, bool) or not isinstance(vocab_padding, int) or vocab_padding < 1
+    ):
+        raise LayoutError(
+            f"preset {preset!r}: vocab_padding must be an int >= 1 or None, got {vocab_padding!r}"
+        )
     plan = _Plan(preset, _Parallel(tp_rank, tp_size, bool(expert_parallel)), names, hf_experts, vocab_padding)
     build(plan, _Config(preset, config))
     return plan
 
 
-def engine_shapes(preset: str, config: Any, *, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
-                  hf_experts: str = "per_expert", vocab_padding: int | None = None,
-                  params: Collection[str] = ()) -> dict[str, tuple[int, ...]]:
+def engine_shapes(
+    preset: str,
+    config: Any,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    expert_parallel: bool = False,
+    hf_experts: str = "per_expert",
+    vocab_padding: int | None = None,
+    params: Collection[str] = (),
+) -> dict[str, tuple[int, ...]]:
     """The local shape of every engine parameter the preset maps, on this rank.
 
     ``params`` (names only) picks between spellings where a preset accepts several (Megatron's
     Transformer Engine or local norm names). Raises ``LayoutError`` as :func:`views` does.
     """
-    return dict(_plan(preset, config, params, tp_rank, tp_size, expert_parallel, hf_experts, vocab_padding).shapes)
+    return dict(
+        _plan(preset, config, params, tp_rank, tp_size, expert_parallel, hf_experts, vocab_padding).shapes
+    )
 
 
 def _as_mapping(params: ParamsLike) -> Mapping[str, torch.Tensor]:
@@ -496,8 +658,10 @@ def _as_mapping(params: ParamsLike) -> Mapping[str, torch.Tensor]:
     try:
         return dict(params)
     except (TypeError, ValueError):
-        raise LayoutError(f"params must map names to tensors (a dict, a state_dict, named_parameters() or an "
-                          f"nn.Module), got {type(params).__name__}") from None
+        raise LayoutError(
+            f"params must map names to tensors (a dict, a state_dict, named_parameters() or an "
+            f"nn.Module), got {type(params).__name__}"
+        ) from None
 
 
 def _view(piece: _Piece, param: torch.Tensor) -> torch.Tensor:
@@ -509,9 +673,18 @@ def _view(piece: _Piece, param: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def views(preset: str, params: ParamsLike, config: Any, *, tp_rank: int = 0, tp_size: int = 1,
-          expert_parallel: bool = False, hf_experts: str = "per_expert", vocab_padding: int | None = None,
-          prefix: str = "") -> dict[str, View]:
+def views(
+    preset: str,
+    params: ParamsLike,
+    config: Any,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    expert_parallel: bool = False,
+    hf_experts: str = "per_expert",
+    vocab_padding: int | None = None,
+    prefix: str = "",
+) -> dict[str, View]:
     """HF tensor names mapped to views into this rank's engine parameters.
 
     Args:
@@ -548,12 +721,18 @@ def views(preset: str, params: ParamsLike, config: Any, *, tp_rank: int = 0, tp_
             or of the wrong shape (naming it, the HF tensor it holds, and both shapes).
     """
     mapping = _as_mapping(params)
-    names = {n[len(prefix):] for n in mapping if n.startswith(prefix)} if prefix else set(mapping)
+    names = {n[len(prefix) :] for n in mapping if n.startswith(prefix)} if prefix else set(mapping)
     plan = _plan(preset, config, names, tp_rank, tp_size, expert_parallel, hf_experts, vocab_padding)
     local = _engine_tensors(plan, mapping, prefix)
     out = _group(plan, local)
-    log.debug("preset %s: %d HF tensors as views into %d engine parameters (tp %d/%d)", preset, len(out),
-              len(local), tp_rank, tp_size)
+    log.debug(
+        "preset %s: %d HF tensors as views into %d engine parameters (tp %d/%d)",
+        preset,
+        len(out),
+        len(local),
+        tp_rank,
+        tp_size,
+    )
     return out
 
 
@@ -568,15 +747,19 @@ def _engine_tensors(plan: _Plan, mapping: Mapping[str, Any], prefix: str) -> dic
         name, t = prefix + engine, mapping.get(prefix + engine)
         what = f"preset {plan.preset!r}: engine parameter {name!r}"
         if t is None:
-            raise LayoutError(f"{what} is missing (it holds {holds.get(engine, '?')!r}; expected local shape "
-                              f"{shape} {where})")
+            raise LayoutError(
+                f"{what} is missing (it holds {holds.get(engine, '?')!r}; expected local shape "
+                f"{shape} {where})"
+            )
         if not isinstance(t, torch.Tensor):
             raise LayoutError(f"{what} is a {type(t).__name__}, not a tensor")
         if any(c.__name__ == "DTensor" for c in type(t).__mro__):
             raise LayoutError(f"{what} is a DTensor: presets take each rank's local tensors (.to_local())")
         if tuple(t.shape) != shape:
-            raise LayoutError(f"{what} has shape {tuple(t.shape)}, expected {shape} {where} (it holds "
-                              f"{holds.get(engine, '?')!r})")
+            raise LayoutError(
+                f"{what} has shape {tuple(t.shape)}, expected {shape} {where} (it holds "
+                f"{holds.get(engine, '?')!r})"
+            )
         local[engine] = t.detach()  # same memory; no autograd on the views (they are written in place)
     return local
 

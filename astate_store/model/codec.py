@@ -13,8 +13,9 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 
@@ -35,7 +36,7 @@ def schema_dir() -> Path:
     raise CodecError(f"schema files not found next to {here}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schemas() -> dict[str, dict[str, Any]]:
     out = {}
     for path in sorted(schema_dir().glob("*.json")):
@@ -50,8 +51,24 @@ def schema_of(kind: str) -> dict[str, Any]:
         raise CodecError(f"unknown record kind {kind!r}; known: {sorted(_schemas())}") from None
 
 
-KINDS = ("session", "member", "layout", "piece", "commit", "reader", "retired", "replica", "consumer", "ucx_descriptor",
-         "checkpoint", "blob", "manifest", "recovery_plan", "recovery_outcome", "meta")
+KINDS = (
+    "session",
+    "member",
+    "layout",
+    "piece",
+    "commit",
+    "reader",
+    "retired",
+    "replica",
+    "consumer",
+    "ucx_descriptor",
+    "checkpoint",
+    "blob",
+    "manifest",
+    "recovery_plan",
+    "recovery_outcome",
+    "meta",
+)
 
 
 def _fail(kind: str, path: str, msg: str) -> CodecError:
@@ -123,7 +140,7 @@ def _all_plain(items: dict[str, Any], value: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(pattern: str) -> "re.Pattern[str]":
+def _compiled(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern)
 
 

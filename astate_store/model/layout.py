@@ -19,10 +19,11 @@ import math
 import operator
 import re
 from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import and_, attrgetter, eq, gt
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Union
 
 import numpy as np
 import torch
@@ -151,11 +152,13 @@ class Box:
     def ends(self) -> tuple[int, ...]:
         return tuple(o + s for o, s in zip(self.offsets, self.sizes))
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         # map() over the tuples and no __post_init__: called per (shard, buffer) pair when a
         # 10^4-tensor model is planned (a generator-based version was ~12 us a call here).
         lo = tuple(map(max, self.offsets, other.offsets))
-        hi = map(min, map(operator.add, self.offsets, self.sizes), map(operator.add, other.offsets, other.sizes))
+        hi = map(
+            min, map(operator.add, self.offsets, self.sizes), map(operator.add, other.offsets, other.sizes)
+        )
         sizes = tuple(map(operator.sub, hi, lo))
         if min(sizes, default=1) <= 0:
             return None
@@ -208,8 +211,12 @@ class ShardRecord:
             return self.byte_offset, self.byte_offset
         # map() rather than generators: once per shard of a 10^4-tensor model's first pull
         size, mul, sub = itemsize(self.dtype), operator.mul, operator.sub
-        start = self.byte_offset + size * sum(map(mul, map(sub, piece.offsets, self.box.offsets), self.strides))
-        return start, start + size * (1 + sum(map(mul, map(sub, piece.sizes, _ONES[len(piece.sizes)]), self.strides)))
+        start = self.byte_offset + size * sum(
+            map(mul, map(sub, piece.offsets, self.box.offsets), self.strides)
+        )
+        return start, start + size * (
+            1 + sum(map(mul, map(sub, piece.sizes, _ONES[len(piece.sizes)]), self.strides))
+        )
 
 
 _SAFE = float(1 << 60)  # int64 sums of byte offsets below this cannot overflow
@@ -251,7 +258,9 @@ class ShardColumns:
         if not self.bounded:
             return None
         starts, boffs = self.starts, self.byte_offsets
-        reach = np.concatenate(([0], np.cumsum((sz - 1) * st)))  # per dim (size - 1) * stride, summed per shard
+        reach = np.concatenate(
+            ([0], np.cumsum((sz - 1) * st))
+        )  # per dim (size - 1) * stride, summed per shard
         zeros = np.concatenate(([0], np.cumsum(sz == 0)))
         empty = zeros[starts[1:]] != zeros[starts[:-1]]
         hi = boffs + self.itemsizes * (1 + reach[starts[1:]] - reach[starts[:-1]])
@@ -415,8 +424,10 @@ def merge_tensor_layout(name: str, shards: Iterable[ShardRecord]) -> TensorLayou
         raise LayoutError(f"tensor {name!r}: no shards")
     first = shards[0]
     if _tiles_fast(shards, first):
-        return _frozen(TensorLayout, {"name": name, "dtype": first.dtype, "global_shape": first.global_shape,
-                                      "shards": tuple(shards)})
+        return _frozen(
+            TensorLayout,
+            {"name": name, "dtype": first.dtype, "global_shape": first.global_shape, "shards": tuple(shards)},
+        )
     # the general checks: they decide every case the fast path leaves, and name the problem
     for s in shards[1:]:
         if s.dtype != first.dtype:
@@ -479,14 +490,19 @@ def _tiles_fast(shards: list[ShardRecord], first: ShardRecord) -> bool:
     k = next((d for d in range(nd) if z0[d] != shape[d]), None)
     if k is None:
         return False
-    head, tail = shape[:k], shape[k + 1:]
+    head, tail = shape[:k], shape[k + 1 :]
     pos = 0
     po = pz = None
     for o, z in zip(offs, sizes):
         if o == po and z == pz:
             continue  # a replica of the previous box
-        if len(z) != nd or z[k] <= 0 or z[:k] != head or z[k + 1:] != tail or \
-                o != zeros[:k] + (pos,) + zeros[k + 1:]:
+        if (
+            len(z) != nd
+            or z[k] <= 0
+            or z[:k] != head
+            or z[k + 1 :] != tail
+            or o != zeros[:k] + (pos,) + zeros[k + 1 :]
+        ):
             return False
         pos += z[k]
         po, pz = o, z
@@ -541,8 +557,9 @@ def _group_layouts(recs: list[ShardRecord]) -> dict[str, TensorLayout]:
         if rs is not None:
             out[n] = merge_tensor_layout(n, rs)
         elif whole:  # one record holding the whole tensor: what merge_tensor_layout returns
-            out[n] = _frozen(TensorLayout, {"name": n, "dtype": r.dtype, "global_shape": r.global_shape,
-                                            "shards": (r,)})
+            out[n] = _frozen(
+                TensorLayout, {"name": n, "dtype": r.dtype, "global_shape": r.global_shape, "shards": (r,)}
+            )
         else:
             out[n] = merge_tensor_layout(n, (r,))
     return out

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Iterable, Iterator, Optional, Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol, TypeVar, runtime_checkable
 
 __all__ = ["Progress", "ProgressCounter"]
 
@@ -35,7 +36,7 @@ class ProgressCounter:
     ``ProgressCounter(None, n)`` is a no-op, so callers need no ``if progress`` branches.
     """
 
-    def __init__(self, progress: Optional[Progress], total: int, done: int = 0):
+    def __init__(self, progress: Progress | None, total: int, done: int = 0):
         self._progress = progress
         self.total = max(0, int(total))
         self.done = min(self.total, max(0, int(done)))  # an operation's later phase starts past 0
@@ -49,7 +50,9 @@ class ProgressCounter:
         try:
             cb(done, self.total)
         except Exception as exc:  # a progress display must never fail the operation it shows
-            log.warning("progress callback %r failed (%s: %s); it is no longer called", cb, type(exc).__name__, exc)
+            log.warning(
+                "progress callback %r failed (%s: %s); it is no longer called", cb, type(exc).__name__, exc
+            )
             self._progress = None
 
     def add(self, nbytes: int) -> None:

@@ -20,8 +20,9 @@ GAP = 64 << 10
 MAX_RUNS = 256
 
 
-def span_runs(key: np.ndarray, lo: np.ndarray, hi: np.ndarray, *, gap: int = GAP,
-              max_runs: int = MAX_RUNS) -> list[tuple[int, int, int]]:
+def span_runs(
+    key: np.ndarray, lo: np.ndarray, hi: np.ndarray, *, gap: int = GAP, max_runs: int = MAX_RUNS
+) -> list[tuple[int, int, int]]:
     """``(key, lo, hi)`` runs covering every range ``[lo[i], hi[i])`` of ``key[i]``, sorted,
     disjoint per key; ranges less than ``gap`` bytes apart share a run, and each key has at
     most ``max_runs`` runs (beyond that the narrowest gaps are closed too)."""

@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import operator
 import sys
-from collections.abc import Mapping
-from typing import Any, Iterable, Iterator, Literal, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -56,8 +56,8 @@ def _dtensor_type() -> type | None:
 _DTENSOR: Any = None
 
 
-
 # ---- flattening (DCP's naming) -----------------------------------------------------------------
+
 
 def _is_dtensor_of(value: object, dt_type: type | None) -> bool:
     """Whether ``value`` is a DTensor (``dt_type``, None when torch.distributed has none)."""
@@ -70,8 +70,12 @@ def _items(key: Any, value: object) -> tuple[Iterable[tuple[str, object]], bool]
     A tensor, a Shard, a list of Shards, anything under a non-string key, and anything that is
     not a mapping or list is one leaf under its own name; the rest is walked (:func:`_walk`).
     """
-    if isinstance(value, (torch.Tensor, Shard)) or type(key) is not str or \
-            not isinstance(value, (Mapping, list, tuple)) or _is_shard_list(value):
+    if (
+        isinstance(value, (torch.Tensor, Shard))
+        or type(key) is not str
+        or not isinstance(value, (Mapping, list, tuple))
+        or _is_shard_list(value)
+    ):
         return ((key if type(key) is str else str(key), value),), False
     return _walk(str(key), value), True
 
@@ -117,12 +121,15 @@ def flatten_state_dict(state_dict: Mapping[Any, object], what: str = "state_dict
 
 # ---- DTensors ---------------------------------------------------------------------------------
 
+
 def _placement_error(name: str, dt: Any) -> None:
     for p in dt.placements:
         if p.is_partial():
-            raise LayoutError(f"tensor {name!r}: DTensor placement Partial ({p}, a pending reduction) cannot be "
-                              "published or filled; redistribute it to Shard or Replicate first (e.g. "
-                              "dt.redistribute(placements=[Replicate()]))")
+            raise LayoutError(
+                f"tensor {name!r}: DTensor placement Partial ({p}, a pending reduction) cannot be "
+                "published or filled; redistribute it to Shard or Replicate first (e.g. "
+                "dt.redistribute(placements=[Replicate()]))"
+            )
 
 
 def _runs(index: list[int]) -> list[tuple[int, int, int]]:
@@ -136,8 +143,9 @@ def _runs(index: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _strided_boxes(name: str, dt: Any, gshape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...],
-                                                                         tuple[int, ...]]]:
+def _strided_boxes(
+    name: str, dt: Any, gshape: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
     """(local start, global offset, sizes) of each box of a DTensor with a ``_StridedShard``:
     torch's per-dim global indices of the local rows (its ``_get_shard_size_and_offsets``, the
     steps of ``compute_local_shape_and_global_offset``), cut into runs of consecutive rows."""
@@ -152,8 +160,9 @@ def _strided_boxes(name: str, dt: Any, gshape: tuple[int, ...]) -> list[tuple[tu
     for mdim, p in enumerate(dt.placements):
         if not isinstance(p, (TShard, _StridedShard)):
             continue
-        size, idx = _get_shard_size_and_offsets(local[p.dim], mesh.size(mdim), coord[mdim], p, index.get(p.dim),
-                                                gshape[p.dim], False)
+        size, idx = _get_shard_size_and_offsets(
+            local[p.dim], mesh.size(mdim), coord[mdim], p, index.get(p.dim), gshape[p.dim], False
+        )
         local[p.dim] = size
         index[p.dim] = idx
     per_dim = []
@@ -196,7 +205,9 @@ def dtensor_shards(name: str, dt: Any) -> Shard | list[Shard]:
     return Shard(local, offset, gshape)
 
 
-def _distinct_extent(boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]) -> tuple[int, ...]:
+def _distinct_extent(
+    boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]],
+) -> tuple[int, ...]:
     """The local shape the boxes cover (per dim: the last box's local end along that dim)."""
     nd = len(boxes[0][0])
     return tuple(max(b[0][d] + b[2][d] for b in boxes) for d in range(nd))
@@ -211,11 +222,14 @@ def _narrow(t: torch.Tensor, start: tuple[int, ...], sizes: tuple[int, ...]) -> 
 
 def _check_local(name: str, local: torch.Tensor, lshape: tuple[int, ...], placements: tuple) -> None:
     if tuple(local.shape) != tuple(lshape):
-        raise LayoutError(f"tensor {name!r}: DTensor local tensor has shape {tuple(local.shape)} but placements "
-                          f"{placements} give {tuple(lshape)} on this rank (padded local storage is not supported)")
+        raise LayoutError(
+            f"tensor {name!r}: DTensor local tensor has shape {tuple(local.shape)} but placements "
+            f"{placements} give {tuple(lshape)} on this rank (padded local storage is not supported)"
+        )
 
 
 # ---- the converter ----------------------------------------------------------------------------
+
 
 class StateDictConverter:
     """Converts one call site's mappings (``put``'s, ``get_into``'s), reusing what it built last
@@ -257,7 +271,9 @@ class StateDictConverter:
         if non_tensors not in _NON_TENSORS:
             raise LayoutError(f"{self.what}: non_tensors must be 'error' or 'skip', got {non_tensors!r}")
         if not isinstance(tensors, Mapping):
-            raise LayoutError(f"{self.what} must map names to tensors or Shards, got {type(tensors).__name__}")
+            raise LayoutError(
+                f"{self.what} must map names to tensors or Shards, got {type(tensors).__name__}"
+            )
         if self._last_out is not None and self._same_input(tensors):
             return self._last_out  # the very same values as last call (a dict of live parameters)
         dt_type = _dtensor_type()
@@ -279,8 +295,9 @@ class StateDictConverter:
         self._last_out = out
         return out
 
-    def _leaf(self, name: str, leaf: object, dt_type: type | None, old: tuple[dict, dict],
-              non_tensors: NonTensors) -> Value | None:
+    def _leaf(
+        self, name: str, leaf: object, dt_type: type | None, old: tuple[dict, dict], non_tensors: NonTensors
+    ) -> Value | None:
         """One leaf in the store's form; None for a non-tensor that ``non_tensors`` skips.
 
         Raises:
@@ -295,8 +312,10 @@ class StateDictConverter:
         if non_tensors == "skip":
             log.debug("%s: skipping non-tensor entry %r (%s)", self.what, name, type(leaf).__name__)
             return None
-        raise LayoutError(f"{self.what}: entry {name!r} is a {type(leaf).__name__}, not a tensor; pass "
-                          "non_tensors='skip' to leave such entries out")
+        raise LayoutError(
+            f"{self.what}: entry {name!r} is a {type(leaf).__name__}, not a tensor; pass "
+            "non_tensors='skip' to leave such entries out"
+        )
 
     def _remember(self, tensors: Mapping[Any, object], flat: bool, dt_type: type | None) -> None:
         """Note a flat input (its names, values, and each DTensor's local tensor) so the very same
@@ -305,14 +324,21 @@ class StateDictConverter:
             self._last_names, self._last_in, self._last_locals = [], [], []
             return
         self._last_names, self._last_in = list(tensors), list(tensors.values())
-        self._last_locals = [(i, v._local_tensor)  # type: ignore[attr-defined]
-                             for i, v in enumerate(self._last_in) if _is_dtensor_of(v, dt_type)]
+        self._last_locals = [
+            (i, v._local_tensor)  # type: ignore[attr-defined]
+            for i, v in enumerate(self._last_in)
+            if _is_dtensor_of(v, dt_type)
+        ]
 
     def _reuse(self, out: dict[str, Value]) -> dict[str, Value]:
         """The last output object itself when nothing changed (cheaper checks downstream)."""
         last = self._last_out
-        if last is not None and len(last) == len(out) and list(last) == list(out) and \
-                all(a is b for a, b in zip(last.values(), out.values())):
+        if (
+            last is not None
+            and len(last) == len(out)
+            and list(last) == list(out)
+            and all(a is b for a, b in zip(last.values(), out.values()))
+        ):
             return last
         return out
 
@@ -353,6 +379,8 @@ class StateDictConverter:
         return t
 
 
-def normalize(tensors: Mapping[Any, object], what: str, non_tensors: NonTensors = "error") -> dict[str, Value]:
+def normalize(
+    tensors: Mapping[Any, object], what: str, non_tensors: NonTensors = "error"
+) -> dict[str, Value]:
     """One conversion without a cache (``restore``, ``recover``); see :class:`StateDictConverter`."""
     return StateDictConverter(what).convert(tensors, non_tensors)

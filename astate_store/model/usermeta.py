@@ -11,7 +11,8 @@ It must stay small: it travels inside one etcd transaction. Big state belongs in
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import msgpack
 import torch
@@ -43,8 +44,10 @@ def encode_meta(meta: Mapping[str, Any] | None, what: str = "put(meta)") -> byte
     _check(meta, what, 0)
     data = msgpack.packb(dict(meta), use_bin_type=True)
     if len(data) > MAX_META_BYTES:
-        raise LayoutError(f"{what} is {len(data)} bytes encoded, over the {MAX_META_BYTES} byte limit "
-                          "(it travels in one etcd transaction); publish big state as tensors")
+        raise LayoutError(
+            f"{what} is {len(data)} bytes encoded, over the {MAX_META_BYTES} byte limit "
+            "(it travels in one etcd transaction); publish big state as tensors"
+        )
     return data
 
 
@@ -69,7 +72,7 @@ def _check(value: Any, path: str, depth: int) -> None:
     if value is None or isinstance(value, (bool, str, bytes)):
         return
     if isinstance(value, int):
-        if not -(2 ** 63) <= value < 2 ** 64:
+        if not -(2**63) <= value < 2**64:
             raise LayoutError(f"{path}: integer {value} does not fit in 64 bits")
         return
     if isinstance(value, float):
@@ -86,8 +89,10 @@ def _check(value: Any, path: str, depth: int) -> None:
                 raise LayoutError(f"{path}: key {key!r} is not a string")
             _check(item, f"{path}[{key!r}]", depth + 1)
         return
-    raise LayoutError(f"{path}: a {type(value).__name__} cannot be stored as meta (None, bool, int, float, str, "
-                      "bytes, lists and dicts of those)")
+    raise LayoutError(
+        f"{path}: a {type(value).__name__} cannot be stored as meta (None, bool, int, float, str, "
+        "bytes, lists and dicts of those)"
+    )
 
 
 def rng_state() -> dict[str, Any]:
@@ -114,7 +119,9 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     try:
         torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in state["cuda"]])
+            torch.cuda.set_rng_state_all(
+                [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in state["cuda"]]
+            )
         if "python" in state:
             version, internal, gauss = state["python"]
             random.setstate((version, tuple(internal), gauss))

@@ -8,8 +8,8 @@ collection during a 10,000-buffer pull cost more than the check itself).
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from operator import attrgetter
-from typing import Mapping
 
 import torch
 
@@ -49,8 +49,9 @@ class Fingerprint:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, Fingerprint) and self._hash == other._hash
-                                 and self.items == other.items)
+        return self is other or (
+            isinstance(other, Fingerprint) and self._hash == other._hash and self.items == other.items
+        )
 
 
 class ValidatedTensors:
@@ -79,7 +80,10 @@ class ValidatedTensors:
         # have been changed in place); a tensor's storage may still have been swapped under it.
         if self._lists and not all(map(operator.is_, _tensors_of(self._values), self._tensors)):
             return False
-        return list(map(_DATA_PTR, self._tensors)) == self._ptrs and list(map(_NUMEL, self._tensors)) == self._numels
+        return (
+            list(map(_DATA_PTR, self._tensors)) == self._ptrs
+            and list(map(_NUMEL, self._tensors)) == self._numels
+        )
 
     def validate(self, tensors: Mapping[str, TensorLike]) -> list[Entry]:
         """The mapping's entries (the cached list object itself when nothing changed).
@@ -98,7 +102,16 @@ class ValidatedTensors:
         # names, boxes, dtypes, strides and addresses, as tuples of ints and strs: built and hashed in
         # C (a Box is a dataclass hashed in Python; 10^4 of them were ~0.05 s of a first pull)
         tensors = list(map(_TENSOR, entries))
-        self.fingerprint = Fingerprint(tuple(zip(map(_NAME, entries), map(_OFFSETS, entries), map(_SIZES, entries),
-                                                 map(_DTYPE, entries), map(_STRIDE, tensors),
-                                                 map(_DATA_PTR, tensors))))
+        self.fingerprint = Fingerprint(
+            tuple(
+                zip(
+                    map(_NAME, entries),
+                    map(_OFFSETS, entries),
+                    map(_SIZES, entries),
+                    map(_DTYPE, entries),
+                    map(_STRIDE, tensors),
+                    map(_DATA_PTR, tensors),
+                )
+            )
+        )
         return entries

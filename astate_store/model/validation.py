@@ -23,9 +23,9 @@ from __future__ import annotations
 import functools
 import re
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Mapping, Sequence
 
 import torch
 
@@ -101,9 +101,7 @@ def _local_box(name: str, value: object) -> tuple[torch.Tensor, Box, tuple[int, 
         sizes = tuple(tensor.shape)
         nd = len(sizes)
         if len(offsets) != nd:
-            raise LayoutError(
-                f"tensor {name!r}: {len(offsets)} offsets for a {nd}-d tensor of shape {sizes}"
-            )
+            raise LayoutError(f"tensor {name!r}: {len(offsets)} offsets for a {nd}-d tensor of shape {sizes}")
         if len(global_shape) != nd:
             raise LayoutError(
                 f"tensor {name!r}: global_shape {global_shape} has {len(global_shape)} dims, "
@@ -155,13 +153,22 @@ class Entry:
         it ~4 times per buffer: a tenth of a second)."""
         return tuple(self.tensor.stride())
 
-    def record(self, rank: int, region: int = 0, byte_offset: int = 0, *, strides: Sequence[int] | None = None
-               ) -> ShardRecord:
+    def record(
+        self, rank: int, region: int = 0, byte_offset: int = 0, *, strides: Sequence[int] | None = None
+    ) -> ShardRecord:
         """This entry as a shard of ``rank`` at ``byte_offset`` in ``region``; ``strides`` default to
         the tensor's own (pass ``contiguous_strides`` for a packed copy of it)."""
         st = self.strides if strides is None else tuple(strides)
-        fields = {"name": self.name, "dtype": self.dtype, "global_shape": self.global_shape, "box": self.box,
-                  "strides": st, "rank": rank, "region": region, "byte_offset": byte_offset}
+        fields = {
+            "name": self.name,
+            "dtype": self.dtype,
+            "global_shape": self.global_shape,
+            "box": self.box,
+            "strides": st,
+            "rank": rank,
+            "region": region,
+            "byte_offset": byte_offset,
+        }
         return _frozen(ShardRecord, fields)  # type: ignore[return-value]  (checked fields: no __init__ needed)
 
 
@@ -201,8 +208,10 @@ def validate_tensors(tensors: Mapping[str, TensorLike | Sequence[Shard]], what: 
 
 def _entry(name: str, value: object) -> Entry:
     if _is_dtensor(value.tensor if isinstance(value, Shard) else value):
-        raise LayoutError(f"tensor {name!r}: a DTensor reached validation unconverted; pass the DTensor itself to "
-                          "put/get_into (they derive its box from the placements), not wrapped in a Shard")
+        raise LayoutError(
+            f"tensor {name!r}: a DTensor reached validation unconverted; pass the DTensor itself to "
+            "put/get_into (they derive its box from the placements), not wrapped in a Shard"
+        )
     t, box, gshape, dtype = _local_box(name, value)
     if not (t.is_cpu or t.is_cuda):
         raise LayoutError(f"tensor {name!r}: device {t.device} is not supported (cpu or cuda)")
@@ -213,8 +222,11 @@ def _is_dtensor(value: object) -> bool:
     """A torch DTensor (or a Parameter of one), told by its class name: this module imports no
     torch.distributed."""
     cls = type(value)
-    return cls is not torch.Tensor and isinstance(value, torch.Tensor) and \
-        any(c.__name__ == "DTensor" for c in cls.__mro__)
+    return (
+        cls is not torch.Tensor
+        and isinstance(value, torch.Tensor)
+        and any(c.__name__ == "DTensor" for c in cls.__mro__)
+    )
 
 
 def _append_boxes(out: list[Entry], name: str, value: Sequence[object]) -> None:
@@ -229,14 +241,17 @@ def _append_boxes(out: list[Entry], name: str, value: Sequence[object]) -> None:
     es = []
     for v in value:
         if not isinstance(v, Shard):
-            raise LayoutError(f"tensor {name!r}: a list value must hold astate_store.Shard boxes, got "
-                              f"{type(v).__name__}")
+            raise LayoutError(
+                f"tensor {name!r}: a list value must hold astate_store.Shard boxes, got {type(v).__name__}"
+            )
         es.append(_entry(name, v))
     first = es[0]
     for e in es[1:]:
         if e.dtype != first.dtype or e.global_shape != first.global_shape:
-            raise LayoutError(f"tensor {name!r}: its boxes disagree: {first.dtype} {first.global_shape} and "
-                              f"{e.dtype} {e.global_shape}")
+            raise LayoutError(
+                f"tensor {name!r}: its boxes disagree: {first.dtype} {first.global_shape} and "
+                f"{e.dtype} {e.global_shape}"
+            )
     _check_disjoint(name, [e.box for e in es])
     out.extend(es)
 
@@ -250,8 +265,10 @@ def _check_disjoint(name: str, boxes: list[Box]) -> None:
         active = [a for a in active if a.ndim == 0 or a.ends[0] > b.offsets[0]]
         for a in active:
             if a.intersect(b) is not None or a.ndim == 0:
-                raise LayoutError(f"tensor {name!r}: boxes {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} "
-                                  "overlap (the boxes of one name must be disjoint)")
+                raise LayoutError(
+                    f"tensor {name!r}: boxes {a.offsets}+{a.sizes} and {b.offsets}+{b.sizes} "
+                    "overlap (the boxes of one name must be disjoint)"
+                )
         active.append(b)
 
 
@@ -312,8 +329,12 @@ def check_fit(e: Entry, saved: TensorLayout, source: str) -> None:
         LayoutError: naming the tensor, both sides and ``source``.
     """
     if saved.global_shape != e.global_shape:
-        raise LayoutError(f"tensor {e.name!r}: buffer expects global shape {e.global_shape}, {source} has "
-                          f"global shape {saved.global_shape}")
+        raise LayoutError(
+            f"tensor {e.name!r}: buffer expects global shape {e.global_shape}, {source} has "
+            f"global shape {saved.global_shape}"
+        )
     if e.dtype != saved.dtype and not (is_floating(e.dtype) and is_floating(saved.dtype)):
-        raise LayoutError(f"tensor {e.name!r}: buffer dtype {e.dtype} does not match {source}'s dtype "
-                          f"{saved.dtype}, and {saved.dtype} -> {e.dtype} is not a float conversion")
+        raise LayoutError(
+            f"tensor {e.name!r}: buffer dtype {e.dtype} does not match {source}'s dtype "
+            f"{saved.dtype}, and {saved.dtype} -> {e.dtype} is not a float conversion"
+        )

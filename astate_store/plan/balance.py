@@ -7,7 +7,7 @@ still spread out. With a ``Fabric`` on both sides, candidates are the best local
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping, Optional
+from collections.abc import Hashable, Mapping
 
 import numpy as np
 
@@ -17,8 +17,10 @@ from astate_store.plan.shards import _Sources
 from astate_store.plan.util import _segment_arange, _unique_rows
 
 #: Per-dim multipliers of the piece salt (odd 32-bit constants; dims beyond 8 add unmixed).
-_MIX = np.array([0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xD3A2646C, 0xFD7046C5,
-                 0xB55A4F09], dtype=np.int64)
+_MIX = np.array(
+    [0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09],
+    dtype=np.int64,
+)
 
 #: Candidate masks of up to this many replicas are packed into one int64 bit set.
 _MASK_BITS = 62
@@ -29,8 +31,11 @@ def _piece_salt(src: _Sources, pieces: _Pieces) -> np.ndarray:
     pieces start at different replicas, which spreads any remainder of replicas / consumers."""
     D = src.D
     P_t, P_lo = pieces.t, pieces.lo
-    return (src.tensor_salt[P_t] + (P_lo * _MIX[:D][None, :] if D <= 8 else P_lo).sum(axis=1)) & 0x7FFFFFFF \
-        if pieces.n else np.zeros(0, np.int64)
+    return (
+        (src.tensor_salt[P_t] + (P_lo * _MIX[:D][None, :] if D <= 8 else P_lo).sum(axis=1)) & 0x7FFFFFFF
+        if pieces.n
+        else np.zeros(0, np.int64)
+    )
 
 
 def _distribute(loads: list, links: list, c: int, b: float) -> list[int]:
@@ -47,7 +52,7 @@ def _distribute(loads: list, links: list, c: int, b: float) -> list[int]:
     if s != c:
         f = [x + ki * b for x, ki in zip(cur, k)]
         if s < c:  # at most r short: one more to each of the least loaded
-            for i in sorted(range(r), key=f.__getitem__)[:c - s]:
+            for i in sorted(range(r), key=f.__getitem__)[: c - s]:
                 k[i] += 1
         else:
             order = sorted(range(r), key=f.__getitem__, reverse=True)
@@ -77,14 +82,24 @@ def _round_robin(reps: list, k: list[int]) -> list:
     return out
 
 
-def _assign_rotation(pi_src: np.ndarray, multi: np.ndarray, pieces: _Pieces, inst: _Instances, links: _Links,
-                     salt: np.ndarray, consumers: list, rotations: Optional[Mapping[Hashable, int]]) -> None:
+def _assign_rotation(
+    pi_src: np.ndarray,
+    multi: np.ndarray,
+    pieces: _Pieces,
+    inst: _Instances,
+    links: _Links,
+    salt: np.ndarray,
+    consumers: list,
+    rotations: Mapping[Hashable, int] | None,
+) -> None:
     """Replica ``(rotation + salt) % candidates`` for the instances ``multi`` (in place)."""
     rs, rc = pieces.rs, pieces.rc
     pi_c = inst.c
     rot = np.zeros(len(consumers), np.int64)
     for i, cid in enumerate(consumers):
-        rot[i] = int(rotations[cid]) if (rotations is not None and cid in rotations) else int(inst.pos_in_u[i])
+        rot[i] = (
+            int(rotations[cid]) if (rotations is not None and cid in rotations) else int(inst.pos_in_u[i])
+        )
     mp_ = inst.P[multi]
     key = rot[pi_c[multi]] + salt[mp_]
     if not links.use_topo:
@@ -107,8 +122,9 @@ def _assign_rotation(pi_src: np.ndarray, multi: np.ndarray, pieces: _Pieces, ins
     pi_src[multi[owner[pick]]] = rep[pick]
 
 
-def _candidate_codes(src: _Sources, links: _Links, inst: _Instances, multi: np.ndarray, mbox: np.ndarray
-                     ) -> tuple[np.ndarray, dict[int, list[int]]]:
+def _candidate_codes(
+    src: _Sources, links: _Links, inst: _Instances, multi: np.ndarray, mbox: np.ndarray
+) -> tuple[np.ndarray, dict[int, list[int]]]:
     """Candidate replicas of each instance in ``multi`` as a code: 0 = all replicas, > 0 = bit
     set of replica indices, < 0 = key into the returned dict of index lists (large sets).
 
@@ -138,25 +154,37 @@ def _candidate_codes(src: _Sources, links: _Links, inst: _Instances, multi: np.n
     nc = np.add.reduceat(isc.astype(np.int64), starts)
     allc = nc == pr_
     small = pr_ <= _MASK_BITS
-    bits = np.where(isc & (within < _MASK_BITS), np.left_shift(np.int64(1), np.minimum(within, _MASK_BITS - 1)), 0)
+    bits = np.where(
+        isc & (within < _MASK_BITS), np.left_shift(np.int64(1), np.minimum(within, _MASK_BITS - 1)), 0
+    )
     code = np.add.reduceat(bits, starts)
     code = np.where(allc, 0, np.where(small, code, -(np.arange(len(pfirst)) + 1)))
     # masks of large replica sets are looked up by pair id
     for j in np.flatnonzero(~allc & ~small).tolist():
-        pair_bits[-(j + 1)] = np.flatnonzero(isc[starts[j]:starts[j] + pr_[j]]).tolist()
+        pair_bits[-(j + 1)] = np.flatnonzero(isc[starts[j] : starts[j] + pr_[j]]).tolist()
     return code[pid], pair_bits
 
 
-def _assign_greedy(pi_src: np.ndarray, multi: np.ndarray, pieces: _Pieces, inst: _Instances, links: _Links,
-                   src: _Sources, salt: np.ndarray) -> None:
+def _assign_greedy(
+    pi_src: np.ndarray,
+    multi: np.ndarray,
+    pieces: _Pieces,
+    inst: _Instances,
+    links: _Links,
+    src: _Sources,
+    salt: np.ndarray,
+) -> None:
     """Water-fill the instances ``multi`` onto their candidates' links (in place), on top of the
     load of the instances already fixed."""
     P_bytes = pieces.bytes
     loads_arr = np.zeros(max(links.n_links, 1), np.float64)
     done = pi_src >= 0
     if done.any():
-        loads_arr += np.bincount(links.rec_link[pi_src[done]], weights=P_bytes[inst.P[done]].astype(np.float64),
-                                 minlength=len(loads_arr))[:len(loads_arr)]
+        loads_arr += np.bincount(
+            links.rec_link[pi_src[done]],
+            weights=P_bytes[inst.P[done]].astype(np.float64),
+            minlength=len(loads_arr),
+        )[: len(loads_arr)]
     mP = inst.P[multi]
     mbox = pieces.box[mP]
     mcode, pair_bits = _candidate_codes(src, links, inst, multi, mbox)
@@ -202,8 +230,15 @@ def _assign_greedy(pi_src: np.ndarray, multi: np.ndarray, pieces: _Pieces, inst:
     pi_src[multi[member_order]] = np.array(vals, np.int64)
 
 
-def _assign_replicas(src: _Sources, pieces: _Pieces, inst: _Instances, links: _Links, balance: str,
-                     consumers: list, rotations: Optional[Mapping[Hashable, int]]) -> np.ndarray:
+def _assign_replicas(
+    src: _Sources,
+    pieces: _Pieces,
+    inst: _Instances,
+    links: _Links,
+    balance: str,
+    consumers: list,
+    rotations: Mapping[Hashable, int] | None,
+) -> np.ndarray:
     """Source record of every instance (packed copies are applied afterwards, see ``_plan``)."""
     pi_src = np.full(inst.n, -1, np.int64)
     pi_P = inst.P

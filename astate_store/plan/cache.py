@@ -5,7 +5,8 @@ does not re-plan."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 from astate_store.model.layout import ShardRecord, TensorLayout
 from astate_store.plan.contracts import CostModel, Fabric, PackedInput
@@ -36,9 +37,15 @@ class _Memo:
 _GLOBAL_MEMO = _Memo()
 
 
-def fingerprint(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]],
-                topology: Optional[Fabric] = None, packed: PackedInput = None, extra: Any = None,
-                *, _memo: Optional[_Memo] = None) -> int:
+def fingerprint(
+    layouts: Mapping[str, TensorLayout],
+    requests: Mapping[Hashable, Sequence[ShardRecord]],
+    topology: Fabric | None = None,
+    packed: PackedInput = None,
+    extra: Any = None,
+    *,
+    _memo: _Memo | None = None,
+) -> int:
     """Cheap fingerprint of planning inputs: frozen dataclasses are hashed, with hashes of
     ``TensorLayout`` objects and request tuples memoized by identity (an unchanged steady-state
     step with the same objects costs one dict lookup per tensor and per consumer)."""
@@ -82,25 +89,74 @@ class Planner:
             self._cache.popitem(last=False)
         return val
 
-    def plan(self, layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]], *,
-             topology: Optional[Fabric] = None, packed: PackedInput = None, balance: str = "greedy",
-             rotations: Optional[Mapping[Hashable, int]] = None,
-             staggers: Optional[Mapping[Hashable, int]] = None, key: Any = None) -> GlobalPlan:
-        opts = (balance, None if rotations is None else tuple(sorted(rotations.items(), key=lambda kv: _sort_key(kv[0]))),
-                None if staggers is None else tuple(sorted(staggers.items(), key=lambda kv: _sort_key(kv[0]))),
-                self.cost)
-        fp = ("global", key, opts) if key is not None else \
-            ("global", fingerprint(layouts, requests, topology, packed, opts, _memo=self._memo))
-        return self._lookup(fp, lambda: plan_global(layouts, requests, topology=topology, packed=packed,
-                                                    cost=self.cost, balance=balance, rotations=rotations,
-                                                    staggers=staggers))
+    def plan(
+        self,
+        layouts: Mapping[str, TensorLayout],
+        requests: Mapping[Hashable, Sequence[ShardRecord]],
+        *,
+        topology: Fabric | None = None,
+        packed: PackedInput = None,
+        balance: str = "greedy",
+        rotations: Mapping[Hashable, int] | None = None,
+        staggers: Mapping[Hashable, int] | None = None,
+        key: Any = None,
+    ) -> GlobalPlan:
+        opts = (
+            balance,
+            None if rotations is None else tuple(sorted(rotations.items(), key=lambda kv: _sort_key(kv[0]))),
+            None if staggers is None else tuple(sorted(staggers.items(), key=lambda kv: _sort_key(kv[0]))),
+            self.cost,
+        )
+        fp = (
+            ("global", key, opts)
+            if key is not None
+            else ("global", fingerprint(layouts, requests, topology, packed, opts, _memo=self._memo))
+        )
+        return self._lookup(
+            fp,
+            lambda: plan_global(
+                layouts,
+                requests,
+                topology=topology,
+                packed=packed,
+                cost=self.cost,
+                balance=balance,
+                rotations=rotations,
+                staggers=staggers,
+            ),
+        )
 
-    def plan_consumer(self, layouts: Mapping[str, TensorLayout], request: Sequence[ShardRecord], *,
-                      consumer: Hashable = 0, rotation: int = 0, stagger: Optional[int] = None,
-                      topology: Optional[Fabric] = None, packed: PackedInput = None, key: Any = None) -> ConsumerPlan:
+    def plan_consumer(
+        self,
+        layouts: Mapping[str, TensorLayout],
+        request: Sequence[ShardRecord],
+        *,
+        consumer: Hashable = 0,
+        rotation: int = 0,
+        stagger: int | None = None,
+        topology: Fabric | None = None,
+        packed: PackedInput = None,
+        key: Any = None,
+    ) -> ConsumerPlan:
         opts = ("consumer", consumer, rotation, stagger, self.cost)
-        fp = ("consumer", key, opts) if key is not None else \
-            ("consumer", fingerprint(layouts, {consumer: request}, topology, packed, opts, _memo=self._memo))
-        return self._lookup(fp, lambda: plan_consumer(layouts, request, consumer=consumer, rotation=rotation,
-                                                      stagger=stagger, topology=topology, packed=packed,
-                                                      cost=self.cost))
+        fp = (
+            ("consumer", key, opts)
+            if key is not None
+            else (
+                "consumer",
+                fingerprint(layouts, {consumer: request}, topology, packed, opts, _memo=self._memo),
+            )
+        )
+        return self._lookup(
+            fp,
+            lambda: plan_consumer(
+                layouts,
+                request,
+                consumer=consumer,
+                rotation=rotation,
+                stagger=stagger,
+                topology=topology,
+                packed=packed,
+                cost=self.cost,
+            ),
+        )

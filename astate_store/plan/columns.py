@@ -11,8 +11,8 @@ None and the general planner decides (and names any error). Pure: no catalog, no
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import chain, repeat
-from typing import Sequence
 
 import numpy as np
 
@@ -26,8 +26,13 @@ READ_COLUMNS = ("source", "region", "src_offset", "buffer", "dst_offset", "lengt
 _MAX_NDIM = 16
 
 
-def whole_buffer_reads(sources: Sequence[ShardColumns], names: Sequence[str], dtypes: np.ndarray,
-                       shapes: Sequence[tuple[int, ...]], rotation: int = 0) -> np.ndarray | None:
+def whole_buffer_reads(
+    sources: Sequence[ShardColumns],
+    names: Sequence[str],
+    dtypes: np.ndarray,
+    shapes: Sequence[tuple[int, ...]],
+    rotation: int = 0,
+) -> np.ndarray | None:
     """One read per shard a buffer takes: ``(n, 6)`` int64 rows (``READ_COLUMNS``), every byte of
     every buffer read once, replicas chosen by ``(rotation + box index) % replicas``, the rows of
     the sources interleaved in proportion to their bytes. ``names`` / ``dtypes`` (codes, as in
@@ -42,8 +47,9 @@ def whole_buffer_reads(sources: Sequence[ShardColumns], names: Sequence[str], dt
     keep = buf >= 0
     if not keep.any() or len(np.unique(buf[keep])) != len(names):
         return None  # a buffer no source holds: the planner names it
-    src, buf, dt, nd, gs, off, sz, st, region, boff = (a[keep] for a in (src, buf, dt, nd, gs, off, sz, st, region,
-                                                                         boff))
+    src, buf, dt, nd, gs, off, sz, st, region, boff = (
+        a[keep] for a in (src, buf, dt, nd, gs, off, sz, st, region, boff)
+    )
     want_nd = np.fromiter(map(len, shapes), np.int64, len(shapes))
     if int(want_nd.max()) > gs.shape[1]:
         return None
@@ -51,15 +57,26 @@ def whole_buffer_reads(sources: Sequence[ShardColumns], names: Sequence[str], dt
     if not ((dt == dtypes[buf]) & (nd == want_nd[buf]) & (gs == want_gs[buf]).all(1)).all():
         return None  # another dtype (a conversion) or shape: the planner's
     order = np.lexsort((np.arange(len(buf)), region, src, *sz.T[::-1], *off.T[::-1], buf))
-    src, buf, dt, gs, off, sz, st, region, boff = (a[order] for a in (src, buf, dt, gs, off, sz, st, region, boff))
+    src, buf, dt, gs, off, sz, st, region, boff = (
+        a[order] for a in (src, buf, dt, gs, off, sz, st, region, boff)
+    )
     chosen = _tiled(buf, gs, off, sz, src, rotation)
     if chosen is None or not _contiguous(gs, off, sz, st)[chosen].all():
         return None
     item = ITEMSIZES[dt[chosen]]
     dst_strides = _row_major(gs[chosen])
     length = item * np.prod(sz[chosen], axis=1)
-    rows = np.stack([src[chosen], region[chosen], boff[chosen], buf[chosen],
-                     item * (off[chosen] * dst_strides).sum(1), length], axis=1)
+    rows = np.stack(
+        [
+            src[chosen],
+            region[chosen],
+            boff[chosen],
+            buf[chosen],
+            item * (off[chosen] * dst_strides).sum(1),
+            length,
+        ],
+        axis=1,
+    )
     return _interleaved(rows[length > 0])
 
 
@@ -73,7 +90,10 @@ def _concat(sources: Sequence[ShardColumns]) -> tuple[np.ndarray, ...] | None:
     width = max(1, int(nd.max()))
     if width > _MAX_NDIM:
         return None
-    flat = [np.concatenate([getattr(c, f) for c in sources]) for f in ("global_shapes", "offsets", "sizes", "strides")]
+    flat = [
+        np.concatenate([getattr(c, f) for c in sources])
+        for f in ("global_shapes", "offsets", "sizes", "strides")
+    ]
     gs, off, sz, st = (_padded(a, nd, width, fill) for a, fill in zip(flat, (1, 0, 1, 0)))
     src = np.repeat(np.arange(len(sources)), [len(c.names) for c in sources])
     names = list(chain.from_iterable(c.names for c in sources))
@@ -95,8 +115,9 @@ def _padded_rows(shapes: Sequence[tuple[int, ...]], nd: np.ndarray, width: int) 
     return _padded(flat, nd, width, 1)
 
 
-def _tiled(buf: np.ndarray, gs: np.ndarray, off: np.ndarray, sz: np.ndarray, src: np.ndarray, rotation: int
-           ) -> np.ndarray | None:
+def _tiled(
+    buf: np.ndarray, gs: np.ndarray, off: np.ndarray, sz: np.ndarray, src: np.ndarray, rotation: int
+) -> np.ndarray | None:
     """Indices (into the rows, sorted by buffer, box, source) of one replica of each distinct
     box, when every buffer's distinct boxes are its whole tensor alone or tile it along one dim
     in order; else None. Replicas: the boxes held by the same sources are taken from each of
@@ -120,12 +141,19 @@ def _tiled(buf: np.ndarray, gs: np.ndarray, off: np.ndarray, sz: np.ndarray, src
     same_k = np.ones(len(d), dtype=bool)
     same_k[1:] = k[1:] == k[:-1]
     alone = d_first & d_last & (n_partial == 0)
-    chained = (n_partial == 1) & (size > 0) & (lo == np.where(d_first, 0, prev_end)) & (same_k | d_first) & \
-        (~d_last | (lo + size == full))
+    chained = (
+        (n_partial == 1)
+        & (size > 0)
+        & (lo == np.where(d_first, 0, prev_end))
+        & (same_k | d_first)
+        & (~d_last | (lo + size == full))
+    )
     if not (alone | chained).all():
         return None
     replicas = np.diff(np.append(d, n))
-    family = src[d] * (int(replicas.max()) + 1) + replicas  # (first holder, holders): the same replica set, mostly
+    family = (
+        src[d] * (int(replicas.max()) + 1) + replicas
+    )  # (first holder, holders): the same replica set, mostly
     by = np.argsort(family, kind="stable")
     fam_sorted = family[by]
     starts = np.flatnonzero(np.concatenate(([True], fam_sorted[1:] != fam_sorted[:-1])))

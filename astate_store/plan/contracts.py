@@ -3,8 +3,9 @@ publishers and consumers sit) and the pre-pack round-trip records. Every stage s
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Union
 
 import numpy as np
 
@@ -64,7 +65,9 @@ class CostModel:
         """Whether packing pays (works elementwise on numpy arrays)."""
         if not self.prepack:
             return np.zeros(np.shape(saved_reads), dtype=bool)
-        return np.asarray(saved_reads) * self.per_read_seconds > np.asarray(nbytes) / (self.copy_gb_per_s * 1e9)
+        return np.asarray(saved_reads) * self.per_read_seconds > np.asarray(nbytes) / (
+            self.copy_gb_per_s * 1e9
+        )
 
     def read_seconds(self, reads: int, nbytes: int) -> float:
         """Serial estimate of one link moving ``nbytes`` in ``reads`` reads."""
@@ -77,8 +80,8 @@ class Placement:
     two hosts means the same rail. Two ranks with the same (host, nic) share a link."""
 
     host: str
-    numa: Optional[int] = None
-    nic: Optional[str] = None
+    numa: int | None = None
+    nic: str | None = None
 
 
 @dataclass(frozen=True, init=False)
@@ -93,11 +96,17 @@ class Fabric:
     sources: tuple
     consumers: tuple
 
-    def __init__(self, sources: Optional[Mapping[int, Placement]] = None,
-                 consumers: Optional[Mapping[Hashable, Placement]] = None):
+    def __init__(
+        self,
+        sources: Mapping[int, Placement] | None = None,
+        consumers: Mapping[Hashable, Placement] | None = None,
+    ):
         object.__setattr__(self, "sources", tuple(sorted((int(k), v) for k, v in (sources or {}).items())))
-        object.__setattr__(self, "consumers", tuple(sorted(((k, v) for k, v in (consumers or {}).items()),
-                                                           key=lambda kv: _sort_key(kv[0]))))
+        object.__setattr__(
+            self,
+            "consumers",
+            tuple(sorted(((k, v) for k, v in (consumers or {}).items()), key=lambda kv: _sort_key(kv[0]))),
+        )
 
     def source_map(self) -> dict:
         return dict(self.sources)
@@ -128,10 +137,18 @@ class PackItem:
     def packed_record(self, region: int, byte_offset: int) -> ShardRecord:
         """The contiguous record describing the built copy."""
         s = self.source
-        return ShardRecord(s.name, s.dtype, s.global_shape, self.box, contiguous_strides(self.box.sizes),
-                           s.rank, int(region), int(byte_offset))
+        return ShardRecord(
+            s.name,
+            s.dtype,
+            s.global_shape,
+            self.box,
+            contiguous_strides(self.box.sizes),
+            s.rank,
+            int(region),
+            int(byte_offset),
+        )
 
-    def packed(self, region: int, byte_offset: int) -> "PackedShard":
+    def packed(self, region: int, byte_offset: int) -> PackedShard:
         return PackedShard(self.packed_record(region, byte_offset), self.consumers)
 
     def copy_runs(self) -> np.ndarray:
@@ -144,7 +161,9 @@ class PackItem:
             return np.zeros(0, COPY_DTYPE)
         tm = _template(self.box.sizes, tuple(s.strides), contiguous_strides(self.box.sizes))
         src_rel, dst_rel = _rel_offsets(tm, isz, isz)
-        base = s.byte_offset + isz * sum((self.box.offsets[d] - s.box.offsets[d]) * s.strides[d] for d in range(nd))
+        base = s.byte_offset + isz * sum(
+            (self.box.offsets[d] - s.box.offsets[d]) * s.strides[d] for d in range(nd)
+        )
         out = np.empty(len(src_rel), COPY_DTYPE)
         out["src_offset"] = base + src_rel
         out["dst_offset"] = dst_rel

@@ -6,14 +6,17 @@ It is the only planner module that calls torch (for dtype conversion).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from astate_store.plan.contracts import DTYPE_CODES
 
 
-def execute_reads(reads: np.ndarray, sources: Mapping[tuple[int, int], Any], dests: Mapping[int, Any]) -> None:
+def execute_reads(
+    reads: np.ndarray, sources: Mapping[tuple[int, int], Any], dests: Mapping[int, Any]
+) -> None:
     """Apply reads with plain copies: ``sources[(rank, region)]`` and ``dests[region]`` are flat
     ``torch.uint8`` tensors (or writable numpy uint8 arrays). Reference code: one Python step per
     read."""
@@ -26,14 +29,14 @@ def execute_reads(reads: np.ndarray, sources: Mapping[tuple[int, int], Any], des
         s = sources[(rk, sreg)]
         d = dests[dreg]
         if not conv:
-            d[do:do + ln] = s[so:so + ln]
+            d[do : do + ln] = s[so : so + ln]
             continue
         st = torch_dtype(DTYPE_CODES[sdt])
         dt = torch_dtype(DTYPE_CODES[ddt])
-        sv = torch.as_tensor(s[so:so + ln]).clone().view(st)
+        sv = torch.as_tensor(s[so : so + ln]).clone().view(st)
         dv = sv.to(dt).view(torch.uint8)
         dl = len(dv)
         if isinstance(d, np.ndarray):
-            d[do:do + dl] = dv.numpy()
+            d[do : do + dl] = dv.numpy()
         else:
-            d[do:do + dl] = dv
+            d[do : do + dl] = dv

@@ -55,8 +55,9 @@ class _Instances:
     pos_in_u: np.ndarray
 
 
-def _join_boxes(src: _Sources, req: _Requests, rows_nb: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _join_boxes(
+    src: _Sources, req: _Requests, rows_nb: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Non-empty intersections of each request row with every source box of its tensor:
     ``(row, box, lo, sz, covered elements per row)``."""
     D = src.D
@@ -79,15 +80,21 @@ def _join_boxes(src: _Sources, req: _Requests, rows_nb: np.ndarray
         ok = (hi > lo).all(axis=1)
         pr, pb, lo, hi = pr[ok], pb[ok], lo[ok], hi[ok]
         sz = hi - lo
-        covered[a:b] += np.bincount(pr - a, weights=np.prod(sz, axis=1).astype(np.float64),
-                                    minlength=b - a).astype(np.int64)
+        covered[a:b] += np.bincount(
+            pr - a, weights=np.prod(sz, axis=1).astype(np.float64), minlength=b - a
+        ).astype(np.int64)
         P_row_parts.append(pr)
         P_box_parts.append(pb)
         P_lo_parts.append(lo)
         P_sz_parts.append(sz)
         a = b
-    return (_cat(P_row_parts, (0,)), _cat(P_box_parts, (0,)), _cat(P_lo_parts, (0, D)), _cat(P_sz_parts, (0, D)),
-            covered)
+    return (
+        _cat(P_row_parts, (0,)),
+        _cat(P_box_parts, (0,)),
+        _cat(P_lo_parts, (0, D)),
+        _cat(P_sz_parts, (0, D)),
+        covered,
+    )
 
 
 def _check_coverage(req: _Requests, covered: np.ndarray, numel_row: np.ndarray) -> None:
@@ -98,10 +105,15 @@ def _check_coverage(req: _Requests, covered: np.ndarray, numel_row: np.ndarray) 
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         r = req.recs[i]
-        what = "is not covered by any publisher shard" if covered[i] < numel_row[i] else \
-            "is covered by overlapping publisher shards"
-        raise PlanError(f"tensor {r.name!r}: destination box {r.box.offsets}+{r.box.sizes} {what} "
-                        f"({int(covered[i])} of {int(numel_row[i])} elements)")
+        what = (
+            "is not covered by any publisher shard"
+            if covered[i] < numel_row[i]
+            else "is covered by overlapping publisher shards"
+        )
+        raise PlanError(
+            f"tensor {r.name!r}: destination box {r.box.offsets}+{r.box.sizes} {what} "
+            f"({int(covered[i])} of {int(numel_row[i])} elements)"
+        )
 
 
 def _intersect(src: _Sources, req: _Requests) -> _Pieces:
@@ -116,10 +128,19 @@ def _intersect(src: _Sources, req: _Requests) -> _Pieces:
     P_sisz = _ISZ[req.scode[P_row]]
     P_disz = _ISZ[req.code[P_row]]
     return _Pieces(
-        n=NP, row=P_row, box=P_box, lo=P_lo, sz=P_sz, t=req.t[P_row], u=req.u[P_row], sisz=P_sisz, disz=P_disz,
+        n=NP,
+        row=P_row,
+        box=P_box,
+        lo=P_lo,
+        sz=P_sz,
+        t=req.t[P_row],
+        u=req.u[P_row],
+        sisz=P_sisz,
+        disz=P_disz,
         bytes=P_numel * P_sisz,
         dbase=req.off[P_row] + P_disz * ((P_lo - req.lo[P_row]) * req.st[P_row]).sum(axis=1),
-        rs=src.box_rs[P_box], rc=src.box_rc[P_box],
+        rs=src.box_rs[P_box],
+        rc=src.box_rc[P_box],
     )
 
 

@@ -7,7 +7,6 @@ Balancing and read order work per link, not per rank: ranks behind one NIC share
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -23,9 +22,9 @@ class _Links:
     rec_link: np.ndarray  # source link of every source record
     ranks_all: np.ndarray  # sorted distinct publisher ranks
     use_topo: bool  # placements known on both sides: restrict candidates by tier
-    tier: Optional[np.ndarray] = None  # tier[consumer placement id, source placement id]
-    rec_spl: Optional[np.ndarray] = None  # source placement id of every record
-    c_cpl: Optional[np.ndarray] = None  # consumer placement id of every consumer
+    tier: np.ndarray | None = None  # tier[consumer placement id, source placement id]
+    rec_spl: np.ndarray | None = None  # source placement id of every record
+    c_cpl: np.ndarray | None = None  # consumer placement id of every consumer
 
 
 def _tier_matrix(cpl: list, spl: list) -> np.ndarray:
@@ -64,11 +63,13 @@ def _source_links(src: _Sources, splace: dict[int, Placement]) -> tuple[np.ndarr
     return ranks_all, n_links, rec_link
 
 
-def _build_links(src: _Sources, consumers: list, fabric: Optional[Fabric]) -> _Links:
+def _build_links(src: _Sources, consumers: list, fabric: Fabric | None) -> _Links:
     splace = fabric.source_map() if fabric is not None else {}
     cplace = fabric.consumer_map() if fabric is not None else {}
     ranks_all, n_links, rec_link = _source_links(src, splace)
-    links = _Links(n_links=n_links, rec_link=rec_link, ranks_all=ranks_all, use_topo=bool(splace) and bool(cplace))
+    links = _Links(
+        n_links=n_links, rec_link=rec_link, ranks_all=ranks_all, use_topo=bool(splace) and bool(cplace)
+    )
     if links.use_topo:
         # distinct placements get ids (0 = unknown); tiers are computed per placement pair
         spl_list = [None] + list({v: None for v in splace.values()})
@@ -77,7 +78,10 @@ def _build_links(src: _Sources, consumers: list, fabric: Optional[Fabric]) -> _L
         cpl_id = {v: i for i, v in enumerate(cpl_list) if v is not None}
         links.tier = _tier_matrix(cpl_list, spl_list)
         rank_spl = {rk: spl_id.get(splace.get(rk), 0) for rk in ranks_all.tolist()}
-        links.rec_spl = np.array([rank_spl[r] for r in src.rec_rank.tolist()], np.int64) if len(src.rec_rank) else \
-            np.zeros(0, np.int64)
+        links.rec_spl = (
+            np.array([rank_spl[r] for r in src.rec_rank.tolist()], np.int64)
+            if len(src.rec_rank)
+            else np.zeros(0, np.int64)
+        )
         links.c_cpl = np.array([cpl_id.get(cplace.get(cid), 0) for cid in consumers], np.int64)
     return links

@@ -13,8 +13,15 @@ from astate_store.plan.contracts import READ_DTYPE
 from astate_store.plan.tables import PlanTables
 
 
-def _link_order(link: np.ndarray, src_off: np.ndarray, src_region: np.ndarray, src_rank: np.ndarray,
-                length: np.ndarray, n_links: int, stagger: int) -> np.ndarray:
+def _link_order(
+    link: np.ndarray,
+    src_off: np.ndarray,
+    src_region: np.ndarray,
+    src_rank: np.ndarray,
+    length: np.ndarray,
+    n_links: int,
+    stagger: int,
+) -> np.ndarray:
     """Permutation interleaving reads over source links in proportion to bytes: reads are sorted
     by their progress through their link's bytes, ties by link rotated by ``stagger``."""
     o1 = np.lexsort((src_off, src_region, src_rank, link))
@@ -62,8 +69,8 @@ def _materialize(plan: PlanTables, c: int) -> np.ndarray:
         for j in multi.tolist():
             rs, rd = plan.tmpl.rel(int(tm[j]))
             a = int(starts[j])
-            src_off[a:a + len(rs)] += rs
-            dst_off[a:a + len(rd)] += rd
+            src_off[a : a + len(rs)] += rs
+            dst_off[a : a + len(rd)] += rd
     out["src_offset"] = src_off
     out["dst_offset"] = dst_off
     out["length"] = length
@@ -78,6 +85,7 @@ def _materialize(plan: PlanTables, c: int) -> np.ndarray:
     out["dst_dtype"] = np.repeat(dc, n)
     out["convert"] = np.repeat(sc != dc, n)
     link = plan.rec_link[src][rep]
-    order = _link_order(link, src_off, out["src_region"], out["src_rank"], length, plan.n_links,
-                        int(plan.stagger[c]))
+    order = _link_order(
+        link, src_off, out["src_region"], out["src_rank"], length, plan.n_links, int(plan.stagger[c])
+    )
     return out[order]

@@ -8,9 +8,9 @@ planning converges in one round trip.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from itertools import chain, repeat
 from operator import itemgetter
-from typing import Hashable, Mapping, Optional
 
 import numpy as np
 
@@ -49,9 +49,14 @@ def _normalize_packed(packed: PackedInput) -> list[tuple[ShardRecord, tuple]]:
     return out
 
 
-def _match_packed(src: _Sources, pk: list[tuple[ShardRecord, tuple]], pieces: _Pieces, inst: _Instances,
-                  cindex: Mapping[Hashable, int], u_of_c: np.ndarray
-                  ) -> tuple[_Sources, Optional[np.ndarray], int]:
+def _match_packed(
+    src: _Sources,
+    pk: list[tuple[ShardRecord, tuple]],
+    pieces: _Pieces,
+    inst: _Instances,
+    cindex: Mapping[Hashable, int],
+    u_of_c: np.ndarray,
+) -> tuple[_Sources, np.ndarray | None, int]:
     """Sources extended with the packed records, the packed record overriding each instance
     (-1: none; None when nothing was packed) and the count of packed entries matching no piece.
 
@@ -63,8 +68,9 @@ def _match_packed(src: _Sources, pk: list[tuple[ShardRecord, tuple]], pieces: _P
     override = np.full(inst.n, -1, np.int64)
     src, prec_idx, prec_sz = src.with_packed([r for r, _ in pk])
     lens = np.fromiter(map(len, map(itemgetter(1), pk)), np.int64, len(pk))
-    ent_c = np.fromiter(map(cindex.get, chain.from_iterable(map(itemgetter(1), pk)), repeat(-1)), np.int64,
-                        int(lens.sum()))
+    ent_c = np.fromiter(
+        map(cindex.get, chain.from_iterable(map(itemgetter(1), pk)), repeat(-1)), np.int64, int(lens.sum())
+    )
     ent_j = np.repeat(np.arange(len(pk)), lens)
     keep = ent_c >= 0
     ent_c, ent_j = ent_c[keep], ent_j[keep]
@@ -74,8 +80,8 @@ def _match_packed(src: _Sources, pk: list[tuple[ShardRecord, tuple]], pieces: _P
     kR = np.concatenate([src.rec_t[prec_idx][:, None], src.rec_lo[prec_idx], prec_sz], axis=1)
     _, _, bid = _unique_rows(np.concatenate([kP, kR]))
     U = int(max(pieces.u.max(initial=-1), u_of_c.max(initial=-1))) + 1
-    gP = bid[:pieces.n] * U + pieces.u
-    gE = bid[pieces.n:][ent_j] * U + u_of_c[ent_c]
+    gP = bid[: pieces.n] * U + pieces.u
+    gE = bid[pieces.n :][ent_j] * U + u_of_c[ent_c]
     prec = prec_idx[ent_j]
     po = np.argsort(gP, kind="stable")
     sP = gP[po]
@@ -94,8 +100,16 @@ def _match_packed(src: _Sources, pk: list[tuple[ShardRecord, tuple]], pieces: _P
     return src, override, stale
 
 
-def _pack_decision(cost: CostModel, T_n: np.ndarray, tp: np.ndarray, pi_n: np.ndarray, pi_src: np.ndarray,
-                   is_packed_rec: np.ndarray, pieces: _Pieces, inst: _Instances) -> np.ndarray:
+def _pack_decision(
+    cost: CostModel,
+    T_n: np.ndarray,
+    tp: np.ndarray,
+    pi_n: np.ndarray,
+    pi_src: np.ndarray,
+    is_packed_rec: np.ndarray,
+    pieces: _Pieces,
+    inst: _Instances,
+) -> np.ndarray:
     """Instances worth a packed copy: reads saved against the contiguous template of the piece
     (``tp``) pay for the publisher's copy. Already-packed sources are never packed again."""
     if not inst.n:
@@ -122,8 +136,9 @@ def _build_pack_items(plan: PlanTables) -> dict[int, list[PackItem]]:
     r1[o1] = np.arange(len(o1))
     f1 = f1[o1]
     P1, s1 = P[f1], srcr[f1]
-    _, first2, inv2 = _unique_rows(np.concatenate([s1[:, None], plan.P_t[P1][:, None], plan.P_lo[P1],
-                                                   plan.P_sz[P1]], axis=1))
+    _, first2, inv2 = _unique_rows(
+        np.concatenate([s1[:, None], plan.P_t[P1][:, None], plan.P_lo[P1], plan.P_sz[P1]], axis=1)
+    )
     first, inv = f1[first2], inv2[r1[inv1.reshape(-1)]]
     G = len(first)
     # consumers of each item, sorted and deduplicated (one consumer may read a box twice)
@@ -148,7 +163,9 @@ def _build_pack_items(plan: PlanTables) -> dict[int, list[PackItem]]:
         rec = rec_obj[rec_l[g]]
         cut = D - len(rec.global_shape)
         box = _frozen(Box, {"offsets": tuple(lo_l[g][cut:]), "sizes": tuple(sz_l[g][cut:])})
-        item = _frozen(PackItem, {"source": rec, "box": box, "consumers": tuple(cons_l[bounds[g]:bounds[g + 1]])})
+        item = _frozen(
+            PackItem, {"source": rec, "box": box, "consumers": tuple(cons_l[bounds[g] : bounds[g + 1]])}
+        )
         lst = out.get(rec.rank)
         if lst is None:
             out[rec.rank] = [item]

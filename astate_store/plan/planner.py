@@ -8,9 +8,9 @@ packed copies) -> packed matches -> runs -> pre-pack decision -> merge -> totals
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from operator import is_
-from typing import Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -50,12 +50,17 @@ class _Prepared:
 
 #: The last preparation, held weakly (the ``GlobalPlan`` built from it holds it strongly): the
 #: pass with packed copies reuses the pass that asked for them while the caller keeps that plan.
-_PREP_MEMO: dict[str, tuple[tuple, "weakref.ref[_Prepared]"]] = {}
+_PREP_MEMO: dict[str, tuple[tuple, weakref.ref[_Prepared]]] = {}
 
 
-def _prep_key(src: _Sources, requests: Mapping[Hashable, Sequence[ShardRecord]], consumers: list,
-              topology: Optional[Fabric], balance: str, rotations: Optional[Mapping[Hashable, int]]
-              ) -> Optional[tuple]:
+def _prep_key(
+    src: _Sources,
+    requests: Mapping[Hashable, Sequence[ShardRecord]],
+    consumers: list,
+    topology: Fabric | None,
+    balance: str,
+    rotations: Mapping[Hashable, int] | None,
+) -> tuple | None:
     """The objects a preparation depends on, compared by identity (frozen inputs only: request
     sequences must be tuples of frozen records); None when some input could change in place."""
     seqs = tuple(map(requests.__getitem__, consumers))
@@ -66,12 +71,24 @@ def _prep_key(src: _Sources, requests: Mapping[Hashable, Sequence[ShardRecord]],
 
 
 def _same_key(a: tuple, b: tuple) -> bool:
-    return (a[0] is b[0] and a[1] == b[1] and len(a[2]) == len(b[2]) and all(map(is_, a[2], b[2]))
-            and a[3] is b[3] and a[4] == b[4] and a[5] == b[5])
+    return (
+        a[0] is b[0]
+        and a[1] == b[1]
+        and len(a[2]) == len(b[2])
+        and all(map(is_, a[2], b[2]))
+        and a[3] is b[3]
+        and a[4] == b[4]
+        and a[5] == b[5]
+    )
 
 
-def _prepare(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]],
-             topology: Optional[Fabric], balance: str, rotations: Optional[Mapping[Hashable, int]]) -> _Prepared:
+def _prepare(
+    layouts: Mapping[str, TensorLayout],
+    requests: Mapping[Hashable, Sequence[ShardRecord]],
+    topology: Fabric | None,
+    balance: str,
+    rotations: Mapping[Hashable, int] | None,
+) -> _Prepared:
     """Stages 1-4 (shards, requests, intersect, links, balance), reused from the previous call
     while its plan is alive and every input is the same object."""
     src = _compile_sources(layouts)
@@ -96,15 +113,24 @@ def _prepare(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Se
     return prep
 
 
-def _plan(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]], *,
-          topology: Optional[Fabric], packed: PackedInput, cost: CostModel, balance: str,
-          rotations: Optional[Mapping[Hashable, int]], staggers: Optional[Mapping[Hashable, int]]) -> GlobalPlan:
+def _plan(
+    layouts: Mapping[str, TensorLayout],
+    requests: Mapping[Hashable, Sequence[ShardRecord]],
+    *,
+    topology: Fabric | None,
+    packed: PackedInput,
+    cost: CostModel,
+    balance: str,
+    rotations: Mapping[Hashable, int] | None,
+    staggers: Mapping[Hashable, int] | None,
+) -> GlobalPlan:
     if balance not in ("greedy", "rotation"):
         raise PlanError(f"unknown balance mode {balance!r}")
     prep = _prepare(layouts, requests, topology, balance, rotations)
     consumers, cindex, req, pieces, inst = prep.consumers, prep.cindex, prep.req, prep.pieces, prep.inst
-    src, override, stale_packed = _match_packed(prep.src, _normalize_packed(packed), pieces, inst, cindex,
-                                                prep.u_of_c)
+    src, override, stale_packed = _match_packed(
+        prep.src, _normalize_packed(packed), pieces, inst, cindex, prep.u_of_c
+    )
     # packed copies replace their pieces *after* balancing, which sees the layout's records only:
     # the pass with the copies balances exactly as the pass that asked for them (the copies live
     # on the ranks it chose), so the pre-pack round trip converges in one step
@@ -118,26 +144,39 @@ def _plan(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Seque
         pi_src = np.where(override >= 0, override, pi_src)
         links = _build_links(src, consumers, topology)
         # instances keep their templates except those a packed copy now serves
-        runs = _instance_templates(src, req, pieces, inst, pi_src) if base is None else \
-            _rerun_templates(base, src, req, pieces, inst, pi_src, np.flatnonzero(override >= 0))
+        runs = (
+            _instance_templates(src, req, pieces, inst, pi_src)
+            if base is None
+            else _rerun_templates(base, src, req, pieces, inst, pi_src, np.flatnonzero(override >= 0))
+        )
     pi_pack = _pack_decision(cost, runs.T_n, runs.tp, runs.n, pi_src, runs.is_packed_rec, pieces, inst)
     _merge_whole_runs(src, req, pieces, inst, pi_src, runs)
     return _assemble(prep, src, links, runs, pi_src, pi_pack, balance, stale_packed, staggers)
 
 
-def _totals(src: _Sources, pieces: _Pieces, inst: _Instances, links: _Links, runs: _Runs, pi_src: np.ndarray,
-            C: int) -> dict[str, np.ndarray]:
+def _totals(
+    src: _Sources, pieces: _Pieces, inst: _Instances, links: _Links, runs: _Runs, pi_src: np.ndarray, C: int
+) -> dict[str, np.ndarray]:
     """Exact per-consumer read counts and bytes, per-link and per-rank bytes, without
     materializing a read (``PlanTables`` fields)."""
     NPI, pi_c, n_links = inst.n, inst.c, links.n_links
     cnt_pi = np.where(runs.tail, 0, runs.n)
-    read_counts = np.bincount(pi_c, weights=cnt_pi.astype(np.float64), minlength=C).astype(np.int64) \
-        if NPI else np.zeros(C, np.int64)
+    read_counts = (
+        np.bincount(pi_c, weights=cnt_pi.astype(np.float64), minlength=C).astype(np.int64)
+        if NPI
+        else np.zeros(C, np.int64)
+    )
     pi_bytes = pieces.bytes[inst.P] if NPI else np.zeros(0, np.int64)
-    dst_bytes = np.bincount(pi_c, weights=pi_bytes.astype(np.float64), minlength=C).astype(np.int64) \
-        if NPI else np.zeros(C, np.int64)
-    link_bytes = np.bincount(links.rec_link[pi_src], weights=pi_bytes.astype(np.float64), minlength=n_links) \
-        if NPI else np.zeros(n_links)
+    dst_bytes = (
+        np.bincount(pi_c, weights=pi_bytes.astype(np.float64), minlength=C).astype(np.int64)
+        if NPI
+        else np.zeros(C, np.int64)
+    )
+    link_bytes = (
+        np.bincount(links.rec_link[pi_src], weights=pi_bytes.astype(np.float64), minlength=n_links)
+        if NPI
+        else np.zeros(n_links)
+    )
     ranks_all = links.ranks_all
     if NPI:
         rpos = np.searchsorted(ranks_all, src.rec_rank)
@@ -146,12 +185,27 @@ def _totals(src: _Sources, pieces: _Pieces, inst: _Instances, links: _Links, run
         ranks_u, rank_bytes = ranks_all[keep_r], rank_bytes[keep_r]
     else:
         ranks_u, rank_bytes = np.zeros(0, np.int64), np.zeros(0)
-    return dict(read_counts=read_counts, dst_bytes=dst_bytes, link_bytes=link_bytes,
-                src_ranks=ranks_u, src_rank_bytes=rank_bytes, pi_bytes=pi_bytes)
+    return dict(
+        read_counts=read_counts,
+        dst_bytes=dst_bytes,
+        link_bytes=link_bytes,
+        src_ranks=ranks_u,
+        src_rank_bytes=rank_bytes,
+        pi_bytes=pi_bytes,
+    )
 
 
-def _assemble(prep: _Prepared, src: _Sources, links: _Links, runs: _Runs, pi_src: np.ndarray, pi_pack: np.ndarray,
-              balance: str, stale_packed: int, staggers: Optional[Mapping[Hashable, int]]) -> GlobalPlan:
+def _assemble(
+    prep: _Prepared,
+    src: _Sources,
+    links: _Links,
+    runs: _Runs,
+    pi_src: np.ndarray,
+    pi_pack: np.ndarray,
+    balance: str,
+    stale_packed: int,
+    staggers: Mapping[Hashable, int] | None,
+) -> GlobalPlan:
     """The compact ``GlobalPlan``: instances grouped by consumer (``perm`` / ``cstart``) plus the
     tables ``materialize`` and ``pack_items`` read, as one frozen ``PlanTables``."""
     consumers, cindex, req, pieces, inst = prep.consumers, prep.cindex, prep.req, prep.pieces, prep.inst
@@ -164,23 +218,52 @@ def _assemble(prep: _Prepared, src: _Sources, links: _Links, runs: _Runs, pi_src
     for i, cid in enumerate(consumers):
         stagger[i] = int(staggers[cid]) if (staggers is not None and cid in staggers) else i
     tables = PlanTables(
-        consumers=tuple(consumers), cindex=cindex, stagger=stagger, perm=perm, cstart=cstart,
+        consumers=tuple(consumers),
+        cindex=cindex,
+        stagger=stagger,
+        perm=perm,
+        cstart=cstart,
         **_totals(src, pieces, inst, links, runs, pi_src, C),
-        pi_c=pi_c, pi_P=inst.P, pi_src=pi_src, pi_tm=runs.tm, pi_sbase=runs.sbase, pi_mlen=runs.mlen,
-        pi_tail=runs.tail, pi_pack=pi_pack,
-        P_row=pieces.row, P_t=pieces.t, P_lo=pieces.lo, P_sz=pieces.sz, P_dbase=pieces.dbase,
-        row_region=req.region, row_index=req.index, row_scode=req.scode, row_code=req.code,
-        rec_rank=src.rec_rank, rec_region=src.rec_region, rec_link=links.rec_link, rec_obj=src.rec_obj,
-        D=src.D, n_links=links.n_links, tmpl=runs.tmpl, T_n=runs.T_n,
+        pi_c=pi_c,
+        pi_P=inst.P,
+        pi_src=pi_src,
+        pi_tm=runs.tm,
+        pi_sbase=runs.sbase,
+        pi_mlen=runs.mlen,
+        pi_tail=runs.tail,
+        pi_pack=pi_pack,
+        P_row=pieces.row,
+        P_t=pieces.t,
+        P_lo=pieces.lo,
+        P_sz=pieces.sz,
+        P_dbase=pieces.dbase,
+        row_region=req.region,
+        row_index=req.index,
+        row_scode=req.scode,
+        row_code=req.code,
+        rec_rank=src.rec_rank,
+        rec_region=src.rec_region,
+        rec_link=links.rec_link,
+        rec_obj=src.rec_obj,
+        D=src.D,
+        n_links=links.n_links,
+        tmpl=runs.tmpl,
+        T_n=runs.T_n,
     )
     return GlobalPlan(tables, tensors=src.names, balance=balance, stale_packed=stale_packed, prepared=prep)
 
 
-def plan_global(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable, Sequence[ShardRecord]], *,
-                topology: Optional[Fabric] = None, packed: PackedInput = None,
-                cost: CostModel = CostModel(), balance: str = "greedy",
-                rotations: Optional[Mapping[Hashable, int]] = None,
-                staggers: Optional[Mapping[Hashable, int]] = None) -> GlobalPlan:
+def plan_global(
+    layouts: Mapping[str, TensorLayout],
+    requests: Mapping[Hashable, Sequence[ShardRecord]],
+    *,
+    topology: Fabric | None = None,
+    packed: PackedInput = None,
+    cost: CostModel = CostModel(),
+    balance: str = "greedy",
+    rotations: Mapping[Hashable, int] | None = None,
+    staggers: Mapping[Hashable, int] | None = None,
+) -> GlobalPlan:
     """Plan every consumer at once.
 
     Args:
@@ -203,14 +286,29 @@ def plan_global(layouts: Mapping[str, TensorLayout], requests: Mapping[Hashable,
             source covers, dtype/shape disagreement, or a non float<->float conversion.
     """
     with GCPaused():
-        return _plan(layouts, requests, topology=topology, packed=packed, cost=cost, balance=balance,
-                     rotations=rotations, staggers=staggers)
+        return _plan(
+            layouts,
+            requests,
+            topology=topology,
+            packed=packed,
+            cost=cost,
+            balance=balance,
+            rotations=rotations,
+            staggers=staggers,
+        )
 
 
-def plan_consumer(layouts: Mapping[str, TensorLayout], request: Sequence[ShardRecord], *,
-                  consumer: Hashable = 0, rotation: int = 0, stagger: Optional[int] = None,
-                  topology: Optional[Fabric] = None, packed: PackedInput = None,
-                  cost: CostModel = CostModel()) -> ConsumerPlan:
+def plan_consumer(
+    layouts: Mapping[str, TensorLayout],
+    request: Sequence[ShardRecord],
+    *,
+    consumer: Hashable = 0,
+    rotation: int = 0,
+    stagger: int | None = None,
+    topology: Fabric | None = None,
+    packed: PackedInput = None,
+    cost: CostModel = CostModel(),
+) -> ConsumerPlan:
     """Plan one consumer alone, balanced across independently planning consumers by rotation.
 
     Use ``rotation`` = this consumer's index among the consumers that read the same boxes (for
@@ -228,6 +326,14 @@ def plan_consumer(layouts: Mapping[str, TensorLayout], request: Sequence[ShardRe
                 items.append(p)
         packed = items
     with GCPaused():
-        gp = _plan(layouts, {consumer: request}, topology=topology, packed=packed, cost=cost, balance="rotation",
-                   rotations={consumer: rotation}, staggers={consumer: rotation if stagger is None else stagger})
+        gp = _plan(
+            layouts,
+            {consumer: request},
+            topology=topology,
+            packed=packed,
+            cost=cost,
+            balance="rotation",
+            rotations={consumer: rotation},
+            staggers={consumer: rotation if stagger is None else stagger},
+        )
     return gp.consumer(consumer)

@@ -8,7 +8,7 @@ it can serve in its snapshot slots at its next put. Both sides are pure function
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from astate_store.model.layout import Box, TensorLayout, is_floating
 from astate_store.model.validation import Entry
@@ -20,8 +20,9 @@ __all__ = ["PackRequest", "Copy", "consumer_requests", "servable"]
 PackRequest = tuple[int, str, Box, "str | None"]
 
 
-def consumer_requests(items: Iterable[PackItem], layouts: Mapping[str, TensorLayout], convert: Sequence[Entry],
-                      rotation: int) -> list[PackRequest]:
+def consumer_requests(
+    items: Iterable[PackItem], layouts: Mapping[str, TensorLayout], convert: Sequence[Entry], rotation: int
+) -> list[PackRequest]:
     """What one consumer asks for: the planner's contiguous pack items, plus, per buffer of
     another float dtype, its intersection with each distinct published box from one replica
     (spread over replicas by the consumer's rotation)."""
@@ -40,7 +41,9 @@ def consumer_requests(items: Iterable[PackItem], layouts: Mapping[str, TensorLay
 Copy = tuple[int, Box, "str | None"]  # (entry index, box inside it, dtype to convert to or None)
 
 
-def servable(requests: Iterable[tuple[str, str, Box, str | None]], entries: Sequence[Entry]) -> tuple[Copy, ...]:
+def servable(
+    requests: Iterable[tuple[str, str, Box, str | None]], entries: Sequence[Entry]
+) -> tuple[Copy, ...]:
     """The copies this publisher can build from its entries, one per (tensor, box, dtype) however
     many consumers ask for it: the box must lie inside one entry, and a conversion must be float
     to float. Sorted, so the same requests always give the same slot layout."""
@@ -52,8 +55,12 @@ def servable(requests: Iterable[tuple[str, str, Box, str | None]], entries: Sequ
         for i in index.get(name, ()):
             e = entries[i]
             # A request from etcd is a stranger's word: its box must have the tensor's dims.
-            if box.ndim == e.box.ndim and e.box.intersect(box) == box and box.numel and (
-                    dtype is None or (is_floating(dtype) and is_floating(e.dtype))):
+            if (
+                box.ndim == e.box.ndim
+                and e.box.intersect(box) == box
+                and box.numel
+                and (dtype is None or (is_floating(dtype) and is_floating(e.dtype)))
+            ):
                 out.add((i, box, None if dtype == e.dtype else dtype))
                 break
     return tuple(sorted(out, key=lambda c: (c[0], c[1].offsets, c[1].sizes, c[2] or "")))

@@ -7,7 +7,7 @@ computation, so this stage decides how much work the rest of the pipeline does.
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -18,8 +18,9 @@ from astate_store.plan.shards import _Sources
 from astate_store.plan.util import _unique_rows
 
 
-def _dedupe_requests(requests: Mapping[Hashable, Sequence[ShardRecord]],
-                     consumers: list) -> tuple[list[tuple], np.ndarray]:
+def _dedupe_requests(
+    requests: Mapping[Hashable, Sequence[ShardRecord]], consumers: list
+) -> tuple[list[tuple], np.ndarray]:
     """Distinct request sequences and the sequence index of every consumer.
 
     Sequences are shared by object identity first (cheap), then by equal content; a consumer's
@@ -79,11 +80,15 @@ def _check_records(src: _Sources, recs: list[ShardRecord]) -> tuple[list[int], l
     for r, t in zip(recs, tids):
         gs = shapes[t]
         if len(r.box.offsets) != len(gs) or len(r.strides) != len(gs):
-            raise PlanError(f"tensor {r.name!r}: destination box {r.box.offsets}+{r.box.sizes} / strides "
-                            f"{tuple(r.strides)} have a different ndim than the tensor {gs}")
+            raise PlanError(
+                f"tensor {r.name!r}: destination box {r.box.offsets}+{r.box.sizes} / strides "
+                f"{tuple(r.strides)} have a different ndim than the tensor {gs}"
+            )
         if tuple(r.global_shape) != gs:
-            raise PlanError(f"tensor {r.name!r}: destination global shape {tuple(r.global_shape)} disagrees "
-                            f"with the layout {gs}")
+            raise PlanError(
+                f"tensor {r.name!r}: destination global shape {tuple(r.global_shape)} disagrees "
+                f"with the layout {gs}"
+            )
     codes = [_CODE.get(r.dtype, -1) for r in recs]
     for r, c in zip(recs, codes):
         if c < 0:
@@ -119,9 +124,15 @@ class _Requests:
         self.t = np.array(tids, np.int64)
         self.code = np.array(codes, np.int64)
         if n:
-            self.lo = np.array([pad0[len(r.box.offsets)] + tuple(r.box.offsets) for r in recs], np.int64).reshape(n, D)
-            self.sz = np.array([pad1[len(r.box.sizes)] + tuple(r.box.sizes) for r in recs], np.int64).reshape(n, D)
-            self.st = np.array([pad0[len(r.strides)] + tuple(r.strides) for r in recs], np.int64).reshape(n, D)
+            self.lo = np.array(
+                [pad0[len(r.box.offsets)] + tuple(r.box.offsets) for r in recs], np.int64
+            ).reshape(n, D)
+            self.sz = np.array([pad1[len(r.box.sizes)] + tuple(r.box.sizes) for r in recs], np.int64).reshape(
+                n, D
+            )
+            self.st = np.array([pad0[len(r.strides)] + tuple(r.strides) for r in recs], np.int64).reshape(
+                n, D
+            )
         else:
             self.lo = np.zeros((0, D), np.int64)
             self.sz = np.zeros((0, D), np.int64)
@@ -140,8 +151,10 @@ class _Requests:
         if bad.any():
             i = int(np.flatnonzero(bad.any(axis=1))[0])
             r = recs[i]
-            raise PlanError(f"tensor {r.name!r}: destination box {r.box.offsets}+{r.box.sizes} is out of bounds "
-                            f"of the global shape {tuple(r.global_shape)}")
+            raise PlanError(
+                f"tensor {r.name!r}: destination box {r.box.offsets}+{r.box.sizes} is out of bounds "
+                f"of the global shape {tuple(r.global_shape)}"
+            )
         bad = (self.st < 0).any(axis=1) | (self.off < 0)
         if bad.any():
             r = recs[int(np.flatnonzero(bad)[0])]
@@ -155,8 +168,10 @@ class _Requests:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             r = self.recs[i]
-            raise PlanError(f"tensor {r.name!r}: cannot convert {src.dtypes[self.t[i]]} to {r.dtype}; only "
-                            "float <-> float conversions are allowed")
+            raise PlanError(
+                f"tensor {r.name!r}: cannot convert {src.dtypes[self.t[i]]} to {r.dtype}; only "
+                "float <-> float conversions are allowed"
+            )
 
     def _check_aliasing(self, D: int) -> None:
         # a destination whose strides overlap would have a byte written twice; checked once per
@@ -168,5 +183,7 @@ class _Requests:
         for row, i in zip(uk.tolist(), first.tolist()):
             if _overlaps(row[:D], row[D:]):
                 r = self.recs[i]
-                raise PlanError(f"tensor {r.name!r}: destination strides {tuple(r.strides)} for sizes "
-                                f"{r.box.sizes} overlap themselves")
+                raise PlanError(
+                    f"tensor {r.name!r}: destination strides {tuple(r.strides)} for sizes "
+                    f"{r.box.sizes} overlap themselves"
+                )

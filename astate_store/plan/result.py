@@ -4,12 +4,11 @@ reads and pack items. Per-consumer reads and pack items are built on demand and 
 
 from __future__ import annotations
 
-from typing import Hashable, Optional
+from collections.abc import Hashable
 
 import numpy as np
 
 from astate_store.model.layout import GCPaused
-
 from astate_store.plan.contracts import PackItem
 from astate_store.plan.materialize import _materialize
 from astate_store.plan.packing import _build_pack_items
@@ -19,8 +18,15 @@ from astate_store.plan.tables import PlanTables
 class ConsumerPlan:
     """One consumer's reads (materialized) and the pack items it would benefit from."""
 
-    def __init__(self, consumer: Hashable, tensors: tuple, reads: np.ndarray, pack_items: tuple,
-                 src_bytes: dict, nbytes: int):
+    def __init__(
+        self,
+        consumer: Hashable,
+        tensors: tuple,
+        reads: np.ndarray,
+        pack_items: tuple,
+        src_bytes: dict,
+        nbytes: int,
+    ):
         self.consumer = consumer
         self.tensors = tensors
         self.reads = reads
@@ -33,8 +39,10 @@ class ConsumerPlan:
         return len(self.reads)
 
     def __repr__(self) -> str:
-        return (f"ConsumerPlan(consumer={self.consumer!r}, reads={len(self.reads)}, bytes={self.nbytes}, "
-                f"pack_items={len(self.pack_items)})")
+        return (
+            f"ConsumerPlan(consumer={self.consumer!r}, reads={len(self.reads)}, bytes={self.nbytes}, "
+            f"pack_items={len(self.pack_items)})"
+        )
 
 
 class GlobalPlan:
@@ -46,22 +54,25 @@ class GlobalPlan:
     consumer's materialized reads, the pack items and the planner's stages before packing.
     """
 
-    def __init__(self, tables: PlanTables, tensors: tuple, balance: str, stale_packed: int,
-                 prepared: object = None) -> None:
+    def __init__(
+        self, tables: PlanTables, tensors: tuple, balance: str, stale_packed: int, prepared: object = None
+    ) -> None:
         self.tables = tables
         self.consumers = tables.consumers
         self.tensors = tensors
         self.balance = balance
         self.stale_packed = stale_packed
         self._reads_cache: dict[int, np.ndarray] = {}
-        self._pack_cache: Optional[dict] = None
+        self._pack_cache: dict | None = None
         # the planner's stages before packed copies (``planner._Prepared``): kept alive with the
         # plan so the pass with the packed copies it asked for reuses them
         self._prepared = prepared
 
     def __repr__(self) -> str:
-        return (f"GlobalPlan(consumers={len(self.consumers)}, tensors={len(self.tensors)}, "
-                f"reads={self.total_reads}, bytes={self.total_bytes}, balance={self.balance!r})")
+        return (
+            f"GlobalPlan(consumers={len(self.consumers)}, tensors={len(self.tensors)}, "
+            f"reads={self.total_reads}, bytes={self.total_bytes}, balance={self.balance!r})"
+        )
 
     # -- summary ---------------------------------------------------------------------------
     @property
@@ -112,8 +123,9 @@ class GlobalPlan:
         ur, inv = np.unique(rk, return_inverse=True)
         sb = np.bincount(inv.reshape(-1), weights=by, minlength=len(ur)) if len(ur) else np.zeros(0)
         src_bytes = {int(a): int(b) for a, b in zip(ur.tolist(), sb.tolist())}
-        return ConsumerPlan(consumer, self.tensors, self.reads(consumer), items, src_bytes,
-                            int(t.dst_bytes[c]))
+        return ConsumerPlan(
+            consumer, self.tensors, self.reads(consumer), items, src_bytes, int(t.dst_bytes[c])
+        )
 
     def pack_items(self) -> dict[int, list[PackItem]]:
         """Per publisher rank, the pieces worth pre-packing (deduplicated; ``consumers`` lists

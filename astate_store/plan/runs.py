@@ -47,9 +47,20 @@ def _contiguous_strides(P_sz: np.ndarray, D: int) -> np.ndarray:
     return cstr
 
 
-def _redo_odd(tmpl: _Templates, src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances,
-              pi_src: np.ndarray, odd: np.ndarray, cstr: np.ndarray, tp: np.ndarray, is_packed_rec: np.ndarray,
-              pi_tm: np.ndarray, pi_sbase: np.ndarray) -> None:
+def _redo_odd(
+    tmpl: _Templates,
+    src: _Sources,
+    req: _Requests,
+    pieces: _Pieces,
+    inst: _Instances,
+    pi_src: np.ndarray,
+    odd: np.ndarray,
+    cstr: np.ndarray,
+    tp: np.ndarray,
+    is_packed_rec: np.ndarray,
+    pi_tm: np.ndarray,
+    pi_sbase: np.ndarray,
+) -> None:
     """Template and base of the instances ``odd`` whose source is not laid out like the piece's
     first replica (in place)."""
     D = src.D
@@ -63,13 +74,15 @@ def _redo_odd(tmpl: _Templates, src: _Sources, req: _Requests, pieces: _Pieces, 
     rest = ~dense
     if rest.any():
         Po, so = Po[rest], so[rest]
-        ko = np.concatenate([P_sz[Po], src.rec_str[so], req.st[P_row[Po]], P_sisz[Po][:, None],
-                             P_disz[Po][:, None]], axis=1)
+        ko = np.concatenate(
+            [P_sz[Po], src.rec_str[so], req.st[P_row[Po]], P_sisz[Po][:, None], P_disz[Po][:, None]], axis=1
+        )
         pi_tm[odd[rest]] = _template_ids(tmpl, ko, D)
 
 
-def _instance_templates(src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances,
-                        pi_src: np.ndarray) -> _Runs:
+def _instance_templates(
+    src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances, pi_src: np.ndarray
+) -> _Runs:
     """Template id and source base of every instance.
 
     A template per (piece geometry, source strides) is computed per piece with its first
@@ -79,15 +92,24 @@ def _instance_templates(src: _Sources, req: _Requests, pieces: _Pieces, inst: _I
     D = src.D
     tmpl = _Templates()
     is_packed_rec = np.zeros(len(src.rec_rank), bool)
-    is_packed_rec[src.n_layout_recs:] = True
+    is_packed_rec[src.n_layout_recs :] = True
     if inst.n:
-        P_lo, P_sz, P_sisz, P_disz, P_row, rs = pieces.lo, pieces.sz, pieces.sisz, pieces.disz, pieces.row, pieces.rs
+        P_lo, P_sz, P_sisz, P_disz, P_row, rs = (
+            pieces.lo,
+            pieces.sz,
+            pieces.sisz,
+            pieces.disz,
+            pieces.row,
+            pieces.rs,
+        )
         pi_P = inst.P
         cstr = _contiguous_strides(P_sz, D)
         keyp = np.concatenate([P_sz, cstr, req.st[P_row], P_sisz[:, None], P_disz[:, None]], axis=1)
         tp = _template_ids(tmpl, keyp, D)
         sid = _unique_rows(src.rec_str)[2]
-        key0 = np.concatenate([P_sz, src.rec_str[rs], req.st[P_row], P_sisz[:, None], P_disz[:, None]], axis=1)
+        key0 = np.concatenate(
+            [P_sz, src.rec_str[rs], req.st[P_row], P_sisz[:, None], P_disz[:, None]], axis=1
+        )
         t0 = _template_ids(tmpl, key0, D)
         pi_tm = t0[pi_P]
         P_sdelta = P_sisz * ((P_lo - src.rec_lo[rs]) * src.rec_str[rs]).sum(axis=1)
@@ -100,33 +122,63 @@ def _instance_templates(src: _Sources, req: _Requests, pieces: _Pieces, inst: _I
         pi_sbase = np.zeros(0, np.int64)
         tp = np.zeros(pieces.n, np.int64)
     T_n, T_run, T_sisz, T_disz = tmpl.arrays()
-    return _Runs(tmpl=tmpl, tm=pi_tm, sbase=pi_sbase, tp=tp, is_packed_rec=is_packed_rec,
-                 T_n=T_n, T_run=T_run, T_sisz=T_sisz, T_disz=T_disz,
-                 n=T_n[pi_tm] if inst.n else np.zeros(0, np.int64),
-                 mlen=(T_run[pi_tm] * T_sisz[pi_tm]) if inst.n else np.zeros(0, np.int64),
-                 tail=np.zeros(inst.n, bool))
+    return _Runs(
+        tmpl=tmpl,
+        tm=pi_tm,
+        sbase=pi_sbase,
+        tp=tp,
+        is_packed_rec=is_packed_rec,
+        T_n=T_n,
+        T_run=T_run,
+        T_sisz=T_sisz,
+        T_disz=T_disz,
+        n=T_n[pi_tm] if inst.n else np.zeros(0, np.int64),
+        mlen=(T_run[pi_tm] * T_sisz[pi_tm]) if inst.n else np.zeros(0, np.int64),
+        tail=np.zeros(inst.n, bool),
+    )
 
 
-def _rerun_templates(base: _Runs, src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances,
-                     pi_src: np.ndarray, changed: np.ndarray) -> _Runs:
+def _rerun_templates(
+    base: _Runs,
+    src: _Sources,
+    req: _Requests,
+    pieces: _Pieces,
+    inst: _Instances,
+    pi_src: np.ndarray,
+    changed: np.ndarray,
+) -> _Runs:
     """``_instance_templates`` of ``pi_src`` from ``base``, the runs of a plan whose sources differ
     only at the instances ``changed`` (packed copies replacing their pieces; ``src`` extends the
     sources of ``base``): only those instances get a new template and base."""
     tmpl = base.tmpl.copy()
     is_packed_rec = np.zeros(len(src.rec_rank), bool)
-    is_packed_rec[src.n_layout_recs:] = True
+    is_packed_rec[src.n_layout_recs :] = True
     pi_tm, pi_sbase = base.tm.copy(), base.sbase.copy()
     if len(changed):
         cstr = _contiguous_strides(pieces.sz, src.D)
-        _redo_odd(tmpl, src, req, pieces, inst, pi_src, changed, cstr, base.tp, is_packed_rec, pi_tm, pi_sbase)
+        _redo_odd(
+            tmpl, src, req, pieces, inst, pi_src, changed, cstr, base.tp, is_packed_rec, pi_tm, pi_sbase
+        )
     T_n, T_run, T_sisz, T_disz = tmpl.arrays()
-    return _Runs(tmpl=tmpl, tm=pi_tm, sbase=pi_sbase, tp=base.tp, is_packed_rec=is_packed_rec,
-                 T_n=T_n, T_run=T_run, T_sisz=T_sisz, T_disz=T_disz, n=T_n[pi_tm], mlen=T_run[pi_tm] * T_sisz[pi_tm],
-                 tail=np.zeros(inst.n, bool))
+    return _Runs(
+        tmpl=tmpl,
+        tm=pi_tm,
+        sbase=pi_sbase,
+        tp=base.tp,
+        is_packed_rec=is_packed_rec,
+        T_n=T_n,
+        T_run=T_run,
+        T_sisz=T_sisz,
+        T_disz=T_disz,
+        n=T_n[pi_tm],
+        mlen=T_run[pi_tm] * T_sisz[pi_tm],
+        tail=np.zeros(inst.n, bool),
+    )
 
 
-def _merge_whole_runs(src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances, pi_src: np.ndarray,
-                      runs: _Runs) -> None:
+def _merge_whole_runs(
+    src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances, pi_src: np.ndarray, runs: _Runs
+) -> None:
     """Merge single-run instances of one consumer and one source (rank, region) that are
     consecutive in both memories with the same dtypes: the group head's ``mlen`` becomes the
     group's bytes and the others are marked ``tail`` (in place)."""
@@ -154,8 +206,14 @@ def _merge_whole_runs(src: _Sources, req: _Requests, pieces: _Pieces, inst: _Ins
     sc = req.scode[P_row[Pc]]
     dc = req.code[P_row[Pc]]
     join = np.zeros(len(cs), bool)
-    join[1:] = (g[1:] == g[:-1]) & (sbo[1:] == sbo[:-1] + slen[:-1]) & (dreg[1:] == dreg[:-1]) & \
-        (dbase[1:] == dbase[:-1] + dlen[:-1]) & (sc[1:] == sc[:-1]) & (dc[1:] == dc[:-1])
+    join[1:] = (
+        (g[1:] == g[:-1])
+        & (sbo[1:] == sbo[:-1] + slen[:-1])
+        & (dreg[1:] == dreg[:-1])
+        & (dbase[1:] == dbase[:-1] + dlen[:-1])
+        & (sc[1:] == sc[:-1])
+        & (dc[1:] == dc[:-1])
+    )
     if join.any():
         # a merged read starts at the group's first piece in source order; that piece's
         # destination is the read's destination, so it is the group head

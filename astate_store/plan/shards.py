@@ -9,9 +9,9 @@ from __future__ import annotations
 import copy
 import zlib
 from collections import OrderedDict
+from collections.abc import Mapping
 from itertools import chain, repeat
 from operator import attrgetter, is_, ne
-from typing import Mapping
 
 import numpy as np
 
@@ -51,7 +51,9 @@ def _padded(flat: np.ndarray, lens: np.ndarray, valid: np.ndarray, D: int, fill:
         return out
     # flat element j of row r goes to r * D + (D - lens[r]) + j
     start = np.cumsum(lens) - lens
-    pos = np.arange(total, dtype=np.int64) + np.repeat(np.arange(m, dtype=np.int64) * D + D - lens - start, lens)
+    pos = np.arange(total, dtype=np.int64) + np.repeat(
+        np.arange(m, dtype=np.int64) * D + D - lens - start, lens
+    )
     if not valid.all():
         keep = np.repeat(valid, lens)
         pos, flat = pos[keep], flat[keep]
@@ -73,7 +75,7 @@ class _Columns:
     def __init__(self, recs: list, meta: list):
         parts: list[list[np.ndarray]] = [[] for _ in range(10)]
         for a in range(0, len(recs), self.CHUNK):
-            ch = recs[a:a + self.CHUNK]
+            ch = recs[a : a + self.CHUNK]
             m = len(ch)
             cols = []
             for get in (_GET_OFFS, _GET_SIZES, _GET_STRIDES):
@@ -82,16 +84,35 @@ class _Columns:
                 cols += [lens, np.fromiter(chain.from_iterable(rows), np.int64, int(lens.sum()))]
             for get in (_GET_RANK, _GET_REGION, _GET_BOFF):
                 cols.append(np.fromiter(map(get, ch), np.int64, m))
-            cols.append(np.fromiter(map(ne, map(_GET_META, ch), meta[a:a + m]), bool, m))
+            cols.append(np.fromiter(map(ne, map(_GET_META, ch), meta[a : a + m]), bool, m))
             for part, col in zip(parts, cols):
                 part.append(col)
-        cat = [np.concatenate(p) if p else np.zeros(0, bool if i == 9 else np.int64) for i, p in enumerate(parts)]
-        (self.l_lo, self.lo, self.l_sz, self.sz, self.l_st, self.st,
-         self.rank, self.region, self.boff, self.meta_bad) = cat
+        cat = [
+            np.concatenate(p) if p else np.zeros(0, bool if i == 9 else np.int64) for i, p in enumerate(parts)
+        ]
+        (
+            self.l_lo,
+            self.lo,
+            self.l_sz,
+            self.sz,
+            self.l_st,
+            self.st,
+            self.rank,
+            self.region,
+            self.boff,
+            self.meta_bad,
+        ) = cat
 
 
-def _first_error(names: list, dts: list, shapes: list, recs: list, rt: np.ndarray, t_unknown: np.ndarray,
-                 flags: list[np.ndarray]) -> None:
+def _first_error(
+    names: list,
+    dts: list,
+    shapes: list,
+    recs: list,
+    rt: np.ndarray,
+    t_unknown: np.ndarray,
+    flags: list[np.ndarray],
+) -> None:
     """Raise the error of the first bad tensor in name order, its checks in the order: dtype, shard
     metadata, box/strides ndim, bounds, strides/byte offset (``flags``: per-record masks of the last
     four)."""
@@ -105,8 +126,10 @@ def _first_error(names: list, dts: list, shapes: list, recs: list, rt: np.ndarra
         raise PlanError(f"tensor {n!r}: unknown dtype {dt!r}")
     if kind == 1:
         s = recs[int(np.flatnonzero(flags[0] & (rt == ti))[0])]
-        raise PlanError(f"tensor {n!r}: rank {s.rank} shard ({s.name!r}, {s.dtype}, {tuple(s.global_shape)}) "
-                        f"disagrees with the layout ({dt}, {gs})")
+        raise PlanError(
+            f"tensor {n!r}: rank {s.rank} shard ({s.name!r}, {s.dtype}, {tuple(s.global_shape)}) "
+            f"disagrees with the layout ({dt}, {gs})"
+        )
     if kind == 2:
         raise PlanError(f"tensor {n!r}: a publisher shard has a box/strides of the wrong ndim for {gs}")
     if kind == 3:
@@ -147,8 +170,9 @@ class _Sources:
         codes = np.fromiter(map(_CODE.get, dts, repeat(-1)), np.int64, T)
         t_unknown = codes < 0
         self.t_code = np.where(t_unknown, 0, codes)
-        self.t_shape = _padded(np.fromiter(chain.from_iterable(shapes), np.int64, int(nds.sum())), nds,
-                               np.ones(T, bool), D, 1)
+        self.t_shape = _padded(
+            np.fromiter(chain.from_iterable(shapes), np.int64, int(nds.sum())), nds, np.ones(T, bool), D, 1
+        )
         # every record of every tensor, in tensor (name) order, then shard order
         cnt = np.fromiter(map(len, shard_lists), np.int64, T)
         recs = list(chain.from_iterable(shard_lists))
@@ -168,15 +192,20 @@ class _Sources:
         # per-tensor salt of the rotation balancer: stable across processes (not ``hash``)
         self.tensor_salt = np.fromiter(map(zlib.crc32, map(str.encode, names)), np.int64, T)
 
-    def _group(self, T: int, recs: list, rt: np.ndarray, lo: np.ndarray, sz: np.ndarray, st: np.ndarray,
-               c: _Columns) -> None:
+    def _group(
+        self, T: int, recs: list, rt: np.ndarray, lo: np.ndarray, sz: np.ndarray, st: np.ndarray, c: _Columns
+    ) -> None:
         """Sort the (checked, padded) records, drop empty boxes, and delimit distinct boxes and tensors."""
         M = len(recs)
         # one sort of all records by (tensor, box offsets, box sizes, rank, region, byte offset);
         # padded dims are constant within a tensor, so each tensor's order is its own
         D = self.D
-        keys = [c.boff, c.region, c.rank] + [sz[:, d] for d in reversed(range(D))] + \
-               [lo[:, d] for d in reversed(range(D))] + [rt]
+        keys = (
+            [c.boff, c.region, c.rank]
+            + [sz[:, d] for d in reversed(range(D))]
+            + [lo[:, d] for d in reversed(range(D))]
+            + [rt]
+        )
         order = np.lexsort(keys) if M else np.zeros(0, np.int64)
         # empty boxes hold nothing (a 0-d box, all pads 1, is never empty)
         order = order[sz[order].min(axis=1) > 0] if M else order
@@ -201,7 +230,7 @@ class _Sources:
         self.rec_t = rt
         self.rec_obj: list[ShardRecord] = list(map(recs.__getitem__, order.tolist()))
 
-    def with_packed(self, recs: list[ShardRecord]) -> tuple["_Sources", np.ndarray, np.ndarray]:
+    def with_packed(self, recs: list[ShardRecord]) -> tuple[_Sources, np.ndarray, np.ndarray]:
         """A copy with packed records appended as extra source records; returns
         ``(sources, record indices, padded box sizes)``.
 
@@ -226,19 +255,28 @@ class _Sources:
         if c.meta_bad.any() or not valid.all():
             r = recs[int(np.flatnonzero(c.meta_bad | ~valid)[0])]
             t = self.tid[r.name]
-            raise PlanError(f"tensor {r.name!r}: packed source ({r.dtype}, {tuple(r.global_shape)}, box "
-                            f"{r.box.offsets}+{r.box.sizes}) disagrees with the layout ({self.dtypes[t]}, "
-                            f"{self.shapes[t]})")
+            raise PlanError(
+                f"tensor {r.name!r}: packed source ({r.dtype}, {tuple(r.global_shape)}, box "
+                f"{r.box.offsets}+{r.box.sizes}) disagrees with the layout ({self.dtypes[t]}, "
+                f"{self.shapes[t]})"
+            )
         lo = _padded(c.lo, c.l_lo, valid, D, 0)
         sz = _padded(c.sz, c.l_sz, valid, D, 1)
         st = _padded(c.st, c.l_st, valid, D, 0)
         offs = c.boff
-        bad = (lo < 0).any(axis=1) | (sz < 0).any(axis=1) | (lo + sz > self.t_shape[tids]).any(axis=1) | \
-            (st < 0).any(axis=1) | (offs < 0)
+        bad = (
+            (lo < 0).any(axis=1)
+            | (sz < 0).any(axis=1)
+            | (lo + sz > self.t_shape[tids]).any(axis=1)
+            | (st < 0).any(axis=1)
+            | (offs < 0)
+        )
         if bad.any():
             r = recs[int(np.flatnonzero(bad)[0])]
-            raise PlanError(f"tensor {r.name!r}: packed source box {r.box.offsets}+{r.box.sizes} out of bounds of "
-                            f"{tuple(r.global_shape)} or with negative strides / byte offset")
+            raise PlanError(
+                f"tensor {r.name!r}: packed source box {r.box.offsets}+{r.box.sizes} out of bounds of "
+                f"{tuple(r.global_shape)} or with negative strides / byte offset"
+            )
         base = len(self.rec_rank)
         new.rec_rank = np.concatenate([self.rec_rank, c.rank])
         new.rec_region = np.concatenate([self.rec_region, c.region])
@@ -250,7 +288,7 @@ class _Sources:
         return new, base + np.arange(m, dtype=np.int64), sz
 
 
-_SRC_MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()
+_SRC_MEMO: OrderedDict[tuple, tuple] = OrderedDict()
 
 
 def _compile_sources(layouts: Mapping[str, TensorLayout]) -> _Sources:

@@ -15,8 +15,8 @@ shared by callers and caches, cannot be edited field by field.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 import numpy as np
 

@@ -6,7 +6,7 @@ computed once per distinct geometry and shared by every consumer and layer that 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -91,7 +91,7 @@ class _Templates:
             self.disz.append(disz)
         return i
 
-    def copy(self) -> "_Templates":
+    def copy(self) -> _Templates:
         """An independent copy (interning more templates into it leaves this one as it is)."""
         new = _Templates()
         new.index, new.n, new.run, new.tm = dict(self.index), list(self.n), list(self.run), list(self.tm)
@@ -100,8 +100,12 @@ class _Templates:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(n_runs, run_elems, src itemsize, dst itemsize)`` per template id."""
-        return (np.array(self.n, np.int64), np.array(self.run, np.int64), np.array(self.sisz, np.int64),
-                np.array(self.disz, np.int64))
+        return (
+            np.array(self.n, np.int64),
+            np.array(self.run, np.int64),
+            np.array(self.sisz, np.int64),
+            np.array(self.disz, np.int64),
+        )
 
     def rel(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         r = self._rel.get(i)
@@ -118,5 +122,7 @@ def _template_ids(tmpl: _Templates, key_rows: np.ndarray, D: int) -> np.ndarray:
     uk, _, inv = _unique_rows(key_rows)
     ids = np.empty(len(uk), np.int64)
     for j, row in enumerate(uk.tolist()):
-        ids[j] = tmpl.get(tuple(row[:D]), tuple(row[D:2 * D]), tuple(row[2 * D:3 * D]), row[3 * D], row[3 * D + 1])
+        ids[j] = tmpl.get(
+            tuple(row[:D]), tuple(row[D : 2 * D]), tuple(row[2 * D : 3 * D]), row[3 * D], row[3 * D + 1]
+        )
     return ids[inv.reshape(-1)]

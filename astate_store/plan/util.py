@@ -3,10 +3,10 @@ and row primitives (so no stage loops in Python per piece), and a GC pause for b
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Iterable
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 import numpy as np
-
 
 
 def _sort_key(x: Any) -> tuple:
@@ -49,7 +49,9 @@ def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     h = np.zeros(n, np.int64)
     with np.errstate(over="ignore"):
         for j in range(a.shape[1]):
-            h = (h ^ a[:, j]) * np.int64(-7046029254386353131) + np.int64((j * 0x9E3779B97F4A7C1 + 1) & 0x3FFFFFFFFFFFFFFF)
+            h = (h ^ a[:, j]) * np.int64(-7046029254386353131) + np.int64(
+                (j * 0x9E3779B97F4A7C1 + 1) & 0x3FFFFFFFFFFFFFFF
+            )
             h ^= h >> np.int64(29)
     uh, first, inv = np.unique(h, return_index=True, return_inverse=True)
     inv = inv.reshape(-1)

@@ -14,20 +14,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from astate_store.model import codec
+from astate_store.catalog.records import pad20
 from astate_store.context import StoreContext, sync_device
 from astate_store.errors import CheckpointError, LayoutError, WaitTimeout
+from astate_store.model import codec
 from astate_store.model.layout import ShardRecord, TensorLike, torch_dtype
+from astate_store.model.validated import ValidatedTensors
 from astate_store.model.validation import Entry, validate_tensors, with_aliases
-from astate_store.catalog.records import pad20
 from astate_store.plan.prepack import Copy, servable
 from astate_store.put.registry import Registry
 from astate_store.put.staging import SnapshotPool, StagingCapExceeded
-from astate_store.model.validated import ValidatedTensors
 
 __all__ = ["Publisher"]
 
@@ -66,8 +66,9 @@ class Publisher:
         self._nbytes_cached = 0
         self.last_step: int | None = None  # the newest step this rank put (what drain waits on)
 
-    def publish(self, step: int, tensors: Mapping[str, TensorLike], *, copy: bool = True,
-                meta: bytes | None = None) -> bool:
+    def publish(
+        self, step: int, tensors: Mapping[str, TensorLike], *, copy: bool = True, meta: bytes | None = None
+    ) -> bool:
         """The whole put sequence of ``Store.put``; True when this put completed the version.
 
         1. ``begin``: validate the tensors (cached while they are the same objects at the same
@@ -102,8 +103,15 @@ class Publisher:
         seconds = time.perf_counter() - t0
         self.last_step = step if self.last_step is None else max(self.last_step, step)
         self.ctx.stats.put_done(mode, self._nbytes(entries), seconds, step, committed)
-        log.debug("rank %d: put step %d (%s, %d bytes, %.4fs, committed: %s)", self.ctx.rank, step, mode,
-                  self._nbytes_cached, seconds, committed)
+        log.debug(
+            "rank %d: put step %d (%s, %d bytes, %.4fs, committed: %s)",
+            self.ctx.rank,
+            step,
+            mode,
+            self._nbytes_cached,
+            seconds,
+            committed,
+        )
         return committed
 
     def wait_replicated(self, step: int) -> None:
@@ -122,8 +130,10 @@ class Publisher:
     def _nbytes(self, entries: list[Entry]) -> int:
         """This rank's bytes of a put, computed once per validated list (a steady put reuses it)."""
         if entries is not self._nbytes_of:
-            self._nbytes_of, self._nbytes_cached = entries, sum(e.tensor.numel() * e.tensor.element_size()
-                                                               for e in entries)
+            self._nbytes_of, self._nbytes_cached = (
+                entries,
+                sum(e.tensor.numel() * e.tensor.element_size() for e in entries),
+            )
         return self._nbytes_cached
 
     def _put(self, step: int, entries: list[Entry], copy: bool, meta: bytes | None) -> tuple[bool, str]:
@@ -137,8 +147,12 @@ class Publisher:
         else:
             lid, base = self._in_place(entries), 0
             if self._zero_copy_live:
-                log.warning("put(copy=False) of step %d while steps %s were not retired: call store.retire() "
-                            "before changing published tensors", step, self._zero_copy_live)
+                log.warning(
+                    "put(copy=False) of step %d while steps %s were not retired: call store.retire() "
+                    "before changing published tensors",
+                    step,
+                    self._zero_copy_live,
+                )
             self._zero_copy_live.append(step)
             self._zero_copy_entries = entries
         return self.ctx.catalog.versions.put_piece(step, lid, base, meta), "in_place"
@@ -150,13 +164,19 @@ class Publisher:
             return self._pool  # the same validated tensors as the last put: same device
         devices = {e.tensor.device for e in entries}
         if len(devices) > 1:
-            raise LayoutError(f"put(copy=True): tensors are on several devices {sorted(map(str, devices))}; "
-                              "one snapshot pool per store serves one device")
+            raise LayoutError(
+                f"put(copy=True): tensors are on several devices {sorted(map(str, devices))}; "
+                "one snapshot pool per store serves one device"
+            )
         device = devices.pop()
         if self._pool is None or self._pool_device != device:
             tr, opts = self.ctx.transport, self.ctx.options
-            cap = opts.staging_cap_bytes if opts.staging_cap_bytes is not None else default_staging_cap(device)
-            self._pool = SnapshotPool(opts.staging_depth, cap, lambda n: self.ctx.alloc(n, device, shared=True), tr)
+            cap = (
+                opts.staging_cap_bytes if opts.staging_cap_bytes is not None else default_staging_cap(device)
+            )
+            self._pool = SnapshotPool(
+                opts.staging_depth, cap, lambda n: self.ctx.alloc(n, device, shared=True), tr
+            )
             self._pool_device = device
         return self._pool
 
@@ -176,8 +196,10 @@ class Publisher:
         except LayoutError:
             if not packs:
                 raise
-            log.warning("rank %d: consumers' pre-pack requests do not fit the staging cap; serving runs",
-                        self.ctx.rank)
+            log.warning(
+                "rank %d: consumers' pre-pack requests do not fit the staging cap; serving runs",
+                self.ctx.rank,
+            )
             self._packs_refused, self._packs = packs, ()
             return pool.configure(self._items, ())
 
@@ -202,8 +224,10 @@ class Publisher:
         if self._configure(pool, entries) or self._stage_lid is None:
             assert pool.region is not None
             recs = [(se, se.record(self.ctx.rank, pool.region, se.offset)) for se in pool.entries]
-            self._stage_lid = self._publish_layout(with_aliases(entries, [r for se, r in recs if se.source < 0]),
-                                                   [r for se, r in recs if se.source >= 0])
+            self._stage_lid = self._publish_layout(
+                with_aliases(entries, [r for se, r in recs if se.source < 0]),
+                [r for se, r in recs if se.source >= 0],
+            )
         k, old = pool.next_slot()
         if old is not None:
             # The slot still holds an older version: readers of it must be done or will discard.
@@ -222,14 +246,23 @@ class Publisher:
         once every live consumer has pulled this step (then retire it), so the caller may still
         change its tensors as soon as ``put`` returns; no staging memory is used."""
         cat, timeout = self.ctx.catalog, self.ctx.options.retire_timeout
-        log.warning("rank %d: %s; streaming step %d from the tensors themselves (put waits for consumers)",
-                    self.ctx.rank, why, step)
+        log.warning(
+            "rank %d: %s; streaming step %d from the tensors themselves (put waits for consumers)",
+            self.ctx.rank,
+            why,
+            step,
+        )
         consumers = cat.consumers.ids() - {self.ctx.reader_id}
         committed = cat.versions.put_piece(step, self._in_place(entries), 0, meta)
         late = cat.readers.wait_delivered(step, consumers, timeout=timeout)
         if late:
-            log.warning("rank %d: %d consumers did not pull step %d within %.0fs", self.ctx.rank, len(late), step,
-                        timeout)
+            log.warning(
+                "rank %d: %d consumers did not pull step %d within %.0fs",
+                self.ctx.rank,
+                len(late),
+                step,
+                timeout,
+            )
         cat.readers.retire(step, timeout=timeout)
         self.ctx.stats.streamed_puts += 1
         return committed
@@ -258,8 +291,13 @@ class Publisher:
         desc = codec.encode("ucx_descriptor", self.ctx.transport.descriptor())
         lid = self.ctx.catalog.versions.write_layout(shards, desc, packed)
         self.ctx.stats.layouts_published += 1
-        log.info("rank %d: publishing layout %s (%d shards, %d pre-packed copies)", self.ctx.rank, lid,
-                 len(shards), len(packed))
+        log.info(
+            "rank %d: publishing layout %s (%d shards, %d pre-packed copies)",
+            self.ctx.rank,
+            lid,
+            len(shards),
+            len(packed),
+        )
         return lid
 
     # ---- drain ----------------------------------------------------------------------------
@@ -282,13 +320,27 @@ class Publisher:
             newest = cat.versions.wait_for(step, timeout=timeout)
         except WaitTimeout:
             left = cat.consumers.ids() - {self.ctx.reader_id}
-            log.warning("rank %d: drain: step %d did not commit within %.1fs (other ranks' pieces missing); "
-                        "%d consumers could not read it", self.ctx.rank, step, timeout, len(left))
+            log.warning(
+                "rank %d: drain: step %d did not commit within %.1fs (other ranks' pieces missing); "
+                "%d consumers could not read it",
+                self.ctx.rank,
+                step,
+                timeout,
+                len(left),
+            )
             return len(left)
-        left = cat.readers.wait_drained(newest, max(0.0, deadline - time.monotonic()), exclude={self.ctx.reader_id})
+        left = cat.readers.wait_drained(
+            newest, max(0.0, deadline - time.monotonic()), exclude={self.ctx.reader_id}
+        )
         if left:
-            log.warning("rank %d: drain: %d consumers had not read step %d within %.1fs: %s", self.ctx.rank,
-                        len(left), newest, timeout, ", ".join(sorted(left)[:4]) + (", ..." if len(left) > 4 else ""))
+            log.warning(
+                "rank %d: drain: %d consumers had not read step %d within %.1fs: %s",
+                self.ctx.rank,
+                len(left),
+                newest,
+                timeout,
+                ", ".join(sorted(left)[:4]) + (", ..." if len(left) > 4 else ""),
+            )
         else:
             log.info("rank %d: drained: every live consumer read step %d", self.ctx.rank, newest)
         return len(left)
@@ -323,8 +375,10 @@ class Publisher:
         cat = self.ctx.catalog
         s = cat.session
         pool = self._pool
-        steps = sorted(set(self._zero_copy_live) | {x for x in (pool.slot_step if pool is not None else ())
-                                                    if x is not None})
+        steps = sorted(
+            set(self._zero_copy_live)
+            | {x for x in (pool.slot_step if pool is not None else ()) if x is not None}
+        )
         if s is None or not steps:
             return 0
         cat.client.revoke(s.lease_id)
@@ -349,17 +403,22 @@ class Publisher:
             for se in pool.entries:
                 if se.source >= 0:
                     continue  # a pre-packed copy, not a shard
-                t = pool.buffer[base + se.offset: base + se.offset + se.nbytes]
+                t = pool.buffer[base + se.offset : base + se.offset + se.nbytes]
                 out.append((se.record(self.ctx.rank, 0, 0), t.view(torch_dtype(se.dtype)).view(se.box.sizes)))
             staged = self._items_of or []  # the entries the slots were laid out for, in slot order
             if any(e.aliases for e in staged):  # tied weights: their bytes under every name
                 out = [(a, t) for e, (r, t) in zip(staged, out) for a in with_aliases([e], [r])]
             return out
         if step in self._zero_copy_live and self._zero_copy_entries:
-            return [(r, e.tensor) for e in self._zero_copy_entries
-                    for r in with_aliases([e], [e.record(self.ctx.rank)])]
-        raise CheckpointError(f"rank {self.ctx.rank} no longer holds step {step} (its staging slot was reused); "
-                              "checkpoint a step right after putting it")
+            return [
+                (r, e.tensor)
+                for e in self._zero_copy_entries
+                for r in with_aliases([e], [e.record(self.ctx.rank)])
+            ]
+        raise CheckpointError(
+            f"rank {self.ctx.rank} no longer holds step {step} (its staging slot was reused); "
+            "checkpoint a step right after putting it"
+        )
 
     @property
     def staging(self) -> tuple[int, int, str | None]:
@@ -374,6 +433,11 @@ class Publisher:
         # objects hold reference cycles, and in a process with torch's ~10^5 long-lived objects the
         # cycle collector reaches them only every ~100 stores (issue 29's growth per open/close).
         self._pool = None
-        self._zero_copy_entries, self._items_of, self._packs_entries, self._items_of_packs = [], None, None, None
+        self._zero_copy_entries, self._items_of, self._packs_entries, self._items_of_packs = (
+            [],
+            None,
+            None,
+            None,
+        )
         self._nbytes_of, self._packs, self._items = None, (), ()
         self._tensors = ValidatedTensors("put(tensors)")

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import mmap
 from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -83,7 +83,12 @@ class Registry:
         registered; ``holder`` holds one reference to every registration used until it
         releases it."""
         memo = self._memo
-        if memo is not None and memo[0] is entries and memo[1] == rank and all(r in self._regs for r in memo[3]):
+        if (
+            memo is not None
+            and memo[0] is entries
+            and memo[1] == rank
+            and all(r in self._regs for r in memo[3])
+        ):
             records, regions = memo[2], memo[3]
         else:
             records, regions = self._records(entries, rank)

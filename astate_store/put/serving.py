@@ -9,11 +9,11 @@ withdrawn, its readers waited for, and the registrations only the offer held are
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
-from astate_store.model import codec
 from astate_store.context import StoreContext
 from astate_store.errors import LayoutError
+from astate_store.model import codec
 from astate_store.model.layout import TensorLike
 from astate_store.model.validation import Entry, validate_tensors, with_aliases
 from astate_store.put.registry import Registry
@@ -28,7 +28,9 @@ _HOLDER = "serve"  # the registry's holder name for offered buffers
 class Serving:
     """The steps this process re-serves, as (step, group, layout id)."""
 
-    def __init__(self, ctx: StoreContext, registry: Registry, delivered: Callable[[], tuple[int | None, list[Entry]]]):
+    def __init__(
+        self, ctx: StoreContext, registry: Registry, delivered: Callable[[], tuple[int | None, list[Entry]]]
+    ):
         self.ctx, self.registry = ctx, registry
         self._delivered = delivered  # (step, entries) the consumer last filled
         self._offers: list[tuple[int, str, str]] = []
@@ -50,8 +52,10 @@ class Serving:
         delivered = {e.name: _identity(e) for e in filled} if step == got else {}
         for e in entries:
             if delivered.get(e.name) != _identity(e):
-                raise LayoutError(f"tensor {e.name!r}: serve() of step {step} needs buffers that get_into "
-                                  "filled with that step (the same names and views)")
+                raise LayoutError(
+                    f"tensor {e.name!r}: serve() of step {step} needs buffers that get_into "
+                    "filled with that step (the same names and views)"
+                )
         # Rank 0: a group's members are numbered by the consumer when it plans against them.
         shards = with_aliases(entries, self.registry.acquire(_HOLDER, entries, 0))  # tied weights: every name
         grp = group or f"solo-{self.ctx.reader_id}"
@@ -70,8 +74,9 @@ class Serving:
         """Withdraw every offer; returns readers that had not finished within the wait."""
         left = 0
         for step, grp, lid in self._offers:
-            left += self.ctx.catalog.replicas.remove(step, grp, self.ctx.reader_id, lid,
-                                                     timeout=self.ctx.options.retire_timeout)
+            left += self.ctx.catalog.replicas.remove(
+                step, grp, self.ctx.reader_id, lid, timeout=self.ctx.options.retire_timeout
+            )
         self._offers.clear()
         # Nobody reads the offered buffers any more: stop exposing them.
         self.registry.sweep(self.registry.release(_HOLDER))

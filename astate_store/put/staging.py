@@ -10,8 +10,9 @@ With ``depth >= 2`` a step never overwrites the version consumers are most likel
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -49,8 +50,16 @@ class SlotEntry:
 
     def record(self, rank: int, region: int, byte_offset: int) -> ShardRecord:
         """This entry as a contiguous shard of ``rank`` at ``byte_offset`` in ``region``."""
-        return ShardRecord(self.name, self.dtype, self.global_shape, self.box, contiguous_strides(self.box.sizes),
-                           rank, region, byte_offset)
+        return ShardRecord(
+            self.name,
+            self.dtype,
+            self.global_shape,
+            self.box,
+            contiguous_strides(self.box.sizes),
+            rank,
+            region,
+            byte_offset,
+        )
 
 
 class SnapshotPool:
@@ -65,8 +74,9 @@ class SnapshotPool:
         LayoutError: one slot alone is larger than ``cap_bytes``.
     """
 
-    def __init__(self, depth: int, cap_bytes: int | None, alloc: Callable[[int], torch.Tensor],
-                 transport: Transport):
+    def __init__(
+        self, depth: int, cap_bytes: int | None, alloc: Callable[[int], torch.Tensor], transport: Transport
+    ):
         if depth < 1:
             raise ValueError(f"staging depth must be >= 1, got {depth}")
         self.want_depth, self.cap_bytes = depth, cap_bytes
@@ -82,8 +92,11 @@ class SnapshotPool:
         self._views: dict[int, list[torch.Tensor]] = {}  # slot -> destination view per entry
         self._plans: dict[int, tuple[object, np.ndarray, list[int]]] = {}  # slot -> (key, rows, others)
 
-    def configure(self, items: Sequence[tuple[str, str, tuple[int, ...], Box]],
-                  packs: Sequence[tuple[int, Box, str | None]] = ()) -> bool:
+    def configure(
+        self,
+        items: Sequence[tuple[str, str, tuple[int, ...], Box]],
+        packs: Sequence[tuple[int, Box, str | None]] = (),
+    ) -> bool:
         """Lay out the slots for these (name, dtype, global_shape, box) shards, plus contiguous
         copies ``packs`` = (shard index, box inside that shard, dtype to convert to or
         None); True if it changed."""
@@ -104,12 +117,17 @@ class SnapshotPool:
         if self.cap_bytes is not None:
             if slot > self.cap_bytes:
                 raise StagingCapExceeded(
-                    f"snapshot of this rank's {len(entries)} tensors needs {slot} bytes of staging, above the "
-                    f"cap of {self.cap_bytes} bytes")
+                    f"snapshot of this rank's {len(entries)} tensors needs {slot} bytes of staging, above "
+                    f"the cap of {self.cap_bytes} bytes"
+                )
             depth = max(1, min(depth, self.cap_bytes // slot))
             if depth < self.want_depth:
-                log.warning("staging cap %d bytes allows %d of %d snapshot slots; puts will wait for readers",
-                            self.cap_bytes, depth, self.want_depth)
+                log.warning(
+                    "staging cap %d bytes allows %d of %d snapshot slots; puts will wait for readers",
+                    self.cap_bytes,
+                    depth,
+                    self.want_depth,
+                )
         need = slot * depth
         if self.buffer is None or self.buffer.numel() < need or self.buffer.numel() > 2 * need:
             if self.region is not None:
@@ -141,12 +159,18 @@ class SnapshotPool:
         if views is None:
             assert self.buffer is not None
             base = k * self.slot_size
-            views = [self.buffer[base + e.offset: base + e.offset + e.nbytes].view(torch_dtype(e.dtype))
-                     .view(e.box.sizes) for e in self.entries]
+            views = [
+                self.buffer[base + e.offset : base + e.offset + e.nbytes]
+                .view(torch_dtype(e.dtype))
+                .view(e.box.sizes)
+                for e in self.entries
+            ]
             self._views[k] = views
         return views
 
-    def _copy_plan(self, k: int, tensors: Sequence[torch.Tensor], key: object) -> tuple[np.ndarray, list[int]]:
+    def _copy_plan(
+        self, k: int, tensors: Sequence[torch.Tensor], key: object
+    ) -> tuple[np.ndarray, list[int]]:
         """Rows (src, dst, nbytes) for the native copy of slot k's shards from contiguous CPU
         tensors of the slot's dtype, and the indices of the others (copied by torch). Cached
         per (slot, ``key``): a validated entry list whose tensors sit at the same addresses."""
@@ -156,8 +180,13 @@ class SnapshotPool:
         views = self._slot_views(k)
         rows, rest = [], []
         for i, (t, v) in enumerate(zip(tensors, views)):
-            if t.device.type == "cpu" and v.device.type == "cpu" and t.dtype == v.dtype and t.is_contiguous() \
-                    and t.shape == v.shape:
+            if (
+                t.device.type == "cpu"
+                and v.device.type == "cpu"
+                and t.dtype == v.dtype
+                and t.is_contiguous()
+                and t.shape == v.shape
+            ):
                 if t.numel():
                     rows.append((t.data_ptr(), v.data_ptr(), t.numel() * t.element_size()))
             else:
@@ -185,7 +214,9 @@ class SnapshotPool:
                 torch._foreach_copy_([views[i] for i in rest], [tensors[i] for i in rest])
             for e, dst in zip(self.entries[n:], views[n:]):
                 src = self.entries[e.source]
-                cut = tuple(slice(o - so, o - so + s) for o, so, s in zip(e.box.offsets, src.box.offsets, e.box.sizes))
+                cut = tuple(
+                    slice(o - so, o - so + s) for o, so, s in zip(e.box.offsets, src.box.offsets, e.box.sizes)
+                )
                 dst.copy_(tensors[e.source][cut])
         self.slot_step[k] = step
         self._next = (k + 1) % self.depth

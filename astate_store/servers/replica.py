@@ -44,22 +44,23 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from astate_store.model import codec
 from astate_store.catalog.client import EtcdClient, range_end
 from astate_store.catalog.config import EtcdConfig
 from astate_store.catalog.replicas import server_group
 from astate_store.errors import AStateError, CodecError
 from astate_store.get.kv import KeyInfo, keys
+from astate_store.hub import SessionHub
+from astate_store.model import codec
 from astate_store.model.layout import torch_dtype
 from astate_store.put.registry import Registry
 from astate_store.put.serving import Serving
 from astate_store.store import Store
-from astate_store.hub import SessionHub
 
 __all__ = ["ReplicaServer", "main", "parse_bytes"]
 
@@ -130,9 +131,19 @@ class ReplicaServer:
         CatalogError: a bad endpoint or credentials.
     """
 
-    def __init__(self, etcd: str | EtcdConfig, namespace_prefix: str = "", memory_bytes: int = 8 << 30, *,
-                 transport: str = "auto", lease_ttl: float = 10.0, retire_timeout: float = 5.0,
-                 pull_timeout: float = 30.0, rescan_seconds: float = 10.0, server_id: str | None = None):
+    def __init__(
+        self,
+        etcd: str | EtcdConfig,
+        namespace_prefix: str = "",
+        memory_bytes: int = 8 << 30,
+        *,
+        transport: str = "auto",
+        lease_ttl: float = 10.0,
+        retire_timeout: float = 5.0,
+        pull_timeout: float = 30.0,
+        rescan_seconds: float = 10.0,
+        server_id: str | None = None,
+    ):
         if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 1:
             raise ValueError(f"memory_bytes must be a positive int, got {memory_bytes!r}")
         if "/" in namespace_prefix:
@@ -144,8 +155,9 @@ class ReplicaServer:
         sid = server_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.server_id = re.sub(r"[^A-Za-z0-9_.\-]", "_", sid)
         self.group = server_group(self.server_id)
-        self._client = EtcdClient(self.config, "_replica-server", lease_ttl=lease_ttl, op_timeout=5.0,
-                                  retry_deadline=15.0)
+        self._client = EtcdClient(
+            self.config, "_replica-server", lease_ttl=lease_ttl, op_timeout=5.0, retry_deadline=15.0
+        )
         # The namespaces' stores share one etcd connection, lease and UCX worker (sessions_hub.py):
         # a server holds thousands of small namespaces without a worker and threads for each.
         self._hub = SessionHub(etcd=self.config, lease_ttl=lease_ttl, transport=transport)
@@ -172,8 +184,13 @@ class ReplicaServer:
 
     def run(self) -> None:
         """Serve until :meth:`stop`; then withdraw every offer and close (blocking)."""
-        log.info("replica server %s: serving namespaces %r* within %d bytes (etcd %s)", self.server_id, self.prefix,
-                 self.memory_bytes, self.config.url)
+        log.info(
+            "replica server %s: serving namespaces %r* within %d bytes (etcd %s)",
+            self.server_id,
+            self.prefix,
+            self.memory_bytes,
+            self.config.url,
+        )
         try:
             while not self._stop.is_set():
                 if not self._watch_alive or time.monotonic() - self._last_scan >= self.rescan_seconds:
@@ -219,11 +236,13 @@ class ReplicaServer:
         rev = None
         while True:
             first = start
-            resp = c.call("list namespaces", lambda: c.raw.get_range_response(first, end, keys_only=True, limit=1))
+            resp = c.call(
+                "list namespaces", lambda: c.raw.get_range_response(first, end, keys_only=True, limit=1)
+            )
             rev = int(resp.header.revision) if rev is None else rev
             if not resp.kvs:
                 break
-            name = resp.kvs[0].key.decode("utf-8", "replace")[len(ROOT):].split("/", 1)[0]
+            name = resp.kvs[0].key.decode("utf-8", "replace")[len(ROOT) :].split("/", 1)[0]
             key = f"{ROOT}{name}/latest"
             got = c.call("get latest", lambda: c.raw.get_response(key))
             if got.kvs:
@@ -258,8 +277,12 @@ class ReplicaServer:
     def _start_watch(self, rev: int) -> None:
         c, key = self._client, ROOT + self.prefix
         self._cancel_watch()
-        self._watch = c.call("watch namespaces", lambda: c.raw.add_watch_callback(
-            key, self._on_event, range_end=range_end(key), start_revision=rev + 1))
+        self._watch = c.call(
+            "watch namespaces",
+            lambda: c.raw.add_watch_callback(
+                key, self._on_event, range_end=range_end(key), start_revision=rev + 1
+            ),
+        )
         self._watch_alive = True
 
     def _cancel_watch(self) -> None:
@@ -333,16 +356,24 @@ class ReplicaServer:
             # retried shortly (another server may hold it by then; it is a source too).
             first = ns.failed != step
             ns.failed = step
-            log.log(logging.WARNING if first else logging.DEBUG, "replica server: could not pull %s step %d: %s: %s "
-                    "(retrying every %.0fs)", ns.name, step, type(exc).__name__, exc, _RETRY_AFTER)
+            log.log(
+                logging.WARNING if first else logging.DEBUG,
+                "replica server: could not pull %s step %d: %s: %s (retrying every %.0fs)",
+                ns.name,
+                step,
+                type(exc).__name__,
+                exc,
+                _RETRY_AFTER,
+            )
             ns.retry_at = time.monotonic() + _RETRY_AFTER
 
     def _store(self, ns: _Namespace) -> Store:
         if ns.store is None:
             # No pre-pack requests: the server reads whole tensors, and must not make publishers
             # build copies for it; a pull is bounded by pull_timeout (one hung peer stalls the loop).
-            ns.store = self._hub.open(ns.name, retire_timeout=self.retire_timeout, read_timeout=self.pull_timeout,
-                                      prepack=False)
+            ns.store = self._hub.open(
+                ns.name, retire_timeout=self.retire_timeout, read_timeout=self.pull_timeout, prepack=False
+            )
         return ns.store
 
     def _slot_for(self, ns: _Namespace, info: dict[str, KeyInfo], step: int) -> _Slot | None:
@@ -364,7 +395,9 @@ class ReplicaServer:
         served = ns.served
         if served is not None:
             # Single buffering: stop serving the old step and pull the new one in its place.
-            log.info("replica server: %s: no room for a second buffer set; not serving it during the pull", ns.name)
+            log.info(
+                "replica server: %s: no room for a second buffer set; not serving it during the pull", ns.name
+            )
             served.offered = False
             served.serving.withdraw()
             if served.signature == sig:
@@ -372,8 +405,9 @@ class ReplicaServer:
             ns.slots.remove(served)
             if self._fits(need):
                 return self._new_slot(ns, sig, info, need)
-        return self._refuse(ns, step, f"no room for {need} bytes: the other namespaces held were committed "
-                            "more recently")
+        return self._refuse(
+            ns, step, f"no room for {need} bytes: the other namespaces held were committed more recently"
+        )
 
     def _fits(self, need: int) -> bool:
         return self.used_bytes + need <= self.memory_bytes
@@ -391,7 +425,9 @@ class ReplicaServer:
         """Free memory, by the policy of the module docstring, until ``need`` more bytes fit:
         other namespaces' idle buffer sets, then whole namespaces committed before this one,
         least recently committed first."""
-        others = sorted((n for n in list(self._ns.values()) if n is not ns and n.slots), key=lambda n: n.revision)
+        others = sorted(
+            (n for n in list(self._ns.values()) if n is not ns and n.slots), key=lambda n: n.revision
+        )
         for other in others:
             if self._fits(need):
                 return
@@ -410,12 +446,13 @@ class ReplicaServer:
         tensors, off = {}, 0
         for name, k in info.items():
             dt = torch_dtype(k.dtype, tensor=name)
-            tensors[name] = flat[off: off + k.nbytes].view(dt).view(k.global_shape)
+            tensors[name] = flat[off : off + k.nbytes].view(dt).view(k.global_shape)
             off += _round(k.nbytes)
         consumer = store._consumer
         # Each buffer set has its own registry and offer: withdrawing one leaves the other served.
-        serving = Serving(ctx, Registry(lambda: ctx.transport),
-                          lambda: (consumer.delivered_step, consumer.buffers.entries))
+        serving = Serving(
+            ctx, Registry(lambda: ctx.transport), lambda: (consumer.delivered_step, consumer.buffers.entries)
+        )
         slot = _Slot(sig, need, tensors, serving)
         ns.slots.append(slot)
         return slot
@@ -448,8 +485,17 @@ def _slot_bytes(info: dict[str, KeyInfo]) -> int:
     return max(_ALIGN, sum(_round(k.nbytes) for k in info.values()))
 
 
-_UNITS = {"": 1, "k": 1000, "m": 1000 ** 2, "g": 1000 ** 3, "t": 1000 ** 4,
-          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_UNITS = {
+    "": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -470,22 +516,35 @@ def parse_bytes(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``astate serve`` / ``python -m astate_store.servers.replica``: run a replica server until
     SIGINT or SIGTERM. Returns the exit status."""
-    p = argparse.ArgumentParser(prog="astate serve", description="Hold and serve the newest version of every "
-                                "namespace under a prefix, so state outlives its writer (docs/replicas.md).")
+    p = argparse.ArgumentParser(
+        prog="astate serve",
+        description="Hold and serve the newest version of every "
+        "namespace under a prefix, so state outlives its writer (docs/replicas.md).",
+    )
     p.add_argument("--etcd", default=None, help="etcd endpoints (default $ASTATE_ETCD)")
     p.add_argument("--namespace-prefix", default="", help="serve namespaces whose names start with this")
     p.add_argument("--memory-bytes", default="8GiB", type=parse_bytes, help="buffer memory budget (8GiB)")
     p.add_argument("--transport", default="auto", choices=("auto", "shm", "tcp"))
-    p.add_argument("--lease-ttl", default=10.0, type=float, help="seconds until a killed server's offers vanish")
+    p.add_argument(
+        "--lease-ttl", default=10.0, type=float, help="seconds until a killed server's offers vanish"
+    )
     p.add_argument("--server-id", default=None, help="id in the replica group name (default host-pid-random)")
     p.add_argument("-v", "--verbose", action="store_true", help="log info messages")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         config = EtcdConfig.from_args(args.etcd)
-        server = ReplicaServer(config, args.namespace_prefix, args.memory_bytes, transport=args.transport,
-                               lease_ttl=args.lease_ttl, server_id=args.server_id)
+        server = ReplicaServer(
+            config,
+            args.namespace_prefix,
+            args.memory_bytes,
+            transport=args.transport,
+            lease_ttl=args.lease_ttl,
+            server_id=args.server_id,
+        )
     except (AStateError, ValueError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -20,8 +20,9 @@ Every row is bounds-checked against its region before any byte moves.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -82,7 +83,9 @@ def _bytes_field(d: Mapping[str, Any], key: str, what: str, limit: int) -> bytes
 def _str_field(d: Mapping[str, Any], key: str, what: str) -> str:
     v = d.get(key, "")
     if not isinstance(v, str) or len(v) > MAX_NAME_CHARS:
-        raise TransportError(f"malformed {what}: {key!r} must be a string of at most {MAX_NAME_CHARS} characters")
+        raise TransportError(
+            f"malformed {what}: {key!r} must be a string of at most {MAX_NAME_CHARS} characters"
+        )
     return v
 
 
@@ -114,7 +117,7 @@ class RegionInfo:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RegionInfo":
+    def from_dict(cls, d: Mapping[str, Any]) -> RegionInfo:
         """Parse and check one region entry (from another process: nothing is trusted).
 
         Raises:
@@ -142,7 +145,9 @@ class RegionInfo:
             raise TransportError(f"malformed {what}: memfd {memfd} is not a file descriptor number")
         skey = _bytes_field(d, "stream_key", what, STREAM_KEY_BYTES) if "stream_key" in d else b""
         if skey and len(skey) != STREAM_KEY_BYTES:
-            raise TransportError(f"malformed {what}: stream_key of {len(skey)} bytes (want {STREAM_KEY_BYTES})")
+            raise TransportError(
+                f"malformed {what}: stream_key of {len(skey)} bytes (want {STREAM_KEY_BYTES})"
+            )
         return cls(base, size, rkey, str(mtype), memfd, skey)
 
 
@@ -199,7 +204,7 @@ class PeerDescriptor:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | "PeerDescriptor") -> "PeerDescriptor":
+    def from_dict(cls, d: Mapping[str, Any] | PeerDescriptor) -> PeerDescriptor:
         if isinstance(d, PeerDescriptor):
             return d
         if not isinstance(d, Mapping):
@@ -220,10 +225,14 @@ class PeerDescriptor:
         if len(raw) > MAX_REGIONS + 1:
             raise TransportError(f"malformed {what}: {len(raw)} regions (at most {MAX_REGIONS})")
         proof = None
-        if raw and isinstance(raw[-1], Mapping) and isinstance(raw[-1].get("rkey"), (bytes, bytearray)) \
-                and bytes(raw[-1]["rkey"][: len(PROOF_TAG)]) == PROOF_TAG:
+        if (
+            raw
+            and isinstance(raw[-1], Mapping)
+            and isinstance(raw[-1].get("rkey"), (bytes, bytearray))
+            and bytes(raw[-1]["rkey"][: len(PROOF_TAG)]) == PROOF_TAG
+        ):
             last = dict(raw[-1])
-            last["rkey"] = bytes(last["rkey"])[len(PROOF_TAG):]
+            last["rkey"] = bytes(last["rkey"])[len(PROOF_TAG) :]
             proof = RegionInfo.from_dict(last)
             raw = raw[:-1]
         elif len(raw) > MAX_REGIONS:
@@ -364,7 +373,7 @@ class Transport(ABC):
     def close(self) -> None:
         """Release everything. Idempotent."""
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Transport:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -58,7 +58,9 @@ def copy_streaming() -> int:
 def copy_rows(plan: Any, threads: int | None = None) -> None:
     """Copy rows ``(src_addr, dst_addr, length)`` of a uint64 ``(n, 3)`` array with the native
     loop (GIL released). The caller has checked every row: nothing is checked here."""
-    native().copy_rows(plan, threads=copy_threads() if threads is None else threads, streaming=copy_streaming())
+    native().copy_rows(
+        plan, threads=copy_threads() if threads is None else threads, streaming=copy_streaming()
+    )
 
 
 def _memory_events_default() -> None:

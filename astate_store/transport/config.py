@@ -8,7 +8,8 @@ value), then ``config=`` given to the transport. See ``ucx.py`` for what each mo
 from __future__ import annotations
 
 import os
-from typing import Literal, Mapping
+from collections.abc import Mapping
+from typing import Literal
 
 __all__ = ["Mode", "MODES", "effective_config", "tls_has_shm", "direct_from_env"]
 

@@ -37,7 +37,7 @@ import sys
 import threading
 import weakref
 from bisect import bisect_right
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -146,7 +146,9 @@ def preallocate(address: int, nbytes: int) -> bool:
         try:
             os.posix_fallocate(fd, address - start, nbytes)  # under the lock: the fd stays open
         except OSError as exc:
-            log.debug("fallocate of %d bytes of staging failed (%s): pages allocate on first write", nbytes, exc)
+            log.debug(
+                "fallocate of %d bytes of staging failed (%s): pages allocate on first write", nbytes, exc
+            )
             return False
     return True
 
@@ -158,8 +160,11 @@ _libc = None
 
 def _pidfd_getfd(pidfd: int, target: int) -> int:
     _libc_fn()
-    fd = int(_libc.syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_int(pidfd), ctypes.c_int(target),
-                           ctypes.c_uint(0)))
+    fd = int(
+        _libc.syscall(
+            ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_int(pidfd), ctypes.c_int(target), ctypes.c_uint(0)
+        )
+    )
     if fd < 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
@@ -271,11 +276,11 @@ class PeerMapping:
                     job.next_lo = job.next_hi  # nothing left to take: done once no chunk is in flight
                 self._release(job)
 
-    def _run(self, job: "_Job") -> None:
+    def _run(self, job: _Job) -> None:
         while self._step(job, from_end=False):
             pass
 
-    def _step(self, job: "_Job", *, from_end: bool) -> bool:
+    def _step(self, job: _Job, *, from_end: bool) -> bool:
         """Populate one chunk of ``job`` (from its start, or from its end for a helper); False
         when none is left. In chunks: madvise holds the process's mmap lock while it populates,
         and the pull's own thread needs that lock to allocate (mmap/brk) while it plans."""
@@ -302,7 +307,7 @@ class PeerMapping:
             self._release(job)
         return ok
 
-    def _release(self, job: "_Job") -> None:
+    def _release(self, job: _Job) -> None:
         """Mark ``job`` done once no chunk is left or in flight."""
         with self._lock:
             if job.next_lo < job.next_hi or job.inflight or job.done.is_set():
@@ -381,7 +386,7 @@ class _Background:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._state: tuple[int, "queue.SimpleQueue[Callable[[], None]]"] | None = None  # (pid, queue)
+        self._state: tuple[int, queue.SimpleQueue[Callable[[], None]]] | None = None  # (pid, queue)
         self._lock = threading.RLock()  # re-entrant: a collection inside the block may submit (a __del__)
 
     def submit(self, job: Callable[[], None]) -> bool:
@@ -400,7 +405,7 @@ class _Background:
             return False
 
 
-def _run_jobs(q: "queue.SimpleQueue[Callable[[], None]]") -> None:
+def _run_jobs(q: queue.SimpleQueue[Callable[[], None]]) -> None:
     while True:
         job = q.get()
         try:

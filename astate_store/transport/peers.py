@@ -9,8 +9,9 @@ the next ``connect``/``disconnect`` (or a peer leaving the same-host path) drops
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,9 @@ class Peer:
     direct: bool | None = None  # process_vm_readv path: None = not probed yet, False = UCX only
     pidfd: int = -1  # pidfd of desc.pid while direct
     proof_rkey: Any = None  # RemoteKey of desc.proof (the same-host identity check)
-    maps: list[Any] = field(default_factory=list)  # per region: its memfd mapped here (memfd.PeerMapping) or None
+    maps: list[Any] = field(
+        default_factory=list
+    )  # per region: its memfd mapped here (memfd.PeerMapping) or None
 
     def needs_new_endpoint(self, d: PeerDescriptor) -> bool:
         """Whether ``d`` cannot be served by the current endpoint."""
@@ -123,8 +126,10 @@ class Peer:
             peer_error_handling=bool(self.ep.peer_error_handling),
             direct=self.direct,
             direct_regions=tuple(self.region_direct(r) for r, _ in zip(self.desc.regions, self.rkeys)),
-            mapped_regions=tuple(bool(self.direct) and i < len(self.maps) and self.maps[i] is not None
-                                 for i in range(len(self.desc.regions))),
+            mapped_regions=tuple(
+                bool(self.direct) and i < len(self.maps) and self.maps[i] is not None
+                for i in range(len(self.desc.regions))
+            ),
             streamed=self.streams(),
         )
 
@@ -150,7 +155,9 @@ class PeerSnapshot:
     direct: np.ndarray  # bool per flat region: rows may use process_vm_readv
     n_direct: int  # peers on the direct path
     mapped: np.ndarray  # uint64 per flat region: address of its memfd mapped here (memcpy path), 0 = none
-    maps: dict[int, Any] = field(default_factory=dict)  # flat region -> its PeerMapping (alive with this snapshot)
+    maps: dict[int, Any] = field(
+        default_factory=dict
+    )  # flat region -> its PeerMapping (alive with this snapshot)
     # bool per flat region: rows may be streamed (stream.py: a tcp peer with a stream server and a key for it)
     stream: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     # peer index -> (peer key, stream address, stream.KEY_DT keys of its streamable regions)

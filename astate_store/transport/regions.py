@@ -84,7 +84,9 @@ class LocalRegions:
         if address < 0 or nbytes < 0:
             raise TransportError(f"bad region address=0x{address:x} nbytes={nbytes}")
         nat = native()
-        codes = dict(zip(_MEMORY_TYPES, (nat.MEMORY_TYPE_HOST, nat.MEMORY_TYPE_CUDA, nat.MEMORY_TYPE_UNKNOWN)))
+        codes = dict(
+            zip(_MEMORY_TYPES, (nat.MEMORY_TYPE_HOST, nat.MEMORY_TYPE_CUDA, nat.MEMORY_TYPE_UNKNOWN))
+        )
         mt = codes.get(memory_type)
         if mt is None:
             raise ValueError(f"memory_type must be 'host', 'cuda' or 'unknown', got {memory_type!r}")
@@ -107,12 +109,16 @@ class LocalRegions:
             try:
                 memh = self._worker.mem_map(address, nbytes, mt)
             except native().UcxError as exc:
-                raise typed_error(exc, f"registering {nbytes} bytes at 0x{address:x} ({memory_type})") from exc
+                raise typed_error(
+                    exc, f"registering {nbytes} bytes at 0x{address:x} ({memory_type})"
+                ) from exc
             rkey = memh.rkey()
         fd = memfd.fd_of(address, nbytes) if memory_type == "host" else -1
         # Streamed (tcp) reads serve only host memory whose storage they can hold during a send.
         skey = stream.new_key() if memory_type == "host" and keepalive is not None and nbytes > 0 else b""
-        reg = LocalRegion(RegionInfo(address, nbytes, rkey, memory_type, fd, skey), memh, keepalive, memory_type)
+        reg = LocalRegion(
+            RegionInfo(address, nbytes, rkey, memory_type, fd, skey), memh, keepalive, memory_type
+        )
         if len(self._free) > _REUSE_AFTER:
             idx = self._free.popleft()
             self._slots[idx] = reg
@@ -144,7 +150,7 @@ class LocalRegions:
         self._free.append(region)
         self._snapshot = None
 
-    def served(self, key: bytes) -> "stream.Served | None":
+    def served(self, key: bytes) -> stream.Served | None:
         """What a streamed read naming stream key ``key`` may take: the live host region holding
         that key, or None. By key, not index: a descriptor that lists some of the slots (a
         session hub's namespace) numbers them its own way; the key is the capability."""

@@ -32,9 +32,14 @@ class Rows:
     def __len__(self) -> int:
         return int(self.length.shape[0])
 
-    def take(self, mask: np.ndarray) -> "Rows":
+    def take(self, mask: np.ndarray) -> Rows:
         return Rows(
-            self.pidx[mask], self.ep_pos[mask], self.flat[mask], self.remote[mask], self.local[mask], self.length[mask]
+            self.pidx[mask],
+            self.ep_pos[mask],
+            self.flat[mask],
+            self.remote[mask],
+            self.local[mask],
+            self.length[mask],
         )
 
 
@@ -42,7 +47,9 @@ def check_ops(ops: np.ndarray) -> np.ndarray | None:
     """The plan as uint64 after shape/dtype/sign checks; None for an empty plan."""
     ops = np.asarray(ops)
     if ops.ndim != 2 or ops.shape[1] != OP_COLUMNS or ops.dtype.kind not in "iu":
-        raise TransportError(f"ops must be an integer array of shape (n, {OP_COLUMNS}), got {ops.dtype} {ops.shape}")
+        raise TransportError(
+            f"ops must be an integer array of shape (n, {OP_COLUMNS}), got {ops.dtype} {ops.shape}"
+        )
     if ops.shape[0] == 0:
         return None
     if ops.dtype.kind == "i" and (ops < 0).any():
@@ -76,7 +83,9 @@ def resolve_rows(t: PeerSnapshot, o: np.ndarray) -> Rows | None:
     if bad.any():
         i = int(np.argmax(bad))
         p = int(pidx[i])
-        raise TransportError(f"op {i}: peer {t.keys[p]!r} has no region {int(ridx[i])} ({int(t.reg_n[p])} regions)")
+        raise TransportError(
+            f"op {i}: peer {t.keys[p]!r} has no region {int(ridx[i])} ({int(t.reg_n[p])} regions)"
+        )
     flat = t.reg_off[pidx] + ridx
     size = t.size[flat]
     off = o[:, 2]

@@ -42,8 +42,9 @@ import os
 import select
 import socket
 import threading
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -110,7 +111,7 @@ class ProcessIdentity:
     pid: int
 
     @classmethod
-    def current(cls) -> "ProcessIdentity":
+    def current(cls) -> ProcessIdentity:
         return cls(socket.gethostname(), node_id(), os.getpid())
 
     def same_node(self, d: PeerDescriptor) -> bool:
@@ -145,7 +146,9 @@ class Proof:
 def _nonce_like(b: np.ndarray) -> bool:
     # bincount, not np.unique: the first np.unique imports numpy submodules lazily (1.5 s seen
     # under load, in every consumer's first step)
-    return b.size >= 16 and int(np.count_nonzero(np.bincount(b, minlength=256))) >= min(_MIN_DISTINCT, b.size // 2)
+    return b.size >= 16 and int(np.count_nonzero(np.bincount(b, minlength=256))) >= min(
+        _MIN_DISTINCT, b.size // 2
+    )
 
 
 def _anonymous_at(pid: int, address: int) -> bool:
@@ -159,7 +162,9 @@ def _anonymous_at(pid: int, address: int) -> bool:
                 lo, _, hi = parts[0].partition("-")
                 if int(lo, 16) <= address < int(hi, 16):
                     path = parts[5].strip() if len(parts) > 5 else ""
-                    return parts[1].startswith("rw") and parts[1].endswith("p") and parts[4] == "0" and not path
+                    return (
+                        parts[1].startswith("rw") and parts[1].endswith("p") and parts[4] == "0" and not path
+                    )
     except (OSError, ValueError, IndexError):
         pass
     return False
@@ -191,8 +196,9 @@ class SameHostReader:
     reads run without it).
     """
 
-    def __init__(self, peers: PeerTable, lock: threading.RLock, host: str, worker: Any = None,
-                 timeout: float = 10.0) -> None:
+    def __init__(
+        self, peers: PeerTable, lock: threading.RLock, host: str, worker: Any = None, timeout: float = 10.0
+    ) -> None:
         self._peers = peers
         self._lock = lock
         self._host = host
@@ -217,10 +223,19 @@ class SameHostReader:
             p.direct = False
             return
         proof = d.proof
-        if proof is None or p.proof_rkey is None or proof.size < 16 or proof.size > 4096 \
-                or proof.memory_type != "host" or self._worker is None:
-            log.warning("peer %r (pid %d): its descriptor carries no usable proof region; reads stay on UCX",
-                        p.key, d.pid)
+        if (
+            proof is None
+            or p.proof_rkey is None
+            or proof.size < 16
+            or proof.size > 4096
+            or proof.memory_type != "host"
+            or self._worker is None
+        ):
+            log.warning(
+                "peer %r (pid %d): its descriptor carries no usable proof region; reads stay on UCX",
+                p.key,
+                d.pid,
+            )
             p.direct = False
             return
         if self._proven_again(p):
@@ -232,24 +247,46 @@ class SameHostReader:
         fd = -1
         try:
             fd = os.pidfd_open(d.pid)  # first: the pid cannot be reused under the reads below
-            self._worker.get(np.array([[0, 0, proof.base, via_ucx.ctypes.data, n]], dtype=np.uint64),
-                             [p.ep], [p.proof_rkey], None, self._timeout, 1)
+            self._worker.get(
+                np.array([[0, 0, proof.base, via_ucx.ctypes.data, n]], dtype=np.uint64),
+                [p.ep],
+                [p.proof_rkey],
+                None,
+                self._timeout,
+                1,
+            )
             nat.cma_read(np.array([[d.pid, proof.base, via_pid.ctypes.data, n]], dtype=np.uint64))
             anonymous = _anonymous_at(d.pid, proof.base)
             alive = not _readable(fd)
         except (OSError, AttributeError, nat.UcxError) as exc:  # EPERM, ENOSYS, ESRCH, EFAULT, UCX failures
             if fd >= 0:
                 os.close(fd)
-            log.info("peer %r (pid %d): same-host read refused or failed (%s); reads stay on UCX", p.key, d.pid, exc)
+            log.info(
+                "peer %r (pid %d): same-host read refused or failed (%s); reads stay on UCX",
+                p.key,
+                d.pid,
+                exc,
+            )
             p.direct = False
             return
         if not (alive and anonymous and np.array_equal(via_ucx, via_pid) and _nonce_like(via_ucx)):
             os.close(fd)
-            why = ("it exited" if not alive else "its proof bytes differ" if not np.array_equal(via_ucx, via_pid)
-                   else "its proof is not in private anonymous memory" if not anonymous
-                   else "its proof is not a nonce")
-            log.warning("peer %r: pid %d is not proven to be the process behind its UCX endpoint (%s); "
-                        "its reads stay on UCX", p.key, d.pid, why)
+            why = (
+                "it exited"
+                if not alive
+                else "its proof bytes differ"
+                if not np.array_equal(via_ucx, via_pid)
+                else "its proof is not in private anonymous memory"
+                if not anonymous
+                else "its proof is not a nonce"
+            )
+            log.warning(
+                "peer %r: pid %d is not proven to be the process behind its UCX endpoint (%s); "
+                "its reads stay on UCX",
+                p.key,
+                d.pid,
+                why,
+            )
             p.direct = False
             return
         self._adopt(p, fd)
@@ -312,8 +349,13 @@ class SameHostReader:
             if r.memfd >= 0 and r.size > 0 and r.memory_type == "host" and p.pidfd >= 0:
                 got = memfd.map_peer_region(p.pidfd, p.desc.pid, r.memfd, r.base, r.size)
                 if isinstance(got, str):
-                    log.info("peer %r (pid %d) region %d: not mapped (%s); it is read with process_vm_readv",
-                             p.key, p.desc.pid, i, got)
+                    log.info(
+                        "peer %r (pid %d) region %d: not mapped (%s); it is read with process_vm_readv",
+                        p.key,
+                        p.desc.pid,
+                        i,
+                        got,
+                    )
                 else:
                     m = got
             maps.append(m)
@@ -387,8 +429,11 @@ class SameHostReader:
         np.minimum.at(span_lo, inv, lo)
         np.maximum.at(span_hi, inv, hi)
         count = np.bincount(inv, minlength=len(regions))
-        windows = {r: (a, b, n) for r, a, b, n in zip(regions.tolist(), span_lo.tolist(), span_hi.tolist(),
-                                                       count.tolist()) if not t.maps[r].ready((a, b, n))}
+        windows = {
+            r: (a, b, n)
+            for r, a, b, n in zip(regions.tolist(), span_lo.tolist(), span_hi.tolist(), count.tolist())
+            if not t.maps[r].ready((a, b, n))
+        }
         if not windows:
             return
         if len(windows) < len(regions):
@@ -444,7 +489,9 @@ class SameHostReader:
             if p is not None and (pids == np.uint64(p.desc.pid)).any():
                 raise self._error(None, key, p.desc.pid, "process exited during the read", gone=True)
 
-    def _error(self, exc: OSError | None, key: Hashable, pid: int, text: str, *, gone: bool) -> TransportError:
+    def _error(
+        self, exc: OSError | None, key: Hashable, pid: int, text: str, *, gone: bool
+    ) -> TransportError:
         err = (PeerUnreachable if gone else TransportError)(
             f"reading from peer {key!r} (pid {pid} on {self._host}) with process_vm_readv: {text}"
         )

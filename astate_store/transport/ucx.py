@@ -32,8 +32,9 @@ Same-host fast path (``direct=True``, the default; ``ASTATE_SHM_DIRECT=0`` or
 threads for plans over 64 MiB) instead of one ``ucp_get_nbx`` per row; UCX's CMA pays
 ~3.7 us per row, this ~1 us. A region backed by a sealed memfd (the publisher's snapshot
 staging, ``memfd.py``) is mapped into this process once, after the checks there, and its
-rows are plain ``memcpy`` spread over threads: memcpy speed, no syscall per row. Only a pid proven to be the process behind the peer's UCX
-endpoint is read this way: ``connect`` reads the peer's proof region (a random nonce every
+rows are plain ``memcpy`` spread over threads: memcpy speed, no syscall per row. Only a pid
+proven to be the process behind the peer's UCX endpoint is read this way: ``connect`` reads the peer's proof
+region (a random nonce every
 transport registers and lists in its descriptor) once through UCX and once with
 ``process_vm_readv`` from the claimed pid, and enables the path only if both match (see
 ``same_host``); a peer without a proof, with a mismatch, or that refuses the read (EPERM:
@@ -80,7 +81,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -171,8 +173,9 @@ class UcxTransport(Transport):
         except BaseException:
             self._worker.close()
             raise
-        self._same_host = SameHostReader(self._peers, self._lock, self._me.host, self._worker,
-                                         self.connect_timeout)
+        self._same_host = SameHostReader(
+            self._peers, self._lock, self._me.host, self._worker, self.connect_timeout
+        )
         self._ucx_reader = UcxReader(self._worker, self._peers, self._lock, self._me)
         self.stream = (stream_enabled() if stream is None else bool(stream)) and mode in ("tcp", "auto")
         self.stream_host = stream_host or os.environ.get("ASTATE_STREAM_HOST") or None
@@ -236,8 +239,9 @@ class UcxTransport(Transport):
         lo, n = int(storage.data_ptr()), int(storage.nbytes())
         address, nbytes = int(address), int(nbytes)
         if nbytes < 0 or address < lo or address + nbytes > lo + n:
-            raise TransportError(f"range [0x{address:x}, +{nbytes}) is not inside the tensor's storage "
-                                 f"[0x{lo:x}, +{n})")
+            raise TransportError(
+                f"range [0x{address:x}, +{nbytes}) is not inside the tensor's storage [0x{lo:x}, +{n})"
+            )
         return self._register(address, nbytes, _mtype(tensor), storage)
 
     def _register(self, address: int, nbytes: int, memory_type: str, keepalive: Any) -> int:
@@ -288,8 +292,9 @@ class UcxTransport(Transport):
             try:
                 self._stream_server = StreamServer(host, self._served)
             except (OSError, ValueError) as exc:
-                log.warning("stream server on %s could not start (%s): peers read this process through UCX",
-                            host, exc)
+                log.warning(
+                    "stream server on %s could not start (%s): peers read this process through UCX", host, exc
+                )
                 self._stream_failed = True
         return self.stream_address
 
@@ -328,7 +333,9 @@ class UcxTransport(Transport):
     def connect(self, peer: Hashable, descriptor: Mapping[str, Any]) -> int:
         d = PeerDescriptor.from_dict(descriptor)
         if d.kind != self.kind:
-            raise TransportError(f"peer {peer!r}: descriptor kind {d.kind!r}, this transport is {self.kind!r}")
+            raise TransportError(
+                f"peer {peer!r}: descriptor kind {d.kind!r}, this transport is {self.kind!r}"
+            )
         with self._lock:
             self._check_open()
             cur = self._peers.get(peer)
@@ -349,8 +356,11 @@ class UcxTransport(Transport):
                 if fresh:  # a bad descriptor leaves nothing behind (no endpoint, no index)
                     self._drop_peer(cur)
                 raise
-            if prev is not None and cur.direct is not None and \
-                    (d.pid, d.proof, d.node, d.host) != (prev.pid, prev.proof, prev.node, prev.host):
+            if (
+                prev is not None
+                and cur.direct is not None
+                and (d.pid, d.proof, d.node, d.host) != (prev.pid, prev.proof, prev.node, prev.host)
+            ):
                 # Same endpoint, another claimed process: the old proof says nothing about it.
                 self._same_host.forget(cur)
                 cur.direct = None
@@ -417,15 +427,23 @@ class UcxTransport(Transport):
                 timeout = max(0.0, deadline - time.monotonic())
         self._ucx_reader.read(t, lt, rows, timeout=timeout, window=self.window)
 
-    def _stream_rows(self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, timeout: float | None) -> Rows | None:
+    def _stream_rows(
+        self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, timeout: float | None
+    ) -> Rows | None:
         """Stream the rows of tcp peers' host regions into host memory; the rows left for UCX."""
         mask = lt.host_only(t.stream[rows.flat], rows.local, rows.length)
         if not mask.any():
             return rows
         sel = np.flatnonzero(mask)
         flat, pidx = rows.flat[sel], rows.pidx[sel]
-        jobs = jobs_for(t.streams, pidx, flat - t.reg_off[pidx], rows.remote[sel] - t.base[flat],
-                        rows.length[sel], rows.local[sel])
+        jobs = jobs_for(
+            t.streams,
+            pidx,
+            flat - t.reg_off[pidx],
+            rows.remote[sel] - t.base[flat],
+            rows.length[sel],
+            rows.local[sel],
+        )
         left = self._stream_reader.read(jobs, timeout)
         keep = np.ones(len(rows), dtype=bool)
         keep[sel] = False

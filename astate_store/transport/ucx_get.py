@@ -37,7 +37,9 @@ class UcxReader:
         self._lock = lock
         self._me = me
 
-    def read(self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, *, timeout: float | None, window: int) -> None:
+    def read(
+        self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, *, timeout: float | None, window: int
+    ) -> None:
         """Read every row; returns when all landed. ``timeout`` None waits without bound."""
         plan = self._plan(t, lt, rows)
         try:

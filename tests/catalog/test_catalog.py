@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -26,18 +26,18 @@ from astate_store.errors import (
 )
 from astate_store.etcd.embedded import EmbeddedEtcd
 from astate_store.model.layout import Box, ShardRecord
-
 from tests._catalog_workers import commit_racer, hold_session, publish, row_shard
 from tests._procs import CTX
 
 
-
-def _watches(client: EtcdClient, monkeypatch: pytest.MonkeyPatch) -> "queue.Queue[tuple[str, int | None]]":
+def _watches(client: EtcdClient, monkeypatch: pytest.MonkeyPatch) -> queue.Queue[tuple[str, int | None]]:
     """Report (key, start_revision) each time ``client`` is about to block on a watch."""
     waits: queue.Queue[tuple[str, int | None]] = queue.Queue()
     real = client.wait_change
 
-    def spy(key: str, timeout: float | None, *, prefix: bool = False, start_revision: int | None = None) -> None:
+    def spy(
+        key: str, timeout: float | None, *, prefix: bool = False, start_revision: int | None = None
+    ) -> None:
         waits.put((key, start_revision))
         real(key, timeout, prefix=prefix, start_revision=start_revision)
 
@@ -45,8 +45,9 @@ def _watches(client: EtcdClient, monkeypatch: pytest.MonkeyPatch) -> "queue.Queu
     return waits
 
 
-def _next_wait(waits: "queue.Queue[tuple[str, int | None]]", key: str, after_revision: int = 0,
-               timeout: float = 15.0) -> None:
+def _next_wait(
+    waits: queue.Queue[tuple[str, int | None]], key: str, after_revision: int = 0, timeout: float = 15.0
+) -> None:
     """Wait (bounded) until a watch on ``key`` starting after ``after_revision`` is reported."""
     deadline = time.monotonic() + timeout
     while True:
@@ -84,8 +85,10 @@ def test_commit_only_when_all_ranks_wrote(catalog_factory) -> None:
 def test_commit_from_separate_processes(etcd, namespace) -> None:
     world, steps = 3, [1, 2, 3]
     barrier, results = CTX.Barrier(world), CTX.Queue()
-    procs = [CTX.Process(target=publish, args=(etcd.endpoint, namespace, r, world, steps, "sid", barrier, results))
-             for r in range(world)]
+    procs = [
+        CTX.Process(target=publish, args=(etcd.endpoint, namespace, r, world, steps, "sid", barrier, results))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=60) for _ in procs)
@@ -105,8 +108,12 @@ def test_racing_commits_latest_never_backwards(etcd, namespace) -> None:
     world = 2
     steps = list(range(10))
     barrier, results = CTX.Barrier(world), CTX.Queue()
-    procs = [CTX.Process(target=commit_racer, args=(etcd.endpoint, namespace, steps, "race", r, world, barrier,
-                                                    results)) for r in range(world)]
+    procs = [
+        CTX.Process(
+            target=commit_racer, args=(etcd.endpoint, namespace, steps, "race", r, world, barrier, results)
+        )
+        for r in range(world)
+    ]
     watcher = Catalog(etcd.endpoint, namespace, retention=100)
     seen: list[int] = []
     stop = threading.Event()
@@ -348,8 +355,10 @@ def test_delivery_and_consumers(catalog_factory) -> None:
     a.consumers.register("a", [(0, "w", row_shard(0, 1).box, None)])
     b.consumers.register("b", [(0, "w", row_shard(0, 1).box, "bfloat16")])
     assert pub.consumers.ids() == {"a", "b"}
-    assert [(c, n, dt) for c, n, _box, dt in pub.consumers.pack_requests(0)] == [("a", "w", None),
-                                                                                  ("b", "w", "bfloat16")]
+    assert [(c, n, dt) for c, n, _box, dt in pub.consumers.pack_requests(0)] == [
+        ("a", "w", None),
+        ("b", "w", "bfloat16"),
+    ]
     assert pub.consumers.pack_requests(1) == ()
     pub.versions.put_piece(1, lid)
     a.readers.begin_read(1, "a")
@@ -385,8 +394,19 @@ def test_checkpoint_index_lists_oldest_first(catalog_factory) -> None:
 def test_a_layout_over_etcds_request_limit_is_chunked_and_read_back_whole(catalog_factory) -> None:
     # 60,000 shards with incompressible names: several MiB, far over etcd's 1.5 MiB request limit.
     rng = random.Random(7)
-    shards = [ShardRecord(f"layer.{rng.getrandbits(128):032x}.w", "float32", (4, 2), Box((2, 0), (2, 2)), (2, 1),
-                          0, 0, 64 * i) for i in range(60_000)]
+    shards = [
+        ShardRecord(
+            f"layer.{rng.getrandbits(128):032x}.w",
+            "float32",
+            (4, 2),
+            Box((2, 0), (2, 2)),
+            (2, 1),
+            0,
+            0,
+            64 * i,
+        )
+        for i in range(60_000)
+    ]
     pub, cons = catalog_factory(), catalog_factory()
     pub.sessions.open(rank=0, world_size=1)
     lid = pub.versions.write_layout(shards, b"transport")
@@ -394,7 +414,9 @@ def test_a_layout_over_etcds_request_limit_is_chunked_and_read_back_whole(catalo
     version = cons.versions.layouts_of(cons.versions.read_version(1))
     assert not version.missing
     assert list(version.layouts[0].shards) == shards
-    chunks = [m.key for _v, m in cons.client.raw.get_prefix(cons.client.key("manifests") + "/", keys_only=True)]
+    chunks = [
+        m.key for _v, m in cons.client.raw.get_prefix(cons.client.key("manifests") + "/", keys_only=True)
+    ]
     assert len(chunks) >= 3  # the head and its chunks
     assert list(cons.versions.manifests_of(version)[0].names) == [s.name for s in shards]
 

@@ -11,10 +11,9 @@ import torch
 
 from astate_store import Shard
 from astate_store.store import Store
-
+from tests._procs import CTX
 from tests._scale_workers import scale_publisher, tiny_model
 from tests.store.test_sync import Group, assert_exact, whole_buffers
-from tests._procs import CTX
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,8 +25,12 @@ def _ns(prefix: str) -> str:
 def test_a_100k_tensor_model_is_put_and_pulled(etcd: Any) -> None:
     ns, total, ranks = _ns("big"), 100_000, 2
     cmds, out = [CTX.Queue() for _ in range(ranks)], CTX.Queue()
-    procs = [CTX.Process(target=scale_publisher, args=(etcd.endpoint, ns, r, ranks, total, cmds[r], out), daemon=True)
-             for r in range(ranks)]
+    procs = [
+        CTX.Process(
+            target=scale_publisher, args=(etcd.endpoint, ns, r, ranks, total, cmds[r], out), daemon=True
+        )
+        for r in range(ranks)
+    ]
     for p in procs:
         p.start()
     try:
@@ -39,9 +42,17 @@ def test_a_100k_tensor_model_is_put_and_pulled(etcd: Any) -> None:
                     q.put(("put", step))
                 assert sorted(out.get(timeout=120)[:2] for _ in procs) == [("put", 0), ("put", 1)]
                 assert cons.get_into(bufs, step=step, timeout=120) == step
-                got = torch.stack([bufs[n] for n in sorted(bufs, key=lambda n: int(n.split(".")[2]) * 1000
-                                                           + int(n.split(".")[5]))])
-                want = torch.stack([torch.arange(total, dtype=torch.float32), torch.full((total,), float(step))], 1)
+                got = torch.stack(
+                    [
+                        bufs[n]
+                        for n in sorted(
+                            bufs, key=lambda n: int(n.split(".")[2]) * 1000 + int(n.split(".")[5])
+                        )
+                    ]
+                )
+                want = torch.stack(
+                    [torch.arange(total, dtype=torch.float32), torch.full((total,), float(step))], 1
+                )
                 assert torch.equal(got, want), f"step {step}: a tensor holds other bytes"
             assert cons.stats.plans >= 1 and cons.stats.plan_hits >= 2  # steps 2, 3: no replanning
     finally:
@@ -78,15 +89,20 @@ def test_a_checkpoint_is_written_after_one_of_the_ranks_exited(etcd: Any, tmp_pa
 def test_one_prepacked_copy_serves_every_consumer_and_a_joining_consumer_relays_nothing(etcd: Any) -> None:
     ns = _ns("pack")
     w = torch.arange(256 * 256, dtype=torch.float32).reshape(256, 256)
-    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
-            Store(ns, endpoint=etcd.endpoint, transport="shm") as a, \
-            Store(ns, endpoint=etcd.endpoint, transport="shm") as b:
+    with (
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as pub,
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as a,
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as b,
+    ):
+
         def cols() -> Shard:  # a column slice of a row-major matrix: one short run per row unless packed
             return Shard(torch.zeros(256, 8), (0, 64), (256, 256))
 
         ca = cols()
         step = 0
-        while step < 3 or (a.stats.last_pull.reads != 1 and step < 8):  # the request is folded in at a later put
+        while step < 3 or (
+            a.stats.last_pull.reads != 1 and step < 8
+        ):  # the request is folded in at a later put
             step += 1
             pub.put(step, {"w": w + step})
             assert a.get_into({"w": ca}, step=step, timeout=30) == step
@@ -94,9 +110,9 @@ def test_one_prepacked_copy_serves_every_consumer_and_a_joining_consumer_relays_
         assert a.stats.last_pull.reads == 1  # a read the publisher's contiguous copy in one run
         layouts = pub.stats.layouts_published
         cb = cols()
-        for step in (step + 1, step + 2):
-            pub.put(step, {"w": w + step})
-            assert b.get_into({"w": cb}, step=step, timeout=30) == step
-            assert torch.equal(cb.tensor, (w + step)[:, 64:72])
+        for s in (step + 1, step + 2):
+            pub.put(s, {"w": w + s})
+            assert b.get_into({"w": cb}, step=s, timeout=30) == s
+            assert torch.equal(cb.tensor, (w + s)[:, 64:72])
         assert b.stats.last_pull.reads == 1  # the copy built for a serves b too
         assert pub.stats.layouts_published == layouts  # b joining re-laid nothing out

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -20,7 +21,6 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from astate_store.model import codec
 from astate_store.catalog import Catalog, CheckpointEntry
 from astate_store.catalog.blobs import blob_from_kvs, blob_requests
 from astate_store.catalog.records import (
@@ -36,6 +36,7 @@ from astate_store.catalog.records import (
 )
 from astate_store.catalog.version_reads import _checked_blob_kvs
 from astate_store.errors import CatalogCorrupted, CodecError, VersionNotFound, WaitTimeout
+from astate_store.model import codec
 from astate_store.model.layout import Box, ShardRecord
 from astate_store.store import Store
 
@@ -45,8 +46,10 @@ SHAPES = {"w": (64,), "m": (8, 16)}
 
 
 def _tensors(step: int) -> dict[str, torch.Tensor]:
-    return {n: torch.arange(int(torch.tensor(s).prod()), dtype=torch.float32).reshape(s) + 1000.0 * step
-            for n, s in SHAPES.items()}
+    return {
+        n: torch.arange(int(torch.tensor(s).prod()), dtype=torch.float32).reshape(s) + 1000.0 * step
+        for n, s in SHAPES.items()
+    }
 
 
 def _whole(name: str, shape: tuple[int, ...] | None = None, dtype: str = "float32") -> ShardRecord:
@@ -116,9 +119,19 @@ def _blob(w: World, key: str, data: bytes) -> list[str]:
     return [key]
 
 
-def _replica(w: World, step: int, member: str, *, shards: list[ShardRecord] | None = None, transport: bytes = GARBAGE,
-             man: dict[str, Any] | None = None, lay: dict[str, Any] | None = None, lay_key_id: str | None = None,
-             raw_layout: bytes | None = None, group: str = "g") -> list[str]:
+def _replica(
+    w: World,
+    step: int,
+    member: str,
+    *,
+    shards: list[ShardRecord] | None = None,
+    transport: bytes = GARBAGE,
+    man: dict[str, Any] | None = None,
+    lay: dict[str, Any] | None = None,
+    lay_key_id: str | None = None,
+    raw_layout: bytes | None = None,
+    group: str = "g",
+) -> list[str]:
     """A re-serving consumer's offer (manifest, layout and replica record), as a stranger writes it."""
     shards = shards if shards is not None else [_whole("w"), _whole("m")]
     man = man if man is not None else manifest_record(shards)
@@ -131,19 +144,23 @@ def _replica(w: World, step: int, member: str, *, shards: list[ShardRecord] | No
     else:
         w.raw.put(lkey, raw_layout)
         keys.append(lkey)
-    rec = codec.encode("replica", {"step": step, "group": group, "member": member, "layout_id": lid,
-                                   "manifest_id": man["manifest_id"]})
+    rec = codec.encode(
+        "replica",
+        {"step": step, "group": group, "member": member, "layout_id": lid, "manifest_id": man["manifest_id"]},
+    )
     rkey = w.key("versions", pad20(step), "replicas", group, member)
     w.raw.put(rkey, rec)
     return keys + [rkey]
 
 
-def _put(key_parts: Callable[[World, int], tuple[str, ...]], value: Callable[[World, int], bytes]
-         ) -> Callable[[World, int], list[str]]:
+def _put(
+    key_parts: Callable[[World, int], tuple[str, ...]], value: Callable[[World, int], bytes]
+) -> Callable[[World, int], list[str]]:
     def inject(w: World, step: int) -> list[str]:
         key = w.key(*key_parts(w, step))
         w.raw.put(key, value(w, step))
         return [key]
+
     return inject
 
 
@@ -152,16 +169,29 @@ def _enc(kind: str, **rec: Any) -> bytes:
 
 
 def _piece(w: World, step: int, *, rank: int = 0, epoch: int | None = None, world_size: int = 1) -> bytes:
-    return _enc("piece", step=step, epoch=w.epoch if epoch is None else epoch, rank=rank, world_size=world_size,
-                layout_id="0" * 24, base_offset=0, manifest_id="0" * 24)
+    return _enc(
+        "piece",
+        step=step,
+        epoch=w.epoch if epoch is None else epoch,
+        rank=rank,
+        world_size=world_size,
+        layout_id="0" * 24,
+        base_offset=0,
+        manifest_id="0" * 24,
+    )
 
 
 def _bad_box_manifest() -> dict[str, Any]:
     import numpy as np
 
-    cols = {"names": ["w"], "dtypes": bytes([DTYPE_TABLE.index("float32")]), "ndims": bytes([1]),
-            "global_shapes": np.array([64], "<i8").tobytes(), "offsets": np.array([60], "<i8").tobytes(),
-            "sizes": np.array([10], "<i8").tobytes()}
+    cols = {
+        "names": ["w"],
+        "dtypes": bytes([DTYPE_TABLE.index("float32")]),
+        "ndims": bytes([1]),
+        "global_shapes": np.array([64], "<i8").tobytes(),
+        "offsets": np.array([60], "<i8").tobytes(),
+        "sizes": np.array([10], "<i8").tobytes(),
+    }
     return {"manifest_id": _columns_id(cols), **cols}
 
 
@@ -171,13 +201,15 @@ def _chunked_layout(w: World, step: int, member: str, *, tamper: bool) -> list[s
     man = manifest_record(shards)
     lay = layout_record(0, 0, man, shards, GARBAGE)
     data = codec.encode("layout", lay)
-    parts = [data[: len(data) // 2], data[len(data) // 2:]]
+    parts = [data[: len(data) // 2], data[len(data) // 2 :]]
     lkey = w.key("layouts", "replicas", member, lay["layout_id"])
     for i, p in enumerate(parts):
         w.raw.put(f"{lkey}/{i:06d}", (b"X" * len(p)) if tamper and i == 1 else p)
     head = {"size": len(data), "codec": "none", "digest": xxhash.xxh3_64_hexdigest(data), "chunks": 2}
     w.raw.put(lkey, codec.encode("blob", head))
-    return _replica(w, step, member, shards=shards, man=man, lay=lay, raw_layout=codec.encode("blob", head)) + [lkey]
+    return _replica(
+        w, step, member, shards=shards, man=man, lay=lay, raw_layout=codec.encode("blob", head)
+    ) + [lkey]
 
 
 def _blob_head(**head: Any) -> bytes:
@@ -212,7 +244,9 @@ def _consumers(w: World) -> None:
 def _retention(w: World) -> None:
     assert w.pub.catalog.versions.flush_retention(30)
     kept = w.pub.catalog.versions.committed_steps()
-    assert kept == list(range(w.step - 3, w.step + 1)), kept  # retention 4: bogus index entries push nothing out
+    assert kept == list(range(w.step - 3, w.step + 1)), (
+        kept
+    )  # retention 4: bogus index entries push nothing out
 
 
 def _step_key(*tail: str) -> Callable[[World, int], tuple[str, ...]]:
@@ -223,104 +257,252 @@ CASES: dict[str, Case] = {
     # versions/<step>/: read by every consumer's begin_read
     "extra key under the version": Case(_put(_step_key("junk"), lambda w, s: GARBAGE)),
     "extra deep key under the version": Case(_put(_step_key("pieces", "x", "y", "z"), lambda w, s: GARBAGE)),
-    "piece key with a non-numeric epoch": Case(_put(lambda w, s: ("versions", pad20(s), "pieces", "epoch!", pad20(0)),
-                                                    lambda w, s: _piece(w, s))),
-    "piece key with a short rank": Case(_put(lambda w, s: ("versions", pad20(s), "pieces", pad20(w.epoch), "7"),
-                                             lambda w, s: _piece(w, s, rank=7))),
-    "piece key with an int()-friendly rank": Case(_put(
-        lambda w, s: ("versions", pad20(s), "pieces", pad20(w.epoch), "+" + pad20(0)[1:]), lambda w, s: _piece(w, s))),
-    "piece of a rank outside the world": Case(_put(
-        lambda w, s: ("versions", pad20(s), "pieces", pad20(w.epoch), pad20(5)), lambda w, s: _piece(w, s, rank=5))),
-    "garbage piece of a fenced epoch (ignored, never read)": Case(_put(
-        lambda w, s: ("versions", pad20(s), "pieces", pad20(w.epoch + 7), pad20(0)), lambda w, s: GARBAGE),
-        counted=False),
+    "piece key with a non-numeric epoch": Case(
+        _put(lambda w, s: ("versions", pad20(s), "pieces", "epoch!", pad20(0)), lambda w, s: _piece(w, s))
+    ),
+    "piece key with a short rank": Case(
+        _put(
+            lambda w, s: ("versions", pad20(s), "pieces", pad20(w.epoch), "7"),
+            lambda w, s: _piece(w, s, rank=7),
+        )
+    ),
+    "piece key with an int()-friendly rank": Case(
+        _put(
+            lambda w, s: ("versions", pad20(s), "pieces", pad20(w.epoch), "+" + pad20(0)[1:]),
+            lambda w, s: _piece(w, s),
+        )
+    ),
+    "piece of a rank outside the world": Case(
+        _put(
+            lambda w, s: ("versions", pad20(s), "pieces", pad20(w.epoch), pad20(5)),
+            lambda w, s: _piece(w, s, rank=5),
+        )
+    ),
+    "garbage piece of a fenced epoch (ignored, never read)": Case(
+        _put(
+            lambda w, s: ("versions", pad20(s), "pieces", pad20(w.epoch + 7), pad20(0)), lambda w, s: GARBAGE
+        ),
+        counted=False,
+    ),
     "replica record of garbage bytes": Case(_put(_step_key("replicas", "g", "m1"), lambda w, s: GARBAGE)),
     "replica record of another kind": Case(_put(_step_key("replicas", "g", "m1"), lambda w, s: _piece(w, s))),
-    "replica record naming another member": Case(_put(_step_key("replicas", "g", "m1"), lambda w, s: _enc(
-        "replica", step=s, group="g", member="m2", layout_id="0" * 24, manifest_id="0" * 24))),
-    "replica record of another step": Case(_put(_step_key("replicas", "g", "m1"), lambda w, s: _enc(
-        "replica", step=s + 100, group="g", member="m1", layout_id="0" * 24, manifest_id="0" * 24))),
-    "replica record whose layout id is a path": Case(_put(_step_key("replicas", "g", "m1"), lambda w, s: _enc(
-        "replica", step=s, group="g", member="m1", layout_id="../../../latest", manifest_id="0" * 24))),
+    "replica record naming another member": Case(
+        _put(
+            _step_key("replicas", "g", "m1"),
+            lambda w, s: _enc(
+                "replica", step=s, group="g", member="m2", layout_id="0" * 24, manifest_id="0" * 24
+            ),
+        )
+    ),
+    "replica record of another step": Case(
+        _put(
+            _step_key("replicas", "g", "m1"),
+            lambda w, s: _enc(
+                "replica", step=s + 100, group="g", member="m1", layout_id="0" * 24, manifest_id="0" * 24
+            ),
+        )
+    ),
+    "replica record whose layout id is a path": Case(
+        _put(
+            _step_key("replicas", "g", "m1"),
+            lambda w, s: _enc(
+                "replica", step=s, group="g", member="m1", layout_id="../../../latest", manifest_id="0" * 24
+            ),
+        )
+    ),
     "replica offer with a bad transport descriptor": Case(lambda w, s: _replica(w, s, "evil")),
-    "replica offer of another global shape": Case(lambda w, s: _replica(
-        w, s, "evil", shards=[_whole("w", (65,)), _whole("m")])),
-    "replica manifest with a box outside its tensor": Case(lambda w, s: _replica(
-        w, s, "evil", man=_bad_box_manifest(), lay={"layout_id": "0" * 24}, raw_layout=GARBAGE)),
+    "replica offer of another global shape": Case(
+        lambda w, s: _replica(w, s, "evil", shards=[_whole("w", (65,)), _whole("m")])
+    ),
+    "replica manifest with a box outside its tensor": Case(
+        lambda w, s: _replica(
+            w, s, "evil", man=_bad_box_manifest(), lay={"layout_id": "0" * 24}, raw_layout=GARBAGE
+        )
+    ),
     "replica layout filed under another id": Case(lambda w, s: _replica(w, s, "evil", lay_key_id="ab" * 12)),
-    "replica layout of another epoch and rank": Case(lambda w, s: _replica(w, s, "evil", lay=layout_record(
-        4, 3, manifest_record([_whole("w")]), [_whole("w")], GARBAGE), shards=[_whole("w")])),
-    "replica layout blob with a chunk replaced": Case(lambda w, s: _chunked_layout(w, s, "evil", tamper=True)),
+    "replica layout of another epoch and rank": Case(
+        lambda w, s: _replica(
+            w,
+            s,
+            "evil",
+            lay=layout_record(4, 3, manifest_record([_whole("w")]), [_whole("w")], GARBAGE),
+            shards=[_whole("w")],
+        )
+    ),
+    "replica layout blob with a chunk replaced": Case(
+        lambda w, s: _chunked_layout(w, s, "evil", tamper=True)
+    ),
     "replica layout blob head of garbage": Case(lambda w, s: _replica(w, s, "evil", raw_layout=GARBAGE)),
-    "replica layout blob head claiming 10^15 chunks": Case(lambda w, s: _replica(
-        w, s, "evil", raw_layout=_blob_head(chunks=10**15))),
-    "replica layout blob of bad zlib": Case(lambda w, s: _replica(w, s, "evil", raw_layout=_blob_head(
-        codec="zlib", data=b"not zlib", digest=xxhash.xxh3_64_hexdigest(b"not zlib")))),
-    "replica layout blob head of another kind": Case(lambda w, s: _replica(w, s, "evil", raw_layout=_piece(w, s))),
+    "replica layout blob head claiming 10^15 chunks": Case(
+        lambda w, s: _replica(w, s, "evil", raw_layout=_blob_head(chunks=10**15))
+    ),
+    "replica layout blob of bad zlib": Case(
+        lambda w, s: _replica(
+            w,
+            s,
+            "evil",
+            raw_layout=_blob_head(
+                codec="zlib", data=b"not zlib", digest=xxhash.xxh3_64_hexdigest(b"not zlib")
+            ),
+        )
+    ),
+    "replica layout blob head of another kind": Case(
+        lambda w, s: _replica(w, s, "evil", raw_layout=_piece(w, s))
+    ),
     # torn/<step>/: a stranger's marker of a source this read did not use fails nothing
-    "torn marker of a stranger replica": Case(_put(lambda w, s: ("torn", pad20(s), "r-stranger"),
-                                                   lambda w, s: GARBAGE), counted=False),
-    "torn marker under a non-rank key": Case(_put(lambda w, s: ("torn", pad20(s), "zz"), lambda w, s: GARBAGE),
-                                             counted=False),
+    "torn marker of a stranger replica": Case(
+        _put(lambda w, s: ("torn", pad20(s), "r-stranger"), lambda w, s: GARBAGE), counted=False
+    ),
+    "torn marker under a non-rank key": Case(
+        _put(lambda w, s: ("torn", pad20(s), "zz"), lambda w, s: GARBAGE), counted=False
+    ),
     # readers/<step>/: the publisher's retire of the slot it reuses does not wait for non-readers
-    "reader record of garbage bytes": Case(lambda w, s: [
-        _put(lambda w, s: ("readers", pad20(s - d), "stranger"), lambda w, s: GARBAGE)(w, s)[0] for d in (1, 2)],
-        after_put=False),
-    "reader record naming another reader": Case(lambda w, s: [
-        _put(lambda w, s: ("readers", pad20(s - d), "stranger"), lambda w, s: _enc(
-            "reader", step=s - d, reader_id="someone", host="h", pid=1))(w, s)[0] for d in (1, 2)], after_put=False),
-    "reader record of another step": Case(lambda w, s: [
-        _put(lambda w, s: ("readers", pad20(s - d), "stranger"), lambda w, s: _enc(
-            "reader", step=s + 50, reader_id="stranger", host="h", pid=1))(w, s)[0] for d in (1, 2)],
-        after_put=False),
+    "reader record of garbage bytes": Case(
+        lambda w, s: [
+            _put(lambda w, s: ("readers", pad20(s - d), "stranger"), lambda w, s: GARBAGE)(w, s)[0]
+            for d in (1, 2)
+        ],
+        after_put=False,
+    ),
+    "reader record naming another reader": Case(
+        lambda w, s: [
+            _put(
+                lambda w, s: ("readers", pad20(s - d), "stranger"),
+                lambda w, s: _enc("reader", step=s - d, reader_id="someone", host="h", pid=1),
+            )(w, s)[0]
+            for d in (1, 2)
+        ],
+        after_put=False,
+    ),
+    "reader record of another step": Case(
+        lambda w, s: [
+            _put(
+                lambda w, s: ("readers", pad20(s - d), "stranger"),
+                lambda w, s: _enc("reader", step=s + 50, reader_id="stranger", host="h", pid=1),
+            )(w, s)[0]
+            for d in (1, 2)
+        ],
+        after_put=False,
+    ),
     # consumers/: the publisher's pre-pack requests and its list of live consumers
-    "consumer record of garbage bytes": Case(_put(lambda w, s: ("consumers", "evil"), lambda w, s: GARBAGE),
-                                             after_put=False, check=_consumers),
-    "consumer record naming another consumer": Case(_put(lambda w, s: ("consumers", "evil"), lambda w, s: _enc(
-        "consumer", reader_id="other", packs=[])), after_put=False, check=_consumers),
-    "consumer record of another kind": Case(_put(lambda w, s: ("consumers", "evil"), lambda w, s: _enc(
-        "reader", step=1, reader_id="evil", host="h", pid=1)), after_put=False, check=_consumers),
-    "consumer asking for a box outside the tensor (not servable)": Case(_put(
-        lambda w, s: ("consumers", "evil2"), lambda w, s: _enc("consumer", reader_id="evil2", packs=[
-            {"rank": 0, "name": "w", "offsets": [60], "sizes": [10]}])), after_put=False, counted=False),
+    "consumer record of garbage bytes": Case(
+        _put(lambda w, s: ("consumers", "evil"), lambda w, s: GARBAGE), after_put=False, check=_consumers
+    ),
+    "consumer record naming another consumer": Case(
+        _put(lambda w, s: ("consumers", "evil"), lambda w, s: _enc("consumer", reader_id="other", packs=[])),
+        after_put=False,
+        check=_consumers,
+    ),
+    "consumer record of another kind": Case(
+        _put(
+            lambda w, s: ("consumers", "evil"),
+            lambda w, s: _enc("reader", step=1, reader_id="evil", host="h", pid=1),
+        ),
+        after_put=False,
+        check=_consumers,
+    ),
+    "consumer asking for a box outside the tensor (not servable)": Case(
+        _put(
+            lambda w, s: ("consumers", "evil2"),
+            lambda w, s: _enc(
+                "consumer",
+                reader_id="evil2",
+                packs=[{"rank": 0, "name": "w", "offsets": [60], "sizes": [10]}],
+            ),
+        ),
+        after_put=False,
+        counted=False,
+    ),
     "consumer asking for a box of another rank": Case(  # and of fewer dims than the tensor
-        _put(lambda w, s: ("consumers", "evil3"), lambda w, s: _enc("consumer", reader_id="evil3", packs=[
-            {"rank": 0, "name": "m", "offsets": [0], "sizes": [2]}])), after_put=False, counted=False),
+        _put(
+            lambda w, s: ("consumers", "evil3"),
+            lambda w, s: _enc(
+                "consumer", reader_id="evil3", packs=[{"rank": 0, "name": "m", "offsets": [0], "sizes": [2]}]
+            ),
+        ),
+        after_put=False,
+        counted=False,
+    ),
     # members/<epoch>/: who is alive in the session (recovery waits on it)
-    "member record of garbage bytes": Case(_put(lambda w, s: ("members", pad20(w.epoch), pad20(3)),
-                                                lambda w, s: GARBAGE), check=_live_ranks),
-    "member record of another rank": Case(_put(lambda w, s: ("members", pad20(w.epoch), pad20(3)), lambda w, s: _enc(
-        "member", epoch=w.epoch, rank=4, host="h", pid=1)), check=_live_ranks),
-    "member record of another epoch": Case(_put(lambda w, s: ("members", pad20(w.epoch), pad20(3)), lambda w, s: _enc(
-        "member", epoch=w.epoch + 1, rank=3, host="h", pid=1)), check=_live_ranks),
-    "member key that is not a rank": Case(_put(lambda w, s: ("members", pad20(w.epoch), "three"), lambda w, s: _enc(
-        "member", epoch=w.epoch, rank=3, host="h", pid=1)), check=_live_ranks),
+    "member record of garbage bytes": Case(
+        _put(lambda w, s: ("members", pad20(w.epoch), pad20(3)), lambda w, s: GARBAGE), check=_live_ranks
+    ),
+    "member record of another rank": Case(
+        _put(
+            lambda w, s: ("members", pad20(w.epoch), pad20(3)),
+            lambda w, s: _enc("member", epoch=w.epoch, rank=4, host="h", pid=1),
+        ),
+        check=_live_ranks,
+    ),
+    "member record of another epoch": Case(
+        _put(
+            lambda w, s: ("members", pad20(w.epoch), pad20(3)),
+            lambda w, s: _enc("member", epoch=w.epoch + 1, rank=3, host="h", pid=1),
+        ),
+        check=_live_ranks,
+    ),
+    "member key that is not a rank": Case(
+        _put(
+            lambda w, s: ("members", pad20(w.epoch), "three"),
+            lambda w, s: _enc("member", epoch=w.epoch, rank=3, host="h", pid=1),
+        ),
+        check=_live_ranks,
+    ),
     # checkpoints/: the index restore and recover read
-    "checkpoint record of garbage bytes": Case(_put(lambda w, s: ("checkpoints", pad20(7)), lambda w, s: GARBAGE),
-                                               check=_checkpoints),
-    "checkpoint record of another step": Case(_put(lambda w, s: ("checkpoints", pad20(7)), lambda w, s: _enc(
-        "checkpoint", step=8, uri="file:///x", world_size=1, bytes=1, written_at=0.0)), check=_checkpoints),
-    "checkpoint record of another kind": Case(_put(lambda w, s: ("checkpoints", pad20(7)), lambda w, s: _enc(
-        "commit", step=7, epoch=1, world_size=1, committed_at=0.0)), check=_checkpoints),
-    "checkpoint key that is not a step": Case(_put(lambda w, s: ("checkpoints", "latest"), lambda w, s: _enc(
-        "checkpoint", step=7, uri="file:///x", world_size=1, bytes=1, written_at=0.0)), check=_checkpoints),
+    "checkpoint record of garbage bytes": Case(
+        _put(lambda w, s: ("checkpoints", pad20(7)), lambda w, s: GARBAGE), check=_checkpoints
+    ),
+    "checkpoint record of another step": Case(
+        _put(
+            lambda w, s: ("checkpoints", pad20(7)),
+            lambda w, s: _enc("checkpoint", step=8, uri="file:///x", world_size=1, bytes=1, written_at=0.0),
+        ),
+        check=_checkpoints,
+    ),
+    "checkpoint record of another kind": Case(
+        _put(
+            lambda w, s: ("checkpoints", pad20(7)),
+            lambda w, s: _enc("commit", step=7, epoch=1, world_size=1, committed_at=0.0),
+        ),
+        check=_checkpoints,
+    ),
+    "checkpoint key that is not a step": Case(
+        _put(
+            lambda w, s: ("checkpoints", "latest"),
+            lambda w, s: _enc("checkpoint", step=7, uri="file:///x", world_size=1, bytes=1, written_at=0.0),
+        ),
+        check=_checkpoints,
+    ),
     # recovery/<epoch>/: the rounds a recovering session agrees on
-    "recovery plan of garbage bytes": Case(_put(lambda w, s: ("recovery", pad20(w.epoch), pad20(0), "plan"),
-                                                lambda w, s: GARBAGE), check=_plans),
-    "recovery plan of another round": Case(_put(lambda w, s: ("recovery", pad20(w.epoch), pad20(0), "plan"),
-                                                lambda w, s: _enc("recovery_plan", epoch=w.epoch, round=5, rank=0,
-                                                                  action="nothing", reason="x", decided_at=0.0)),
-                                           check=_plans),
-    "recovery outcome of another rank": Case(_put(
-        lambda w, s: ("recovery", pad20(w.epoch), pad20(0), "ranks", pad20(1)),
-        lambda w, s: _enc("recovery_outcome", epoch=w.epoch, round=0, rank=2, status="ok")), check=_plans),
-    "recovery key that is not a round": Case(_put(lambda w, s: ("recovery", pad20(w.epoch), "1_0", "plan"),
-                                                  lambda w, s: GARBAGE), check=_plans),
+    "recovery plan of garbage bytes": Case(
+        _put(lambda w, s: ("recovery", pad20(w.epoch), pad20(0), "plan"), lambda w, s: GARBAGE), check=_plans
+    ),
+    "recovery plan of another round": Case(
+        _put(
+            lambda w, s: ("recovery", pad20(w.epoch), pad20(0), "plan"),
+            lambda w, s: _enc(
+                "recovery_plan", epoch=w.epoch, round=5, rank=0, action="nothing", reason="x", decided_at=0.0
+            ),
+        ),
+        check=_plans,
+    ),
+    "recovery outcome of another rank": Case(
+        _put(
+            lambda w, s: ("recovery", pad20(w.epoch), pad20(0), "ranks", pad20(1)),
+            lambda w, s: _enc("recovery_outcome", epoch=w.epoch, round=0, rank=2, status="ok"),
+        ),
+        check=_plans,
+    ),
+    "recovery key that is not a round": Case(
+        _put(lambda w, s: ("recovery", pad20(w.epoch), "1_0", "plan"), lambda w, s: GARBAGE), check=_plans
+    ),
     # commits/: the index retention reads
-    "commit index key that is not a step": Case(_put(lambda w, s: ("commits", "zzz"), lambda w, s: b""),
-                                                after_put=False, check=_retention),
-    "commit index entry without a version": Case(_put(lambda w, s: ("commits", pad20(10**18)), lambda w, s: b""),
-                                                 after_put=False, check=_retention),
+    "commit index key that is not a step": Case(
+        _put(lambda w, s: ("commits", "zzz"), lambda w, s: b""), after_put=False, check=_retention
+    ),
+    "commit index entry without a version": Case(
+        _put(lambda w, s: ("commits", pad20(10**18)), lambda w, s: b""), after_put=False, check=_retention
+    ),
 }
 
 
@@ -359,8 +541,17 @@ def test_a_replica_record_gets_only_the_layout_at_its_own_key(world: World, etcd
         assert world.cons.consumer_id in real.replica_layouts
         rp = real.replicas[world.cons.consumer_id]
         key = world.key("versions", pad20(step), "replicas", "g", "impostor")
-        world.raw.put(key, _enc("replica", step=step, group="g", member="impostor", layout_id=rp.layout_id,
-                                manifest_id=rp.manifest_id))
+        world.raw.put(
+            key,
+            _enc(
+                "replica",
+                step=step,
+                group="g",
+                member="impostor",
+                layout_id=rp.layout_id,
+                manifest_id=rp.manifest_id,
+            ),
+        )
         v = late.catalog.versions.layouts_of(late.catalog.versions.read_version(step))
         assert "impostor" in v.replicas and "impostor" not in v.replica_layouts
         assert world.cons.consumer_id in v.replica_layouts
@@ -370,6 +561,7 @@ def test_a_replica_record_gets_only_the_layout_at_its_own_key(world: World, etcd
 
 
 # ---- authority records: a typed error naming the key, never wrong bytes ------------------------
+
 
 @pytest.fixture
 def fresh(etcd: Any) -> Iterator[World]:
@@ -383,6 +575,7 @@ def _corrupt_commit(value: Callable[[World], bytes]) -> Callable[[World], str]:
         key = w.key("versions", pad20(2), "commit")
         w.raw.put(key, value(w))
         return key
+
     return go
 
 
@@ -391,24 +584,37 @@ def _corrupt_piece(value: Callable[[World], bytes]) -> Callable[[World], str]:
         key = w.key("versions", pad20(2), "pieces", pad20(w.epoch), pad20(0))
         w.raw.put(key, value(w))
         return key
+
     return go
 
 
 VERSION_CORRUPTIONS = {
     "commit of garbage bytes": _corrupt_commit(lambda w: GARBAGE),
     "commit of another kind": _corrupt_commit(lambda w: _piece(w, 2)),
-    "commit of another step": _corrupt_commit(lambda w: _enc("commit", step=1, epoch=w.epoch, world_size=1,
-                                                             committed_at=0.0)),
-    "commit of another epoch": _corrupt_commit(lambda w: _enc("commit", step=2, epoch=w.epoch + 3, world_size=1,
-                                                              committed_at=0.0)),
-    "commit of a world of 10^15 ranks": _corrupt_commit(lambda w: _enc("commit", step=2, epoch=w.epoch,
-                                                                       world_size=10**15, committed_at=0.0)),
+    "commit of another step": _corrupt_commit(
+        lambda w: _enc("commit", step=1, epoch=w.epoch, world_size=1, committed_at=0.0)
+    ),
+    "commit of another epoch": _corrupt_commit(
+        lambda w: _enc("commit", step=2, epoch=w.epoch + 3, world_size=1, committed_at=0.0)
+    ),
+    "commit of a world of 10^15 ranks": _corrupt_commit(
+        lambda w: _enc("commit", step=2, epoch=w.epoch, world_size=10**15, committed_at=0.0)
+    ),
     "committed piece of garbage bytes": _corrupt_piece(lambda w: GARBAGE),
     "committed piece of another rank": _corrupt_piece(lambda w: _piece(w, 2, rank=1)),
     "committed piece of another step": _corrupt_piece(lambda w: _piece(w, 3)),
-    "committed piece whose layout id is a path": _corrupt_piece(lambda w: _enc(
-        "piece", step=2, epoch=w.epoch, rank=0, world_size=1, layout_id="../x", base_offset=0,
-        manifest_id="0" * 24)),
+    "committed piece whose layout id is a path": _corrupt_piece(
+        lambda w: _enc(
+            "piece",
+            step=2,
+            epoch=w.epoch,
+            rank=0,
+            world_size=1,
+            layout_id="../x",
+            base_offset=0,
+            manifest_id="0" * 24,
+        )
+    ),
 }
 
 
@@ -488,6 +694,7 @@ def test_bad_session_record_is_a_typed_error(fresh: World, etcd: Any) -> None:
 
 # ---- torn markers per source; re-registration after a lost lease ---------------------------
 
+
 def test_end_read_checks_only_the_torn_markers_of_its_sources(catalog_factory: Any) -> None:
     cat = catalog_factory()
     c = cat.client
@@ -521,8 +728,10 @@ def test_a_consumer_registers_again_when_its_lease_is_recreated(etcd: Any) -> No
     src = {"w": torch.arange(256 * 256, dtype=torch.float32).reshape(256, 256)}
     from astate_store import Shard
 
-    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
-            Store(ns, endpoint=etcd.endpoint, transport="shm", lease_ttl=1.5) as cons:
+    with (
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as pub,
+        Store(ns, endpoint=etcd.endpoint, transport="shm", lease_ttl=1.5) as cons,
+    ):
         buf = torch.zeros(256, 4)
         want = {"w": Shard(buf, (0, 8), (256, 256))}
         key = cons.catalog.client.key("consumers", cons.consumer_id)
@@ -553,15 +762,25 @@ def test_a_consumer_registers_again_when_its_lease_is_recreated(etcd: Any) -> No
 
 # ---- fuzzing every decoder ---------------------------------------------------------------------
 
+
 class _Meta:
     def __init__(self, key: bytes, rev: int = 1):
         self.key, self.mod_revision = key, rev
 
 
-_scalars = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True)
-            | st.text(max_size=24) | st.binary(max_size=48))
-_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
-                       | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=24)
+    | st.binary(max_size=48)
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 def _fields(kind: str) -> list[str]:
@@ -600,12 +819,19 @@ def test_fuzz_records_tagged_as_their_kind(tagged: tuple[str, bytes]) -> None:
         pass
 
 
-_i64s = st.lists(st.integers(-2**63, 2**63 - 1), max_size=6).map(lambda v: b"".join(
-    x.to_bytes(8, "little", signed=True) for x in v))
-_columns = st.fixed_dictionaries({
-    "names": st.lists(st.text(max_size=6), max_size=3), "dtypes": st.binary(max_size=3),
-    "ndims": st.binary(max_size=3), "global_shapes": _i64s | st.binary(max_size=20),
-    "offsets": _i64s | st.binary(max_size=20), "sizes": _i64s | st.binary(max_size=20)})
+_i64s = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=6).map(
+    lambda v: b"".join(x.to_bytes(8, "little", signed=True) for x in v)
+)
+_columns = st.fixed_dictionaries(
+    {
+        "names": st.lists(st.text(max_size=6), max_size=3),
+        "dtypes": st.binary(max_size=3),
+        "ndims": st.binary(max_size=3),
+        "global_shapes": _i64s | st.binary(max_size=20),
+        "offsets": _i64s | st.binary(max_size=20),
+        "sizes": _i64s | st.binary(max_size=20),
+    }
+)
 
 
 @_FUZZ
@@ -620,16 +846,33 @@ def test_fuzz_manifests(cols: dict[str, Any], honest_id: bool) -> None:
 
 
 @_FUZZ
-@given(st.lists(st.sampled_from([_whole("w"), _whole("m"), _whole("w", (3, 5))]), max_size=3),
-       st.fixed_dictionaries({"strides": _i64s | st.binary(max_size=20), "regions": _i64s,
-                              "byte_offsets": _i64s}),
-       st.none() | _columns.map(lambda c: {**c, "regions": b"\0" * 8, "byte_offsets": b"\0" * 8}),
-       st.integers(0, 3), st.integers(0, 3), st.booleans())
-def test_fuzz_layouts(shards: list[ShardRecord], cols: dict[str, bytes], packed: dict[str, Any] | None, epoch: int,
-                      rank: int, honest_id: bool) -> None:
+@given(
+    st.lists(st.sampled_from([_whole("w"), _whole("m"), _whole("w", (3, 5))]), max_size=3),
+    st.fixed_dictionaries(
+        {"strides": _i64s | st.binary(max_size=20), "regions": _i64s, "byte_offsets": _i64s}
+    ),
+    st.none() | _columns.map(lambda c: {**c, "regions": b"\0" * 8, "byte_offsets": b"\0" * 8}),
+    st.integers(0, 3),
+    st.integers(0, 3),
+    st.booleans(),
+)
+def test_fuzz_layouts(
+    shards: list[ShardRecord],
+    cols: dict[str, bytes],
+    packed: dict[str, Any] | None,
+    epoch: int,
+    rank: int,
+    honest_id: bool,
+) -> None:
     man = manifest_record(shards)
     m = manifest_from_record(man, man["manifest_id"])
-    rec: dict[str, Any] = {"epoch": epoch, "rank": rank, "manifest_id": man["manifest_id"], "transport": b"t", **cols}
+    rec: dict[str, Any] = {
+        "epoch": epoch,
+        "rank": rank,
+        "manifest_id": man["manifest_id"],
+        "transport": b"t",
+        **cols,
+    }
     if packed is not None:
         rec["packed"] = packed
     rec["layout_id"] = _layout_id(rec) if honest_id else "1" * 24
@@ -639,25 +882,56 @@ def test_fuzz_layouts(shards: list[ShardRecord], cols: dict[str, bytes], packed:
         pass
 
 
-_SEGMENTS = st.sampled_from([pad20(0), pad20(1), pad20(3), "7", "x", "", "+0000000000000000001"]) | st.text(max_size=5)
+_SEGMENTS = st.sampled_from([pad20(0), pad20(1), pad20(3), "7", "x", "", "+0000000000000000001"]) | st.text(
+    max_size=5
+)
 
 
 @st.composite
 def _version_kv(draw: st.DrawFn) -> tuple[bytes, _Meta]:
     pre = "/astate/ns/versions/" + pad20(3) + "/"
-    tail = draw(st.sampled_from(["commit", "pieces/{}/{}", "replicas/{}/{}", "{}", "pieces/{}", "{}/{}/{}/{}"]))
+    tail = draw(
+        st.sampled_from(["commit", "pieces/{}/{}", "replicas/{}/{}", "{}", "pieces/{}", "{}/{}/{}/{}"])
+    )
     key = pre + tail.format(*(draw(_SEGMENTS) for _ in range(tail.count("{}"))))
     if draw(st.booleans()):
         key = draw(st.sampled_from(["/astate/other/versions/x", pre[:-1]])) if draw(st.booleans()) else key
     ep = st.integers(0, 3)
-    value = draw(st.binary(max_size=32) | _tagged().map(lambda t: t[1]) | st.builds(
-        lambda *v: _enc("commit", step=v[0], epoch=v[1], world_size=v[2], committed_at=0.0),
-        st.integers(2, 4), ep, st.integers(1, 3) | st.integers(1, 2**62)) | st.builds(
-        lambda *v: _enc("piece", step=v[0], epoch=v[1], rank=v[2], world_size=v[3], layout_id=v[4], base_offset=0,
-                        manifest_id="0" * 24),
-        st.integers(2, 4), ep, st.integers(0, 3), st.integers(1, 3), st.sampled_from(["0" * 24, "x"])) | st.builds(
-        lambda *v: _enc("replica", step=v[0], group=v[1], member=v[2], layout_id="0" * 24, manifest_id="0" * 24),
-        st.integers(2, 4), _SEGMENTS, _SEGMENTS))
+    value = draw(
+        st.binary(max_size=32)
+        | _tagged().map(lambda t: t[1])
+        | st.builds(
+            lambda *v: _enc("commit", step=v[0], epoch=v[1], world_size=v[2], committed_at=0.0),
+            st.integers(2, 4),
+            ep,
+            st.integers(1, 3) | st.integers(1, 2**62),
+        )
+        | st.builds(
+            lambda *v: _enc(
+                "piece",
+                step=v[0],
+                epoch=v[1],
+                rank=v[2],
+                world_size=v[3],
+                layout_id=v[4],
+                base_offset=0,
+                manifest_id="0" * 24,
+            ),
+            st.integers(2, 4),
+            ep,
+            st.integers(0, 3),
+            st.integers(1, 3),
+            st.sampled_from(["0" * 24, "x"]),
+        )
+        | st.builds(
+            lambda *v: _enc(
+                "replica", step=v[0], group=v[1], member=v[2], layout_id="0" * 24, manifest_id="0" * 24
+            ),
+            st.integers(2, 4),
+            _SEGMENTS,
+            _SEGMENTS,
+        )
+    )
     raw = key.encode() if draw(st.booleans()) else key.encode() + b"\xff"
     return value, _Meta(raw)
 
@@ -678,13 +952,30 @@ def test_fuzz_versions(kvs: list[tuple[bytes, _Meta]]) -> None:
 @st.composite
 def _blob_kvs(draw: st.DrawFn) -> list[tuple[bytes, _Meta]]:
     key = "/astate/ns/manifests/k"
-    head = draw(st.binary(max_size=40) | _tagged("blob").map(lambda t: t[1]) | st.builds(
-        lambda size, how, chunks, data: codec.encode("blob", {"size": size, "codec": how, "chunks": chunks,
-                                                              "digest": xxhash.xxh3_64_hexdigest(data), "data": data}),
-        st.integers(0, 64), st.sampled_from(["none", "zlib"]), st.integers(0, 4) | st.integers(0, 10**18),
-        st.binary(max_size=32)))
+    head = draw(
+        st.binary(max_size=40)
+        | _tagged("blob").map(lambda t: t[1])
+        | st.builds(
+            lambda size, how, chunks, data: codec.encode(
+                "blob",
+                {
+                    "size": size,
+                    "codec": how,
+                    "chunks": chunks,
+                    "digest": xxhash.xxh3_64_hexdigest(data),
+                    "data": data,
+                },
+            ),
+            st.integers(0, 64),
+            st.sampled_from(["none", "zlib"]),
+            st.integers(0, 4) | st.integers(0, 10**18),
+            st.binary(max_size=32),
+        )
+    )
     kvs = [(head, _Meta(key.encode()))] if draw(st.integers(0, 9)) else []
-    for tail in draw(st.lists(st.sampled_from(["000000", "000001", "000003", "x", "", "000000/1"]), max_size=4)):
+    for tail in draw(
+        st.lists(st.sampled_from(["000000", "000001", "000003", "x", "", "000000/1"]), max_size=4)
+    ):
         kvs.append((draw(st.binary(max_size=16)), _Meta(f"{key}/{tail}".encode())))
     if draw(st.booleans()):
         kvs.append((b"", _Meta(key.encode() + b"/\xff")))

@@ -17,8 +17,15 @@ def rank_main(endpoint: str, ns: str, rank: int, world: int, cmds: Any, out: Any
     from astate_store.store import Store
     from tests._store_workers import local_tensors
 
-    store = Store(ns, endpoint=endpoint, rank=rank, world_size=world, transport="shm",
-                  session_id=f"{ns}-pub", lease_ttl=3.0)
+    store = Store(
+        ns,
+        endpoint=endpoint,
+        rank=rank,
+        world_size=world,
+        transport="shm",
+        session_id=f"{ns}-pub",
+        lease_ttl=3.0,
+    )
     out.put(("ready", rank, os.getpid()))
     while True:
         cmd = cmds.get()
@@ -37,8 +44,17 @@ def rank_main(endpoint: str, ns: str, rank: int, world: int, cmds: Any, out: Any
                     value = value.result(timeout=120)
             out.put(("ok", rank, what, value))
         except astate_store.AStateError as exc:
-            out.put(("err", rank, what, type(exc).__name__, getattr(exc, "reason", ""),
-                     getattr(exc, "missing", None), str(exc)))
+            out.put(
+                (
+                    "err",
+                    rank,
+                    what,
+                    type(exc).__name__,
+                    getattr(exc, "reason", ""),
+                    getattr(exc, "missing", None),
+                    str(exc),
+                )
+            )
     store.close()
     out.put(("bye", rank))
 

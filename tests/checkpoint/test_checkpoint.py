@@ -11,27 +11,31 @@ from typing import Any
 
 import jsonschema
 import numpy as np
-import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from astate_store import Shard, checkpoint as ck
+from astate_store import Shard
+from astate_store import checkpoint as ck
 from astate_store.errors import CheckpointCorrupted, CheckpointError, CheckpointNotFound, LayoutError
 from astate_store.model.layout import Box, ShardRecord, contiguous_strides, group_layouts
-
 from tests import _checkpoint_workers as W
 from tests._procs import CTX
 
-SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "schemas" / "checkpoint_manifest.json").read_text())
+SCHEMA = json.loads(
+    (Path(__file__).resolve().parents[2] / "schemas" / "checkpoint_manifest.json").read_text()
+)
 
 
 def save(root: Any, step: int, world: int, attempt: str | None = None, **kw: Any) -> list[ck.PartInfo]:
     infos = []
     for r in range(world):
-        infos.append(ck.write_part(root, step, r, world, W.rank_shards(step, r, world, **kw), fsync=False,
-                                   attempt=attempt or ""))
+        infos.append(
+            ck.write_part(
+                root, step, r, world, W.rank_shards(step, r, world, **kw), fsync=False, attempt=attempt or ""
+            )
+        )
         assert ck.try_commit(root, step, world, fsync=False, attempt=attempt) == (r == world - 1)
     return infos
 
@@ -84,7 +88,7 @@ def test_restore_into_other_layouts_byte_exact(tmp_path: Path, world: int, consu
 def test_strided_destinations_subset_and_0d(tmp_path: Path) -> None:
     save(tmp_path, 1, 2)
     base = torch.zeros(64, 52)
-    emb = base[:, 2:50]                                   # a strided slice
+    emb = base[:, 2:50]  # a strided slice
     qkv_t = torch.zeros(48, 96, dtype=torch.bfloat16).t()  # column-major view
     exp = torch.zeros(16, 24, 8, dtype=torch.float16).permute(2, 1, 0)
     sc = torch.zeros((), dtype=torch.int64)
@@ -130,8 +134,9 @@ def test_manifest_readable_without_the_library(tmp_path: Path) -> None:
     jsonschema.validate(meta, {**root, "$ref": "#/$defs/manifest_metadata"})
     assert set(table.column_names) == set(SCHEMA["properties"]) == set(SCHEMA["required"])
     part = pq.read_table(sdir / "rank-00001.part.parquet")
-    jsonschema.validate(json.loads(part.schema.metadata[b"astate.checkpoint"]),
-                        {**root, "$ref": "#/$defs/part_metadata"})
+    jsonschema.validate(
+        json.loads(part.schema.metadata[b"astate.checkpoint"]), {**root, "$ref": "#/$defs/part_metadata"}
+    )
     rows = table.to_pylist()
     for row in rows:
         jsonschema.validate(row, SCHEMA)
@@ -146,9 +151,9 @@ def test_manifest_readable_without_the_library(tmp_path: Path) -> None:
     for row in rows:
         if row["name"] != "odd":
             continue
-        data = (sdir / row["file"]).read_bytes()[row["byte_offset"]:row["byte_offset"] + row["length"]]
+        data = (sdir / row["file"]).read_bytes()[row["byte_offset"] : row["byte_offset"] + row["length"]]
         for k, c in enumerate(row["checksums"]):
-            assert digest(data[k * row["block_size"]:(k + 1) * row["block_size"]]) == c
+            assert digest(data[k * row["block_size"] : (k + 1) * row["block_size"]]) == c
         sl = tuple(slice(o, o + s) for o, s in zip(row["offsets"], row["sizes"]))
         full[sl] = np.frombuffer(data, np.dtype(row["dtype"])).reshape(row["sizes"])
     assert np.array_equal(full, W.expected("odd", 9).numpy())
@@ -159,8 +164,11 @@ def test_manifest_readable_without_the_library(tmp_path: Path) -> None:
 def test_replicas_written_once_with_layouts(tmp_path: Path) -> None:
     world = 3
     shards = [W.rank_shards(1, r, world) for r in range(world)]
-    layouts = group_layouts(ShardRecord(rec.name, rec.dtype, rec.global_shape, rec.box, rec.strides, r, 0, 0)
-                            for r in range(world) for rec, _ in shards[r])
+    layouts = group_layouts(
+        ShardRecord(rec.name, rec.dtype, rec.global_shape, rec.box, rec.strides, r, 0, 0)
+        for r in range(world)
+        for rec, _ in shards[r]
+    )
     for r in range(world):
         ck.write_part(tmp_path, 1, r, world, shards[r], layouts=layouts, fsync=False)
     assert ck.try_commit(tmp_path, 1, world)
@@ -174,9 +182,17 @@ def test_replicas_written_once_with_layouts(tmp_path: Path) -> None:
 
 def test_float_conversion_on_restore(tmp_path: Path) -> None:
     save(tmp_path, 3, 2)
-    bufs = consumer_buffers(1, 2, names=("emb", "qkv", "experts", "odd"),
-                            dtypes={"emb": torch.bfloat16, "qkv": torch.float32, "experts": torch.float64,
-                                    "odd": torch.float8_e4m3fn})
+    bufs = consumer_buffers(
+        1,
+        2,
+        names=("emb", "qkv", "experts", "odd"),
+        dtypes={
+            "emb": torch.bfloat16,
+            "qkv": torch.float32,
+            "experts": torch.float64,
+            "odd": torch.float8_e4m3fn,
+        },
+    )
     assert ck.restore(tmp_path, bufs) == 3
     check(bufs, 3)
     bad = {"emb": torch.full((64, 48), 7, dtype=torch.int32)}
@@ -187,7 +203,9 @@ def test_float_conversion_on_restore(tmp_path: Path) -> None:
 
 def test_checksum_options(tmp_path: Path) -> None:
     for r in range(2):
-        ck.write_part(tmp_path, 1, r, 2, W.rank_shards(1, r, 2), block_size=4096, checksum="crc32", fsync=False)
+        ck.write_part(
+            tmp_path, 1, r, 2, W.rank_shards(1, r, 2), block_size=4096, checksum="crc32", fsync=False
+        )
     assert ck.try_commit(tmp_path, 1, 2)
     info = ck.checkpoint_info(tmp_path)
     assert (info.block_size, info.checksum) == (4096, "crc32")
@@ -279,7 +297,10 @@ def test_bad_buffers_fail_before_any_byte_is_written(tmp_path: Path) -> None:
         ({"nope": torch.zeros(3)}, r"'nope' is not in checkpoint step 1"),
         ({"emb": torch.full((64, 47), 7.0)}, r"'emb'.*global shape \(64, 47\).*\(64, 48\)"),
         ({"emb": Shard(torch.full((8, 48), 7.0), (60, 0), (64, 48))}, r"'emb'.*out of\s+bounds"),
-        ({"emb": torch.full((64, 48), 7.0).expand(2, 64, 48)[0].as_strided((64, 48), (0, 1))}, r"'emb'.*overlaps"),
+        (
+            {"emb": torch.full((64, 48), 7.0).expand(2, 64, 48)[0].as_strided((64, 48), (0, 1))},
+            r"'emb'.*overlaps",
+        ),
     ]
     for bufs, msg in cases:
         full = {**consumer_buffers(0, 1, names=("qkv", "odd")), **bufs}
@@ -363,9 +384,13 @@ def test_concurrent_ranks_race_try_commit(tmp_path: Path) -> None:
     world = 3
     barrier = CTX.Barrier(world)
     results = CTX.Queue()
-    procs = [CTX.Process(target=W.write_and_commit, args=(str(tmp_path), 7, r, world, ck.DEFAULT_CHECKSUM,
-                                                                barrier, results))
-             for r in range(world)]
+    procs = [
+        CTX.Process(
+            target=W.write_and_commit,
+            args=(str(tmp_path), 7, r, world, ck.DEFAULT_CHECKSUM, barrier, results),
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     got = [results.get(timeout=120) for _ in range(world)]
@@ -391,8 +416,21 @@ def test_sigkill_mid_checkpoint_keeps_previous_step(tmp_path: Path) -> None:
     for root in roots.values():
         save(root, 1, world)
     pipes = {p: CTX.Pipe(duplex=False) for p in POINTS}
-    procs = {p: CTX.Process(target=W.pause_at, args=(str(roots[p]), 2, world, p, 64 if p == "data_started" else 0,
-                                                     ck.DEFAULT_CHECKSUM, pipes[p][1])) for p in POINTS}
+    procs = {
+        p: CTX.Process(
+            target=W.pause_at,
+            args=(
+                str(roots[p]),
+                2,
+                world,
+                p,
+                64 if p == "data_started" else 0,
+                ck.DEFAULT_CHECKSUM,
+                pipes[p][1],
+            ),
+        )
+        for p in POINTS
+    }
     for p in procs.values():
         p.start()
     seen = {}
@@ -436,8 +474,10 @@ def test_sigkill_mid_checkpoint_keeps_previous_step(tmp_path: Path) -> None:
 
 def test_async_checkpointer_snapshots_then_writes(tmp_path: Path) -> None:
     world = 2
-    with ck.AsyncCheckpointer(tmp_path, 0, world, commit=True, fsync=False) as a0, \
-            ck.AsyncCheckpointer(tmp_path, 1, world, commit=True, fsync=False, max_pending=2) as a1:
+    with (
+        ck.AsyncCheckpointer(tmp_path, 0, world, commit=True, fsync=False) as a0,
+        ck.AsyncCheckpointer(tmp_path, 1, world, commit=True, fsync=False, max_pending=2) as a1,
+    ):
         futs = []
         for step in (1, 2, 3):
             live = [W.rank_tensors(step, r, world) for r in range(world)]

@@ -14,7 +14,6 @@ import torch
 
 from astate_store import checkpoint as ckpt
 from astate_store.store import Store
-
 from tests._procs import CTX
 from tests._store_workers import SPECS, local_tensors
 from tests.checkpoint._lifecycle_workers import rank_main
@@ -30,8 +29,10 @@ class Ranks:
     def __init__(self, endpoint: str, ns: str):
         self.out = CTX.Queue()
         self.cmds = [CTX.Queue() for _ in range(WORLD)]
-        self.procs = [CTX.Process(target=rank_main, args=(endpoint, ns, r, WORLD, self.cmds[r], self.out), daemon=True)
-                      for r in range(WORLD)]
+        self.procs = [
+            CTX.Process(target=rank_main, args=(endpoint, ns, r, WORLD, self.cmds[r], self.out), daemon=True)
+            for r in range(WORLD)
+        ]
         for p in self.procs:
             p.start()
         assert sorted(self.out.get(timeout=60)[1] for _ in range(WORLD)) == list(range(WORLD))
@@ -80,7 +81,9 @@ def test_checkpoint_right_after_put_on_every_rank_in_random_order(etcd: Any, tmp
             rng.shuffle(delays)  # which rank puts last (and whose checkpoint waits) changes run to run
             res = {}
             for r in range(WORLD):
-                g.cmds[r].put(("put_ckpt", step, delays[r], uri, {"asynchronous": asynchronous, "timeout": 30}))
+                g.cmds[r].put(
+                    ("put_ckpt", step, delays[r], uri, {"asynchronous": asynchronous, "timeout": 30})
+                )
             for _ in range(WORLD):
                 m = g.out.get(timeout=90)
                 res[m[1]] = m
@@ -110,7 +113,9 @@ def test_step_that_cannot_commit_raises_a_typed_error_naming_missing_ranks(etcd:
         m = g.send([0], "ckpt", 3, uri, {"timeout": 60})[0]
         assert m[3:6] == ("CheckpointNotCommitted", "rank_gone", [2]), m
         # A new session (opened by its first put) fences this one.
-        with Store(ns, endpoint=etcd.endpoint, rank=0, world_size=1, transport="shm", session_id=f"{ns}-new") as s:
+        with Store(
+            ns, endpoint=etcd.endpoint, rank=0, world_size=1, transport="shm", session_id=f"{ns}-new"
+        ) as s:
             s.put(4, local_tensors("mixed", 4, 0, 1))
             m = g.send([1], "ckpt", 3, uri, {"timeout": 60, "asynchronous": True})[1]
             assert m[3:6] == ("CheckpointNotCommitted", "fenced", [2]), m
@@ -129,7 +134,8 @@ def test_store_checkpoint_retention_removes_from_storage_and_catalog(etcd: Any, 
         assert ckpt.list_checkpoints(uri) == [1, 4, 8, 9]
         assert [e.step for e in s.catalog.checkpoints.list()] == [1, 4, 8, 9]
         assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-            f"step-{n:020d}" for n in (1, 4, 8, 9)]
+            f"step-{n:020d}" for n in (1, 4, 8, 9)
+        ]
         _assert_restores(uri, 4)
         # Entries whose checkpoint is gone from storage (removed by hand, lost) are skipped by a
         # restore from the catalog: it takes the newest one still there.

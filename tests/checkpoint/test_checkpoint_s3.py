@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +37,11 @@ def s3() -> Iterator[tuple[str, dict[str, str]]]:
     port = _free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     try:
         yield f"127.0.0.1:{port}", env
     finally:
@@ -44,24 +49,31 @@ def s3() -> Iterator[tuple[str, dict[str, str]]]:
 
 
 def _w(step: int) -> torch.Tensor:
-    return (torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * 1e-3 + step)
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * 1e-3 + step
 
 
 def _write(uri: Any, step: int, rank: int) -> None:
     rows = ROWS // 2
-    part = _w(step)[rank * rows:(rank + 1) * rows]
-    shards = ckpt.local_shards({"w": Shard(part, (rank * rows, 0), (ROWS, COLS)),
-                                "norm": torch.full((64,), float(step))}, rank=rank)
+    part = _w(step)[rank * rows : (rank + 1) * rows]
+    shards = ckpt.local_shards(
+        {"w": Shard(part, (rank * rows, 0), (ROWS, COLS)), "norm": torch.full((64,), float(step))}, rank=rank
+    )
     ckpt.write_part(uri, step, rank, 2, shards)  # both ranks write norm: replicas, a restore reads one
 
 
-def test_write_commit_restore_and_retention_over_s3(s3: tuple[str, dict[str, str]],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_commit_restore_and_retention_over_s3(
+    s3: tuple[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     endpoint, env = s3
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    fs = pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", region="us-east-1",
-                           allow_bucket_creation=True, allow_bucket_deletion=True)
+    fs = pafs.S3FileSystem(
+        endpoint_override=endpoint,
+        scheme="http",
+        region="us-east-1",
+        allow_bucket_creation=True,
+        allow_bucket_deletion=True,
+    )
     fs.create_dir("ckpt")
     # The URI form a user passes to Store.checkpoint (credentials from the environment).
     uri = f"s3://ckpt/run?endpoint_override={endpoint}&scheme=http&region=us-east-1"
@@ -93,7 +105,7 @@ def test_write_commit_restore_and_retention_over_s3(s3: tuple[str, dict[str, str
     for c, h in enumerate(halves):
         norm = torch.zeros(64)
         assert ckpt.restore(uri, {"w": h, "norm": norm}) == 3
-        assert torch.equal(h.tensor, _w(3)[:, c * COLS // 2:(c + 1) * COLS // 2])
+        assert torch.equal(h.tensor, _w(3)[:, c * COLS // 2 : (c + 1) * COLS // 2])
         assert torch.equal(norm, torch.full((64,), 3.0))
     assert ckpt.verify(uri, 2).ok
 

@@ -15,7 +15,6 @@ import torch
 
 from astate_store import checkpoint as ckpt
 from astate_store.errors import CheckpointError, CheckpointInUse, CheckpointNotFound
-
 from tests._checkpoint_workers import SPEC, expected, rank_shards
 from tests._procs import CTX
 from tests._store_workers import SPECS, local_tensors
@@ -23,7 +22,10 @@ from tests.checkpoint._lifecycle_workers import paused_part, paused_restore, res
 
 pytestmark = pytest.mark.timeout(120)
 
-SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "schemas" / "checkpoint_manifest.json").read_text())
+SCHEMA = json.loads(
+    (Path(__file__).resolve().parents[2] / "schemas" / "checkpoint_manifest.json").read_text()
+)
+
 
 def _write(uri: str, step: int) -> None:
     """A complete one-rank checkpoint of the "mixed" model at ``step``."""
@@ -34,13 +36,28 @@ def _write(uri: str, step: int) -> None:
 def test_policy_keeps_last_every_and_the_newest() -> None:
     p = ckpt.RetentionPolicy(keep_last=2, keep_every=100)
     got = ckpt.keep_reasons([50, 100, 150, 200, 250, 300, 350], p)
-    assert got == {50: "every 100", 100: "every 100", 150: "remove", 200: "every 100", 250: "remove",
-                   300: "last 2", 350: "newest"}
+    assert got == {
+        50: "every 100",
+        100: "every 100",
+        150: "remove",
+        200: "every 100",
+        250: "remove",
+        300: "last 2",
+        350: "newest",
+    }
     # unaligned steps: the oldest of each window of 100
     assert ckpt.keep_reasons([7, 57, 107, 157], ckpt.RetentionPolicy(1, 100)) == {
-        7: "every 100", 57: "remove", 107: "every 100", 157: "newest"}
+        7: "every 100",
+        57: "remove",
+        107: "every 100",
+        157: "newest",
+    }
     # steps newer than the checkpoint just completed are someone else's: kept
-    assert ckpt.keep_reasons([1, 2, 3], ckpt.RetentionPolicy(1), upto=2) == {1: "remove", 2: "remove", 3: "newest"}
+    assert ckpt.keep_reasons([1, 2, 3], ckpt.RetentionPolicy(1), upto=2) == {
+        1: "remove",
+        2: "remove",
+        3: "newest",
+    }
     assert ckpt.keep_reasons([1, 2, 3, 4], ckpt.RetentionPolicy(1), upto=2)[3] == "newer"
     for bad in ((0, None), (1, 0), (True, None), ("2", None)):
         with pytest.raises(CheckpointError):
@@ -98,7 +115,9 @@ def test_retention_under_a_concurrent_restore(tmp_path: Path) -> None:
     try:
         assert len(ckpt.live_readers(ckpt.storage.resolve(uri), 1)) == 1
         (lease,) = (tmp_path / "c" / f"step-{1:020d}").glob("reader-*.lease")
-        jsonschema.validate(json.loads(lease.read_text()), {"$defs": SCHEMA["$defs"], "$ref": "#/$defs/reader_lease"})
+        jsonschema.validate(
+            json.loads(lease.read_text()), {"$defs": SCHEMA["$defs"], "$ref": "#/$defs/reader_lease"}
+        )
         assert ckpt.policy_view(uri, ckpt.RetentionPolicy(1)) == {1: "reading", 2: "remove", 3: "newest"}
         res = ckpt.apply_retention(uri, ckpt.RetentionPolicy(1))
         assert res.removed == [2] and list(res.busy) == [1], res
@@ -184,7 +203,11 @@ def test_cli_ls_shows_the_policy_and_rm_follows_its_rules(tmp_path: Path) -> Non
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
     assert [(x["step"], x["retention"], x["readers"]) for x in rows] == [
-        (100, "every 200", 0), (150, "remove", 0), (200, "last 2", 0), (250, "newest", 0)]
+        (100, "every 200", 0),
+        (150, "remove", 0),
+        (200, "last 2", 0),
+        (250, "newest", 0),
+    ]
     r = _astate("checkpoint", "ls", uri, "--keep-last", "1")
     assert r.exit_code == 0 and "remove" in r.stdout and "newest" in r.stdout, r.output
     r = _astate("checkpoint", "rm", uri, "250")

@@ -17,8 +17,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -35,10 +36,10 @@ ASTATE = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "astate
 
 # name -> (global shape, dtype, (offsets, sizes) of rank r of 2); None: the whole tensor on both ranks
 SPEC: dict[str, tuple[tuple[int, ...], torch.dtype, Any]] = {
-    "model.embed.weight": ((64, 48), torch.float32, lambda r: ((32 * r, 0), (32, 48))),      # rows
+    "model.embed.weight": ((64, 48), torch.float32, lambda r: ((32 * r, 0), (32, 48))),  # rows
     "model.layers.0.qkv.weight": ((96, 48), torch.bfloat16, lambda r: ((0, 24 * r), (96, 24))),  # columns
     "model.layers.0.mlp.weight": ((40, 16), torch.float16, lambda r: ((20 * r, 0), (20, 16))),
-    "model.norm.weight": ((48,), torch.float32, None),                                          # replicated
+    "model.norm.weight": ((48,), torch.float32, None),  # replicated
     "model.step": ((), torch.int64, None),
     "model.mask": ((33,), torch.int8, None),
 }
@@ -83,8 +84,10 @@ def _publisher(namespace: str) -> None:
         elif cmd[0] == "ckpt":
             step, uri = int(cmd[1]), cmd[2]
             seen: list[list[tuple[int, int]]] = [[], []]
-            done = [s.checkpoint(step, uri, progress=lambda d, t, r=r: seen[r].append((d, t)))
-                    for r, s in enumerate(stores)]
+            done = [
+                s.checkpoint(step, uri, progress=lambda d, t, r=r: seen[r].append((d, t)))
+                for r, s in enumerate(stores)
+            ]
             print(f"ok ckpt {step} {done[-1]} {json.dumps(seen)}", flush=True)
         elif cmd[0] == "quit":
             break
@@ -96,8 +99,13 @@ class Publisher:
     def __init__(self, namespace: str):
         self.namespace = namespace
         self.ckpt_progress: list[list[list[int]]] = []
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli.test_cli", "publish", namespace], cwd=ROOT,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.cli.test_cli", "publish", namespace],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.expect("ready", 60)
 
     def expect(self, prefix: str, timeout: float) -> str:
@@ -179,8 +187,10 @@ def test_ls_and_inspect_json_match_what_was_put(published: tuple[Publisher, Path
     with Catalog(etcd.endpoint, pub.namespace) as cat:
         cat.client.raw.put(cat.client.key("checkpoints", pad20(99)), b"\x00not msgpack")
         cat.client.raw.put(cat.client.key("readers", pad20(1), "bogus"), b"\xc1")
-    procs = [subprocess.Popen([*ASTATE, *a], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for a in (["ls", "--json"], ["inspect", pub.namespace, "--step", "1", "--json"])]
+    procs = [
+        subprocess.Popen([*ASTATE, *a], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for a in (["ls", "--json"], ["inspect", pub.namespace, "--step", "1", "--json"])
+    ]
     outs = [p.communicate(timeout=90) for p in procs]
     for p, (o, e) in zip(procs, outs):
         assert p.returncode == 0, e
@@ -200,8 +210,12 @@ def test_ls_and_inspect_json_match_what_was_put(published: tuple[Publisher, Path
     want = {}
     for name, (shape, dtype, split) in SPEC.items():
         n = value(name, 0).numel() * value(name, 0).element_size()
-        want[name] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
-                      "shards": 1 if split is None else 2, "bytes": n}
+        want[name] = {
+            "shape": list(shape),
+            "dtype": str(dtype).removeprefix("torch."),
+            "shards": 1 if split is None else 2,
+            "bytes": n,
+        }
     assert info["tensors"] == want
     # Each rank holds its half of the split tensors plus the whole replicated ones.
     rank_bytes = sum(v["bytes"] // v["shards"] if v["shards"] == 2 else v["bytes"] for v in want.values())
@@ -212,8 +226,24 @@ def test_watch_reports_a_commit_and_a_pull(published: tuple[Publisher, Path]) ->
     import astate_store
 
     pub, _ = published
-    w = subprocess.Popen([*ASTATE, "watch", pub.namespace, "--json", "--events", "commit,pulled", "--count", "2",
-                          "--timeout", "60"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    w = subprocess.Popen(
+        [
+            *ASTATE,
+            "watch",
+            pub.namespace,
+            "--json",
+            "--events",
+            "commit,pulled",
+            "--count",
+            "2",
+            "--timeout",
+            "60",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert w.stdout is not None
         ready = json.loads(_readline(w, w.stdout, 60))
@@ -234,7 +264,9 @@ def test_watch_reports_a_commit_and_a_pull(published: tuple[Publisher, Path]) ->
     assert events[0]["world_size"] == 2 and events[1]["who"] == reader
 
 
-def test_checkpoint_ls_and_verify_detect_corruption(published: tuple[Publisher, Path], tmp_path: Path) -> None:
+def test_checkpoint_ls_and_verify_detect_corruption(
+    published: tuple[Publisher, Path], tmp_path: Path
+) -> None:
     _pub, ckpt = published
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
@@ -242,31 +274,56 @@ def test_checkpoint_ls_and_verify_detect_corruption(published: tuple[Publisher, 
     raw = bytearray(data.read_bytes())
     raw[5] ^= 0xFF  # inside the first shard written by rank 0
     data.write_bytes(bytes(raw))
-    procs = [subprocess.Popen([*ASTATE, *a], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for a in (["checkpoint", "ls", str(ckpt), "--json"], ["checkpoint", "verify", str(ckpt), "--json"],
-                       ["checkpoint", "verify", str(bad)])]
+    procs = [
+        subprocess.Popen([*ASTATE, *a], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for a in (
+            ["checkpoint", "ls", str(ckpt), "--json"],
+            ["checkpoint", "verify", str(ckpt), "--json"],
+            ["checkpoint", "verify", str(bad)],
+        )
+    ]
     outs = [p.communicate(timeout=90) for p in procs]
     (ls_out, ls_err), (ok_out, ok_err), (bad_out, bad_err) = outs
     assert procs[0].returncode == 0, ls_err
     listed = json.loads(ls_out)
     total = sum(value(n, 0).numel() * value(n, 0).element_size() for n in SPEC)
-    assert [(c["step"], c["world_size"], c["tensors"], c["bytes"]) for c in listed] == [(2, 2, len(SPEC), total)]
+    assert [(c["step"], c["world_size"], c["tensors"], c["bytes"]) for c in listed] == [
+        (2, 2, len(SPEC), total)
+    ]
     assert procs[1].returncode == 0, ok_err
     report = json.loads(ok_out)
-    assert report["ok"] and report["problems"] == [] and report["bytes"] == total and report["blocks"] >= len(SPEC)
+    assert (
+        report["ok"]
+        and report["problems"] == []
+        and report["bytes"] == total
+        and report["blocks"] >= len(SPEC)
+    )
     assert procs[2].returncode == 1, bad_out + bad_err
     first = sorted(SPEC)[0]  # rank 0's data file starts with the first tensor by name
     assert "CORRUPTED" in bad_out and f"tensor {first!r}" in bad_err and "fails its checksum" in bad_err
 
 
 def test_export_import_round_trip_byte_exact(published: tuple[Publisher, Path], tmp_path: Path) -> None:
-    import astate_store
     from safetensors import safe_open
+
+    import astate_store
 
     pub, _ = published
     out = tmp_path / "hf"
-    r = json.loads(astate("export", pub.namespace, "--step", "2", "--to", str(out), "--max-shard-size", "8KiB",
-                          "--json", "-q").stdout)
+    r = json.loads(
+        astate(
+            "export",
+            pub.namespace,
+            "--step",
+            "2",
+            "--to",
+            str(out),
+            "--max-shard-size",
+            "8KiB",
+            "--json",
+            "-q",
+        ).stdout
+    )
     step = r["step"]
     assert step >= 2
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -287,8 +344,13 @@ def test_export_import_round_trip_byte_exact(published: tuple[Publisher, Path], 
         assert _bytes(loaded[name]) == _bytes(value(name, step)), name
 
     ns2 = "cli-imp-" + uuid.uuid4().hex[:8]
-    imp = subprocess.Popen([*ASTATE, "import", str(out), "--ns", ns2, "--step", "7", "--serve-seconds", "120", "-q"],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    imp = subprocess.Popen(
+        [*ASTATE, "import", str(out), "--ns", ns2, "--step", "7", "--serve-seconds", "120", "-q"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert imp.stdout is not None
         line = _readline(imp, imp.stdout, 90)
@@ -318,7 +380,9 @@ def _check_progress(events: list[Any], total: int) -> None:
     assert all(a[0] <= b[0] for a, b in zip(events, events[1:]))
 
 
-def test_progress_of_checkpoint_restore_export_import(published: tuple[Publisher, Path], tmp_path: Path) -> None:
+def test_progress_of_checkpoint_restore_export_import(
+    published: tuple[Publisher, Path], tmp_path: Path
+) -> None:
     import astate_store
     from astate_store.integrations.hf_format import export_version, load_dir
 
@@ -341,21 +405,30 @@ def test_progress_of_checkpoint_restore_export_import(published: tuple[Publisher
         _check_progress(seen, total)
         assert all(_bytes(bufs[n]) == _bytes(value(n, 2)) for n in SPEC)
         seen = []
-        res = export_version(store, tmp_path / "hf", max_shard_bytes=4096, progress=lambda d, t: seen.append((d, t)))
+        res = export_version(
+            store, tmp_path / "hf", max_shard_bytes=4096, progress=lambda d, t: seen.append((d, t))
+        )
         _check_progress(seen, 2 * total)
         assert res.total_size == total and len(res.files) >= 3
     seen = []
     ck = load_dir(tmp_path / "hf", progress=lambda d, t: seen.append((d, t)))
     _check_progress(seen, total)
-    assert set(ck.tensors) == set(SPEC) and all(_bytes(ck.tensors[n]) == _bytes(value(n, res.step)) for n in SPEC)
+    assert set(ck.tensors) == set(SPEC) and all(
+        _bytes(ck.tensors[n]) == _bytes(value(n, res.step)) for n in SPEC
+    )
     ck.close()
 
 
 def test_doctor_exits_0_and_names_what_it_found_against_astate_etcd_tls() -> None:
     """``astate etcd --tls`` runs an etcd (temporary data dir, fresh certificates) until SIGTERM;
     ``astate doctor`` finds it reachable over verified TLS, and the host's transports."""
-    etcd = subprocess.Popen([*ASTATE, "etcd", "--port", "0", "--tls"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    etcd = subprocess.Popen(
+        [*ASTATE, "etcd", "--port", "0", "--tls"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert etcd.stdout is not None
         lines = [_readline(etcd, etcd.stdout, 90) for _ in range(3)]

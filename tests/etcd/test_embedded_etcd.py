@@ -13,12 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-
-from astate_store.process import exited
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
+
+from astate_store.process import exited
 
 ROOT = Path(__file__).resolve().parents[2]
 GRACE = "1"  # seconds the supervisor waits after the last participant (ASTATE_ETCD_IDLE_GRACE)
@@ -71,7 +72,9 @@ class Host:
     def assert_stopped(self, info: dict[str, Any], timeout: float = 20.0) -> None:
         """The supervisor of ``info`` stops its etcd and itself, and removes the rendezvous file."""
         wait_until(lambda: exited(int(info["pid"])), timeout, f"etcd pid {info['pid']} to stop")
-        wait_until(lambda: exited(int(info["supervisor"])), timeout, f"supervisor {info['supervisor']} to exit")
+        wait_until(
+            lambda: exited(int(info["supervisor"])), timeout, f"supervisor {info['supervisor']} to exit"
+        )
         now = self.info()
         assert now is None or now.get("supervisor") != info["supervisor"], now
         assert not (self.home / f"embedded-etcd-{info['supervisor']}").exists()
@@ -100,7 +103,12 @@ class Host:
             if not exited(pid):
                 os.kill(pid, signal.SIGKILL)
         etcd = info.get("pid")
-        if etcd and not exited(int(etcd)) and "etcd" in _cmdline(int(etcd)) and str(self.home) in _cmdline(int(etcd)):
+        if (
+            etcd
+            and not exited(int(etcd))
+            and "etcd" in _cmdline(int(etcd))
+            and str(self.home) in _cmdline(int(etcd))
+        ):
             os.kill(int(etcd), signal.SIGKILL)
 
 
@@ -113,16 +121,20 @@ def host(tmp_path: Path) -> Iterator[Host]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("starter_rank", [0, 1])
-def test_torchrun_quickstart_survives_the_starter_exiting_first(host: Host, tmp_path: Path,
-                                                                  starter_rank: int) -> None:
+def test_torchrun_quickstart_survives_the_starter_exiting_first(
+    host: Host, tmp_path: Path, starter_rank: int
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
     log = tmp_path / "torchrun.log"
     torchrun = Path(sys.executable).parent / "torchrun"
     with open(log, "wb") as logf:
-        run = host.spawn([str(torchrun), "--standalone", "--nproc-per-node", "2", "tests/_quickstart.py"],
-                         env={"QS_OUT": str(out), "QS_STARTER": str(starter_rank)},
-                         stdout=logf, stderr=subprocess.STDOUT)
+        run = host.spawn(
+            [str(torchrun), "--standalone", "--nproc-per-node", "2", "tests/_quickstart.py"],
+            env={"QS_OUT": str(out), "QS_STARTER": str(starter_rank)},
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+        )
     try:
         rc = run.wait(90)
     except subprocess.TimeoutExpired:
@@ -146,10 +158,12 @@ def test_torchrun_quickstart_survives_the_starter_exiting_first(host: Host, tmp_
     assert not host.rendezvous.exists()
 
 
-_JOIN = ("import os, sys, time\n"
-         "from astate_store.etcd.supervisor import shared_endpoint\n"
-         "print(shared_endpoint(), flush=True)\n"
-         "sys.stdin.read()\n")  # a participant until its stdin closes (or it is killed)
+_JOIN = (
+    "import os, sys, time\n"
+    "from astate_store.etcd.supervisor import shared_endpoint\n"
+    "print(shared_endpoint(), flush=True)\n"
+    "sys.stdin.read()\n"
+)  # a participant until its stdin closes (or it is killed)
 
 
 def _join(host: Host) -> tuple[subprocess.Popen[bytes], str]:
@@ -194,8 +208,11 @@ def test_sigkilled_participants_do_not_keep_etcd_alive_and_a_fresh_one_starts(ho
 def test_explicit_endpoint_wins(host: Host, etcd: Any) -> None:
     from astate_store.etcd.supervisor import shared_endpoint
 
-    p = host.spawn([sys.executable, "-c", "from astate_store.etcd.supervisor import shared_endpoint as s; print(s())"],
-                   env={"ASTATE_ETCD": etcd.endpoint}, stdout=subprocess.PIPE)
+    p = host.spawn(
+        [sys.executable, "-c", "from astate_store.etcd.supervisor import shared_endpoint as s; print(s())"],
+        env={"ASTATE_ETCD": etcd.endpoint},
+        stdout=subprocess.PIPE,
+    )
     assert p.communicate(timeout=30)[0].decode().strip() == etcd.endpoint
     assert not host.rendezvous.exists() and not host.supervisors()
     assert shared_endpoint() == etcd.endpoint  # this process has ASTATE_ETCD from the etcd fixture

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
-from tests.support.etcd_cluster import EtcdCluster
 from tests._procs import CTX
+from tests.support.etcd_cluster import EtcdCluster
 
 SHAPE = (64, 48)
 TIMEOUT = 60.0
@@ -71,8 +72,16 @@ def consumer(endpoint: str, ns: str, member: str, cmds: Any, out: Any) -> None:
             break
         try:
             got = store.get_into({"w": buf}, step=cmd[1], timeout=30)
-            out.put(("got", got, torch.equal(buf, value(got)), store.latest(),
-                     store.catalog.versions.committed_steps(), _member_in_use(store)))
+            out.put(
+                (
+                    "got",
+                    got,
+                    torch.equal(buf, value(got)),
+                    store.latest(),
+                    store.catalog.versions.committed_steps(),
+                    _member_in_use(store),
+                )
+            )
         except AStateError as exc:
             out.put(("error", cmd[1], f"{type(exc).__name__}: {exc}"))
     store.close()
@@ -122,8 +131,9 @@ def workers() -> Iterator[list[Worker]]:
 
 
 @pytest.mark.timeout(120)
-def test_member_killed_mid_run_loses_no_version_and_sync_carries_on(cluster: EtcdCluster,
-                                                                  workers: list[Worker]) -> None:
+def test_member_killed_mid_run_loses_no_version_and_sync_carries_on(
+    cluster: EtcdCluster, workers: list[Worker]
+) -> None:
     ns = "cluster-" + uuid.uuid4().hex[:8]
     assert len(cluster.endpoint.split(",")) == 3
     pub = Worker(publisher, cluster.endpoint, ns)

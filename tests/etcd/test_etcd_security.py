@@ -16,8 +16,9 @@ import re
 import stat
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -25,12 +26,12 @@ import torch
 import astate_store
 from astate_store import Shard, Store
 from astate_store.catalog import Catalog
-from astate_store.catalog.tls_probe import probe_tls as _probe_tls
 from astate_store.catalog.config import EtcdConfig
+from astate_store.catalog.tls_probe import probe_tls as _probe_tls
 from astate_store.errors import CatalogAuthError, CatalogError, UnsafeRendezvousError
 from astate_store.etcd.embedded import EmbeddedEtcd
-from astate_store.etcd.supervisor import _home
 from astate_store.etcd.security import CertPaths, grant_namespace, make_test_certs, namespace_role
+from astate_store.etcd.supervisor import _home
 
 TOKEN_TTL = 2  # seconds an idle auth token stays valid on the test etcd
 BUDGET = 600.0  # retry budget of the catalogs that must fail at once
@@ -77,10 +78,16 @@ def _fails_at_once(config: EtcdConfig, ns: str, match: str) -> str:
     return str(info.value)
 
 
-def test_round_trip_checkpoint_and_recover_over_tls_with_a_namespace_user(secure: Secure, tmp_path: Path) -> None:
+def test_round_trip_checkpoint_and_recover_over_tls_with_a_namespace_user(
+    secure: Secure, tmp_path: Path
+) -> None:
     ns = _ns()
     config = secure.user(ns)
-    assert config.tls and config.endpoint.startswith("127.0.0.1:") and secure.server.endpoint.startswith("https://")
+    assert (
+        config.tls
+        and config.endpoint.startswith("127.0.0.1:")
+        and secure.server.endpoint.startswith("https://")
+    )
     w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
     norm = torch.linspace(0, 1, 32)
     with Store(ns, etcd=config, transport="shm") as pub, Store(ns, etcd=config, transport="shm") as cons:
@@ -95,8 +102,10 @@ def test_round_trip_checkpoint_and_recover_over_tls_with_a_namespace_user(secure
         assert cons.get_into({"w": full}, step=2, timeout=30) == 2 and torch.equal(full, w + 1)
         assert pub.catalog.client.authentications >= 2 and cons.catalog.client.authentications >= 2
     # A restarted trainer, same user: fences the old session and recovers (nothing live: the checkpoint).
-    with Store(ns, etcd=config, transport="shm", session_id="restarted") as pub2, \
-            Store(ns, etcd=config, transport="shm") as cons2:
+    with (
+        Store(ns, etcd=config, transport="shm", session_id="restarted") as pub2,
+        Store(ns, etcd=config, transport="shm") as cons2,
+    ):
         back = {"w": torch.zeros(64, 32), "norm": torch.zeros(32)}
         assert pub2.recover(back, timeout=30) == 1  # restored; older than latest (2), so not republished
         assert torch.equal(back["w"], w) and torch.equal(back["norm"], norm) and pub2.latest() == 2
@@ -131,23 +140,35 @@ def test_an_expired_token_is_replaced_for_requests_watches_and_lease_revokes(sec
         holder.close()
 
 
-@pytest.mark.parametrize("case", ["wrong password", "no credentials", "user of another namespace", "http://",
-                                  "no CA", "another CA"])
+@pytest.mark.parametrize(
+    "case",
+    ["wrong password", "no credentials", "user of another namespace", "http://", "no CA", "another CA"],
+)
 def test_bad_settings_raise_a_typed_error_naming_the_problem_at_once(secure: Secure, case: str) -> None:
     ns = _ns()
     good = secure.user(ns)
     config, match = {
-        "wrong password": (dataclasses.replace(good, password="not-it"),
-                           "refused to authenticate user .*etcd_password"),
-        "no credentials": (good.with_credentials(None, None),
-                           "requires authentication.*no credentials.*ASTATE_ETCD_USER"),
-        "user of another namespace": (secure.user(_ns()),
-                                      f"denied get latest to user .*/astate/{ns}/.*grant_namespace"),
-        "http://": (EtcdConfig.parse("http://" + good.endpoint, user=good.user, password=good.password),
-                    "speaks TLS.*plain text.*use https://.*ASTATE_ETCD_CA"),
+        "wrong password": (
+            dataclasses.replace(good, password="not-it"),
+            "refused to authenticate user .*etcd_password",
+        ),
+        "no credentials": (
+            good.with_credentials(None, None),
+            "requires authentication.*no credentials.*ASTATE_ETCD_USER",
+        ),
+        "user of another namespace": (
+            secure.user(_ns()),
+            f"denied get latest to user .*/astate/{ns}/.*grant_namespace",
+        ),
+        "http://": (
+            EtcdConfig.parse("http://" + good.endpoint, user=good.user, password=good.password),
+            "speaks TLS.*plain text.*use https://.*ASTATE_ETCD_CA",
+        ),
         "no CA": (dataclasses.replace(good, ca=None), "does not trust.*system's CAs.*ASTATE_ETCD_CA"),
-        "another CA": (dataclasses.replace(good, ca=secure.other.ca),
-                       f"does not trust.*{re.escape(secure.other.ca)}"),
+        "another CA": (
+            dataclasses.replace(good, ca=secure.other.ca),
+            f"does not trust.*{re.escape(secure.other.ca)}",
+        ),
     }[case]
     _fails_at_once(config, ns, match)
 
@@ -173,10 +194,16 @@ def test_client_certificates_when_etcd_requires_them(secure: Secure) -> None:
         cat = Catalog(good, "certs", retry_deadline=BUDGET)
         assert cat.versions.latest() is None
         cat.close()
-        _fails_at_once(dataclasses.replace(good, cert=None, key=None), "certs",
-                       "requires a client certificate.*ASTATE_ETCD_CERT")
-        _fails_at_once(dataclasses.replace(good, cert=secure.other.client_cert, key=secure.other.client_key),
-                       "certs", "client certificate signed by a CA it trusts")
+        _fails_at_once(
+            dataclasses.replace(good, cert=None, key=None),
+            "certs",
+            "requires a client certificate.*ASTATE_ETCD_CERT",
+        )
+        _fails_at_once(
+            dataclasses.replace(good, cert=secure.other.client_cert, key=secure.other.client_key),
+            "certs",
+            "client certificate signed by a CA it trusts",
+        )
 
 
 def test_a_read_only_user_pulls_but_cannot_publish(secure: Secure) -> None:
@@ -198,8 +225,9 @@ def test_a_read_only_user_pulls_but_cannot_publish(secure: Secure) -> None:
     assert namespace_role(ns, read_only=True).endswith("-read")
 
 
-def test_the_environment_configures_connect_and_explicit_arguments_win(secure: Secure,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_configures_connect_and_explicit_arguments_win(
+    secure: Secure, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ns = _ns()
     user = secure.user(ns)
     monkeypatch.setenv("ASTATE_ETCD", secure.server.endpoint)
@@ -240,7 +268,9 @@ def test_the_rendezvous_dir_is_created_private(home: Path) -> None:
 def test_a_world_writable_rendezvous_dir_is_refused(home: Path) -> None:
     home.mkdir()
     home.chmod(0o777)
-    with pytest.raises(UnsafeRendezvousError, match=f"{re.escape(str(home))}.*writable by group or others.*chmod 700"):
+    with pytest.raises(
+        UnsafeRendezvousError, match=f"{re.escape(str(home))}.*writable by group or others.*chmod 700"
+    ):
         astate_store.connect("refused")
 
 
@@ -248,7 +278,9 @@ def test_a_world_writable_rendezvous_dir_is_refused(home: Path) -> None:
 def test_a_rendezvous_dir_of_another_user_is_refused(home: Path) -> None:
     home.mkdir(mode=0o700)
     os.chown(home, 65534, 65534)
-    with pytest.raises(UnsafeRendezvousError, match=f"{re.escape(str(home))} is owned by uid 65534.*ASTATE_HOME"):
+    with pytest.raises(
+        UnsafeRendezvousError, match=f"{re.escape(str(home))} is owned by uid 65534.*ASTATE_HOME"
+    ):
         astate_store.connect("refused")
 
 
@@ -271,7 +303,12 @@ def test_config_parsing() -> None:
     assert c.endpoints == ("h1:1", "h2:2") and c.tls and c.url == "https://h1:1,https://h2:2"
     assert not EtcdConfig.parse(["http://h:1"], ca=None).tls and not EtcdConfig.parse("h:1").tls
     assert "secret" not in repr(EtcdConfig.parse("h:1", user="u", password="secret"))
-    for bad, match in [("https://a:1,http://b:2", "mix"), ("ftp://a:1", "scheme"), ("a", "host:port"), ("", "no etcd")]:
+    for bad, match in [
+        ("https://a:1,http://b:2", "mix"),
+        ("ftp://a:1", "scheme"),
+        ("a", "host:port"),
+        ("", "no etcd"),
+    ]:
         with pytest.raises(CatalogError, match=match):
             EtcdConfig.parse(bad)
     with pytest.raises(CatalogError, match="no such file"):

@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+_BENCH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"
+)
 if _BENCH not in sys.path:
     sys.path.insert(0, _BENCH)
 
@@ -26,16 +29,34 @@ import fault_suite  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # One bad record per key family (the suite writes all of them).
-RECORDS = ("epoch_garbage", "session_garbage", "member_own_garbage", "manifest_wrong_content", "layout_garbage",
-           "replica_layout_garbage", "piece_non_numeric_key", "piece_offset_out_of_range", "commit_garbage",
-           "commits_index_garbage_key", "replica_garbage", "latest_garbage", "reader_leaseless",
-           "consumer_pack_wrong_ndim", "retired_garbage", "torn_garbage", "checkpoint_garbage", "version_key_not_utf8",
-           "manifest_key_not_utf8")
+RECORDS = (
+    "epoch_garbage",
+    "session_garbage",
+    "member_own_garbage",
+    "manifest_wrong_content",
+    "layout_garbage",
+    "replica_layout_garbage",
+    "piece_non_numeric_key",
+    "piece_offset_out_of_range",
+    "commit_garbage",
+    "commits_index_garbage_key",
+    "replica_garbage",
+    "latest_garbage",
+    "reader_leaseless",
+    "consumer_pack_wrong_ndim",
+    "retired_garbage",
+    "torn_garbage",
+    "checkpoint_garbage",
+    "version_key_not_utf8",
+    "manifest_key_not_utf8",
+)
 
 
 @pytest.fixture(scope="module")
 def suite(etcd: Any) -> Iterator[fault_suite.Suite]:
-    s = fault_suite.Suite(endpoint=etcd.endpoint, trials=1, soak_steps=50, fuzz_examples=25, churn_steps=4, seed=1234)
+    s = fault_suite.Suite(
+        endpoint=etcd.endpoint, trials=1, soak_steps=50, fuzz_examples=25, churn_steps=4, seed=1234
+    )
     try:
         yield s
     finally:
@@ -49,7 +70,9 @@ def _run(suite: fault_suite.Suite, name: str) -> dict[str, Any]:
 
 
 def assert_sound(entry: dict[str, Any]) -> None:
-    report = json.dumps({k: v for k, v in entry.items() if k in ("details", "crash_examples", "skipped")}, indent=1)
+    report = json.dumps(
+        {k: v for k, v in entry.items() if k in ("details", "crash_examples", "skipped")}, indent=1
+    )
     assert not entry.get("skipped"), report
     assert entry["trials"] > 0, report
     for field in ("wrong_bytes", "hangs", "lost_versions", "crashes", "violations", "harness_errors"):
@@ -89,8 +112,9 @@ def test_hostile_api_input(suite: fault_suite.Suite) -> None:
 
 
 def test_hostile_records(suite: fault_suite.Suite, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fault_suite.W, "HOSTILE_RECORDS",
-                        tuple(r for r in fault_suite.W.HOSTILE_RECORDS if r[0] in RECORDS))
+    monkeypatch.setattr(
+        fault_suite.W, "HOSTILE_RECORDS", tuple(r for r in fault_suite.W.HOSTILE_RECORDS if r[0] in RECORDS)
+    )
     entry = _run(suite, "hostile_records")
     assert entry["inputs"] == len(RECORDS)
     assert_sound(entry)

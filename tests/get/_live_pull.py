@@ -23,8 +23,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -88,9 +89,15 @@ def main() -> int:
     store = astate_store.connect("live")
     rows = ROWS // world
     for step in (1, 2, 3):
-        store.put(step, {"w": Shard(w_value(step)[rank * rows:(rank + 1) * rows].clone(), (rank * rows, 0),
-                                    (ROWS, COLS)),
-                         "norm": norm_value(step)})
+        store.put(
+            step,
+            {
+                "w": Shard(
+                    w_value(step)[rank * rows : (rank + 1) * rows].clone(), (rank * rows, 0), (ROWS, COLS)
+                ),
+                "norm": norm_value(step),
+            },
+        )
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid()}
     if rank == 1:
         wait_for(lambda: (out / "watched").exists(), "rank 0's watcher to pull while rank 1 is alive")

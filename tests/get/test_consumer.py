@@ -109,8 +109,11 @@ def test_a_version_whose_publisher_left_is_a_typed_error_and_no_byte_moves(store
     pub.close()  # its layout went with its lease, and nobody re-serves step 1
     bufs = _bufs()
     # NoLiveSource (a PeerUnreachable) names what no live source holds and who held it
-    with pytest.raises(PeerUnreachable, match=r"ranks \[0\] are gone .* no live publisher, replica or re-serving "
-                                              r"consumer holds .*'w' box"):
+    with pytest.raises(
+        PeerUnreachable,
+        match=r"ranks \[0\] are gone .* no live publisher, replica or re-serving "
+        r"consumer holds .*'w' box",
+    ):
         cons.get_into(bufs, step=1, timeout=30)
     assert all(bool((b == 7).all()) for b in bufs.values())  # nothing was written
     assert cons.stats.pull_errors == 1

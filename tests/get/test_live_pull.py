@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -34,8 +34,12 @@ def test_pull_from_live_ranks_after_one_exited(host: Host, tmp_path: Path) -> No
     log = tmp_path / "torchrun.log"
     torchrun = Path(sys.executable).parent / "torchrun"
     with open(log, "wb") as logf:
-        run = host.spawn([str(torchrun), "--standalone", "--nproc-per-node", "2", "tests/get/_live_pull.py"],
-                         env={"LP_OUT": str(out)}, stdout=logf, stderr=subprocess.STDOUT)
+        run = host.spawn(
+            [str(torchrun), "--standalone", "--nproc-per-node", "2", "tests/get/_live_pull.py"],
+            env={"LP_OUT": str(out)},
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+        )
     try:
         rc = run.wait(120)
     except subprocess.TimeoutExpired:

@@ -3,15 +3,17 @@
 Every expected engine buffer here is built from the HF tensors with torch.cat / chunk following the
 engine's documented convention (vLLM's QKVParallelLinear, MergedColumnParallelLinear, FusedMoE,
 VocabParallelEmbedding; Megatron-core's interleaved linear_qkv), independently of
-``astate_store.integrations.presets``. Then: (a) pure checks that the views alias the buffers, hold the right HF
-boxes and cover every byte once; (b) round trips through a real store (real etcd, shm transport)
+``astate_store.integrations.presets``. Then: (a) pure checks that the views alias the buffers,
+hold the right HF boxes and cover every byte once; (b) round trips through a real store (real etcd, shm
+transport)
 into TP=1 and TP=2 consumers; (c) Megatron interleaved publishers <-> HF / vLLM consumers.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -26,42 +28,102 @@ from astate_store.store import Store
 
 
 def llama_cfg() -> LlamaConfig:  # vocab 100: vLLM pads it to 128, rank 1 of 2 holds 36 real rows
-    return LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        tie_word_embeddings=False,
+    )
 
 
 def qwen2_cfg() -> Qwen2Config:  # one KV head: replicated on both ranks of TP=2; tied embeddings
-    return Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                       num_key_value_heads=1, vocab_size=128, tie_word_embeddings=True)
+    return Qwen2Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=128,
+        tie_word_embeddings=True,
+    )
 
 
 def qwen3_cfg() -> Qwen3Config:  # per-head q_norm / k_norm
-    return Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, vocab_size=128, tie_word_embeddings=False)
+    return Qwen3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        tie_word_embeddings=False,
+    )
 
 
 def qwen3_moe_cfg() -> Qwen3MoeConfig:  # layer 0 dense (mlp_only_layers), layer 1 with 4 experts
-    return Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-                          num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], tie_word_embeddings=False)
+    return Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        tie_word_embeddings=False,
+    )
 
 
 def dsv3_cfg(q_lora: int | None = 32) -> DeepseekV3Config:  # layer 0 dense, layer 1 MoE + shared expert
-    return DeepseekV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=4, vocab_size=128, n_routed_experts=4,
-                            num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=q_lora, kv_lora_rank=16,
-                            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_shared_experts=1, n_group=2,
-                            topk_group=1, tie_word_embeddings=False)
+    return DeepseekV3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        q_lora_rank=q_lora,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        tie_word_embeddings=False,
+    )
 
 
 def megatron_cfg() -> LlamaConfig:  # 4 query groups of 2 heads: 2 groups per rank at TP=2
-    return LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                       num_key_value_heads=4, vocab_size=100, tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=100,
+        tie_word_embeddings=False,
+    )
 
 
 MODELS = {  # the HF model class whose state_dict names the tensors (imported when first used)
-    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "megatron": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "megatron": "LlamaForCausalLM",
 }
 
 
@@ -114,20 +176,27 @@ def kv_slice(t: torch.Tensor, kv_heads: int, r: int, tp: int) -> torch.Tensor:
     return t.chunk(kv_heads)[r // (tp // kv_heads)]
 
 
-def vllm_engine(hf: dict[str, torch.Tensor], cfg: Any, r: int, tp: int, ep: bool = False) -> dict[str, torch.Tensor]:
+def vllm_engine(
+    hf: dict[str, torch.Tensor], cfg: Any, r: int, tp: int, ep: bool = False
+) -> dict[str, torch.Tensor]:
     """The vLLM parameters of rank r of TP=tp, from HF tensors (transformers >= 5 fused expert names)."""
     kvh = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     out: dict[str, torch.Tensor] = {}
     for name, t in hf.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name or \
-                ("kv_a_proj_with_mqa" in name and getattr(cfg, "q_lora_rank", None)):
+        if (
+            ".k_proj." in name
+            or ".v_proj." in name
+            or ".up_proj." in name
+            or ("kv_a_proj_with_mqa" in name and getattr(cfg, "q_lora_rank", None))
+        ):
             continue  # fused with their q / gate / q_a partner below
         if ".q_proj." in name and name.replace(".q_proj.", ".k_proj.") in hf:
             k, v = hf[name.replace(".q_proj.", ".k_proj.")], hf[name.replace(".q_proj.", ".v_proj.")]
             out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat(
-                [t.chunk(tp)[r], kv_slice(k, kvh, r, tp), kv_slice(v, kvh, r, tp)])
+                [t.chunk(tp)[r], kv_slice(k, kvh, r, tp), kv_slice(v, kvh, r, tp)]
+            )
         elif ".gate_proj." in name:
             up = hf[name.replace(".gate_proj.", ".up_proj.")]
             out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([t.chunk(tp)[r], up.chunk(tp)[r]])
@@ -141,7 +210,9 @@ def vllm_engine(hf: dict[str, torch.Tensor], cfg: Any, r: int, tp: int, ep: bool
                 out[base + "w2_weight"] = hf[base + "down_proj"].chunk(tp)[r]
             else:
                 gate, up = t.chunk(2, dim=1)
-                out[base + "w13_weight"] = torch.cat([gate.chunk(tp, dim=1)[r], up.chunk(tp, dim=1)[r]], dim=1)
+                out[base + "w13_weight"] = torch.cat(
+                    [gate.chunk(tp, dim=1)[r], up.chunk(tp, dim=1)[r]], dim=1
+                )
                 out[base + "w2_weight"] = hf[base + "down_proj"].chunk(tp, dim=2)[r]
         elif name.endswith(".experts.down_proj"):
             continue
@@ -161,9 +232,11 @@ def megatron_engine(hf: dict[str, torch.Tensor], cfg: Any, r: int, tp: int) -> d
     group as [q heads of the group | k | v], linear_fc1 = [gate_r | up_r], vocab padded to 128 * tp."""
     g, hd, h = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, cfg.hidden_size
     per = cfg.num_attention_heads // g
-    out = {"embedding.word_embeddings.weight": pad_rows(hf["model.embed_tokens.weight"], 128 * tp).chunk(tp)[r],
-           "output_layer.weight": pad_rows(hf["lm_head.weight"], 128 * tp).chunk(tp)[r],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": pad_rows(hf["model.embed_tokens.weight"], 128 * tp).chunk(tp)[r],
+        "output_layer.weight": pad_rows(hf["lm_head.weight"], 128 * tp).chunk(tp)[r],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
     for i in range(cfg.num_hidden_layers):
         a, m, d = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"decoder.layers.{i}"
         q = hf[f"{a}.q_proj.weight"].reshape(g, per * hd, h)
@@ -172,11 +245,16 @@ def megatron_engine(hf: dict[str, torch.Tensor], cfg: Any, r: int, tp: int) -> d
         out[f"{d}.self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, h).chunk(tp)[r]
         if f"{a}.q_proj.bias" in hf:  # Qwen2: the biases interleaved the same way
             qb, kb, vb = (hf[f"{a}.{x}_proj.bias"].reshape(g, -1) for x in "qkv")
-            out[f"{d}.self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1).chunk(tp)[r]
-        out[f"{d}.self_attention.linear_qkv.layer_norm_weight"] = hf[f"model.layers.{i}.input_layernorm.weight"]
+            out[f"{d}.self_attention.linear_qkv.bias"] = (
+                torch.cat([qb, kb, vb], dim=1).reshape(-1).chunk(tp)[r]
+            )
+        out[f"{d}.self_attention.linear_qkv.layer_norm_weight"] = hf[
+            f"model.layers.{i}.input_layernorm.weight"
+        ]
         out[f"{d}.self_attention.linear_proj.weight"] = hf[f"{a}.o_proj.weight"].chunk(tp, dim=1)[r]
-        out[f"{d}.mlp.linear_fc1.weight"] = torch.cat([hf[f"{m}.gate_proj.weight"].chunk(tp)[r],
-                                                      hf[f"{m}.up_proj.weight"].chunk(tp)[r]])
+        out[f"{d}.mlp.linear_fc1.weight"] = torch.cat(
+            [hf[f"{m}.gate_proj.weight"].chunk(tp)[r], hf[f"{m}.up_proj.weight"].chunk(tp)[r]]
+        )
         out[f"{d}.mlp.linear_fc1.layer_norm_weight"] = hf[f"model.layers.{i}.post_attention_layernorm.weight"]
         out[f"{d}.mlp.linear_fc2.weight"] = hf[f"{m}.down_proj.weight"].chunk(tp, dim=1)[r]
     return {n: t.clone() for n, t in out.items()}
@@ -216,8 +294,12 @@ def padding_rows(name: str, params: dict[str, torch.Tensor], vocab: int, r: int)
     return per - max(0, min(per, vocab - r * per))
 
 
-def check_views(vs: dict[str, Any], params: dict[str, torch.Tensor], hf: dict[str, torch.Tensor],
-                vocab_params: dict[str, int]) -> None:
+def check_views(
+    vs: dict[str, Any],
+    params: dict[str, torch.Tensor],
+    hf: dict[str, torch.Tensor],
+    vocab_params: dict[str, int],
+) -> None:
     """(a): every view aliases an engine parameter (no copy), holds exactly its HF box's values, and
     the views cover every engine element exactly once (vocabulary padding rows: never)."""
     counts = {n: torch.zeros(p.shape, dtype=torch.int32) for n, p in params.items()}
@@ -227,13 +309,15 @@ def check_views(vs: dict[str, Any], params: dict[str, torch.Tensor], hf: dict[st
             p = params[n]
             assert torch.equal(bits(s.tensor), bits(box(hf[name], s))), f"{name} box {s.offsets} -> {n}"
             c = counts[n]
-            c.as_strided(s.tensor.shape, s.tensor.stride(), s.tensor.storage_offset() - p.storage_offset()).add_(1)
+            c.as_strided(
+                s.tensor.shape, s.tensor.stride(), s.tensor.storage_offset() - p.storage_offset()
+            ).add_(1)
     for n, c in counts.items():
         pad = vocab_params.get(n, 0)
         real = c[: c.shape[0] - pad] if pad else c
         assert bool((real == 1).all()), f"{n}: elements covered {sorted(set(real.flatten().tolist()))} times"
         if pad:
-            assert bool((c[c.shape[0] - pad:] == 0).all()), f"{n}: padding rows mapped"
+            assert bool((c[c.shape[0] - pad :] == 0).all()), f"{n}: padding rows mapped"
 
 
 def hf_covered(preset: str, cfg: Any, hf: dict[str, torch.Tensor], tp: int, **kw: Any) -> None:
@@ -265,17 +349,22 @@ CASES = [
 
 
 @pytest.mark.parametrize("preset,make_cfg,tps", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
-def test_views_alias_the_engine_layout_and_cover_it_once(preset: str, make_cfg: Callable[[], Any],
-                                                         tps: tuple[int, ...]) -> None:
+def test_views_alias_the_engine_layout_and_cover_it_once(
+    preset: str, make_cfg: Callable[[], Any], tps: tuple[int, ...]
+) -> None:
     cfg = make_cfg()
     hf = hf_state(preset, cfg)
     for tp in tps:
         for r in range(tp):
             params = vllm_engine(hf, cfg, r, tp)
-            assert engine_shapes(preset, cfg, tp_rank=r, tp_size=tp, hf_experts="fused") == \
-                {n: tuple(t.shape) for n, t in params.items()}
-            pads = {n: padding_rows(n, params, cfg.vocab_size, r)
-                    for n in ("model.embed_tokens.weight", "lm_head.weight") if n in params}
+            assert engine_shapes(preset, cfg, tp_rank=r, tp_size=tp, hf_experts="fused") == {
+                n: tuple(t.shape) for n, t in params.items()
+            }
+            pads = {
+                n: padding_rows(n, params, cfg.vocab_size, r)
+                for n in ("model.embed_tokens.weight", "lm_head.weight")
+                if n in params
+            }
             for mode, source in (("fused", hf), ("per_expert", per_expert(hf))):
                 vs = views(preset, params, cfg, tp_rank=r, tp_size=tp, hf_experts=mode)
                 check_views(vs, params, source, pads)
@@ -283,8 +372,14 @@ def test_views_alias_the_engine_layout_and_cover_it_once(preset: str, make_cfg: 
 
 
 def test_gqa_replicated_kv_heads_follow_the_rank() -> None:
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=128)
+    cfg = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     hf = hf_state("qwen2", cfg)
     for r in range(4):  # TP=4 over 2 KV heads: ranks 0, 1 hold head 0; ranks 2, 3 hold head 1
         params = vllm_engine(hf, cfg, r, 4)
@@ -304,35 +399,59 @@ def test_expert_parallel_places_whole_experts_linearly() -> None:
             vs = views("qwen3_moe", params, cfg, tp_rank=r, tp_size=2, expert_parallel=True, hf_experts=mode)
             check_views(vs, params, source, {})
         assert f"model.layers.1.mlp.experts.{2 * r}.gate_proj.weight" in views(
-            "qwen3_moe", params, cfg, tp_rank=r, tp_size=2, expert_parallel=True)
+            "qwen3_moe", params, cfg, tp_rank=r, tp_size=2, expert_parallel=True
+        )
     # 3 experts over 2 ranks: rank 0 takes experts 0 and 1, rank 1 expert 2
     odd = qwen3_moe_cfg()
     odd.num_experts = 3
     assert engine_shapes("qwen3_moe", odd, tp_rank=0, tp_size=2, expert_parallel=True)[
-        "model.layers.1.mlp.experts.w13_weight"] == (2, 64, 64)
+        "model.layers.1.mlp.experts.w13_weight"
+    ] == (2, 64, 64)
     shapes = engine_shapes("qwen3_moe", odd, tp_rank=1, tp_size=2, expert_parallel=True)
-    vs = views("qwen3_moe", {n: torch.zeros(s) for n, s in shapes.items()}, odd, tp_rank=1, tp_size=2,
-               expert_parallel=True)
-    assert [n for n in vs if ".experts." in n and "gate_proj" in n] == ["model.layers.1.mlp.experts.2.gate_proj.weight"]
+    vs = views(
+        "qwen3_moe",
+        {n: torch.zeros(s) for n, s in shapes.items()},
+        odd,
+        tp_rank=1,
+        tp_size=2,
+        expert_parallel=True,
+    )
+    assert [n for n in vs if ".experts." in n and "gate_proj" in n] == [
+        "model.layers.1.mlp.experts.2.gate_proj.weight"
+    ]
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 def test_megatron_views_alias_the_interleaved_layout(model: str) -> None:
     cfg = megatron_cfg()
     if model == "qwen2":  # q/k/v biases in linear_qkv.bias
-        cfg = Qwen2Config(**{k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                           "num_attention_heads", "num_key_value_heads", "vocab_size",
-                                                           "tie_word_embeddings")})
+        cfg = Qwen2Config(
+            **{
+                k: getattr(cfg, k)
+                for k in (
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "vocab_size",
+                    "tie_word_embeddings",
+                )
+            }
+        )
     hf = hf_state(model, cfg)
     assert ("model.layers.0.self_attn.q_proj.bias" in hf) == (model == "qwen2")
     for tp in (1, 2):
         for r in range(tp):
             params = megatron_engine(hf, cfg, r, tp)
-            assert engine_shapes("megatron", cfg, tp_rank=r, tp_size=tp, params=params) == \
-                {n: tuple(t.shape) for n, t in params.items()}
+            assert engine_shapes("megatron", cfg, tp_rank=r, tp_size=tp, params=params) == {
+                n: tuple(t.shape) for n, t in params.items()
+            }
             vs = views("megatron", params, cfg, tp_rank=r, tp_size=tp)
-            pads = {n: padding_rows(n, params, cfg.vocab_size, r)
-                    for n in ("embedding.word_embeddings.weight", "output_layer.weight")}
+            pads = {
+                n: padding_rows(n, params, cfg.vocab_size, r)
+                for n in ("embedding.word_embeddings.weight", "output_layer.weight")
+            }
             check_views(vs, params, hf, pads)
             q = vs["model.layers.0.self_attn.q_proj.weight"]
             assert isinstance(q, list) and len(q) == 4 // tp  # one box per query group on this rank
@@ -361,10 +480,15 @@ def test_views_of_a_module_skip_autograd_and_keep_the_memory() -> None:
     params["model.embed_tokens.weight"] = hf["model.embed_tokens.weight"].clone()  # 100 rows, unpadded
     params["lm_head.weight"] = hf["lm_head.weight"].clone()
     model = nested_module(params)
-    with pytest.raises(LayoutError, match=r"'model.embed_tokens.weight' has shape \(100, 64\), expected \(128, 64\)"):
+    with pytest.raises(
+        LayoutError, match=r"'model.embed_tokens.weight' has shape \(100, 64\), expected \(128, 64\)"
+    ):
         views("llama", model, cfg)  # vLLM's padding to 64 rows is the default
     vs = views("llama", model, cfg, vocab_padding=1)
-    assert vs["model.embed_tokens.weight"].data_ptr() == model.get_parameter("model.embed_tokens.weight").data_ptr()
+    assert (
+        vs["model.embed_tokens.weight"].data_ptr()
+        == model.get_parameter("model.embed_tokens.weight").data_ptr()
+    )
     check_views(vs, {n: p.detach() for n, p in model.named_parameters()}, hf, {})
     q = vs["model.layers.0.self_attn.q_proj.weight"]
     qkv = model.get_parameter("model.layers.0.self_attn.qkv_proj.weight")
@@ -389,11 +513,17 @@ def test_bad_input_is_a_clear_layout_error() -> None:
         views("llama", missing, cfg, tp_rank=0, tp_size=2)
     wrong = dict(params)
     wrong["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(128, 64)  # the TP=1 shape on a TP=2 rank
-    with pytest.raises(LayoutError, match=r"qkv_proj.weight' has shape \(128, 64\), expected \(64, 64\) on "
-                                          r"tp_rank 0 of 2 \(it holds 'model.layers.0.self_attn.q_proj.weight'\)"):
+    with pytest.raises(
+        LayoutError,
+        match=r"qkv_proj.weight' has shape \(128, 64\), expected \(64, 64\) on "
+        r"tp_rank 0 of 2 \(it holds 'model.layers.0.self_attn.q_proj.weight'\)",
+    ):
         views("llama", wrong, cfg, tp_rank=0, tp_size=2)
-    with pytest.raises(LayoutError, match=r"tp_size=3 does not divide the padded vocabulary \(100 rows padded to a "
-                                          r"multiple of 64\) = 128"):
+    with pytest.raises(
+        LayoutError,
+        match=r"tp_size=3 does not divide the padded vocabulary \(100 rows padded to a "
+        r"multiple of 64\) = 128",
+    ):
         views("llama", params, cfg, tp_rank=0, tp_size=3)
     wide = llama_cfg()
     wide.vocab_size = 192  # 3 ranks of 64 rows: now the heads are what 3 does not divide
@@ -401,19 +531,44 @@ def test_bad_input_is_a_clear_layout_error() -> None:
         engine_shapes("llama", wide, tp_rank=0, tp_size=3)
     with pytest.raises(LayoutError, match=r"0 <= tp_rank < tp_size.*tp_rank=2, tp_size=2"):
         views("llama", params, cfg, tp_rank=2, tp_size=2)
-    odd = LlamaConfig(hidden_size=96, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
-                      num_key_value_heads=3, vocab_size=128)
+    odd = LlamaConfig(
+        hidden_size=96,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        vocab_size=128,
+    )
     with pytest.raises(LayoutError, match=r"tp_size=2 does not divide num_key_value_heads = 3"):
         engine_shapes("llama", odd, tp_size=2)
     odd.num_key_value_heads, odd.vocab_size = 2, 192
-    with pytest.raises(LayoutError, match=r"num_key_value_heads \(2\) neither divides nor is a multiple of tp_size=3"):
+    with pytest.raises(
+        LayoutError, match=r"num_key_value_heads \(2\) neither divides nor is a multiple of tp_size=3"
+    ):
         engine_shapes("llama", odd, tp_size=3)
     with pytest.raises(LayoutError, match=r"Megatron needs whole query groups"):
-        engine_shapes("megatron", LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                              num_attention_heads=4, num_key_value_heads=1), tp_size=2)
+        engine_shapes(
+            "megatron",
+            LlamaConfig(
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+            ),
+            tp_size=2,
+        )
     with pytest.raises(LayoutError, match=r"config has no 'num_experts'"):
-        engine_shapes("qwen3_moe", {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128,
-                                    "intermediate_size": 96, "num_hidden_layers": 1})
+        engine_shapes(
+            "qwen3_moe",
+            {
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "vocab_size": 128,
+                "intermediate_size": 96,
+                "num_hidden_layers": 1,
+            },
+        )
     with pytest.raises(LayoutError, match="hf_experts must be one of"):
         views("qwen3_moe", params, qwen3_moe_cfg(), hf_experts="stacked")
     with pytest.raises(LayoutError, match="vocab_padding must be an int >= 1"):
@@ -454,8 +609,16 @@ def stores(etcd: Any) -> Iterator[Callable[..., Store]]:
         s.close()
 
 
-def fill_and_compare(cons: Store, preset: str, cfg: Any, expected: dict[str, torch.Tensor], r: int, tp: int,
-                     step: int, **kw: Any) -> None:
+def fill_and_compare(
+    cons: Store,
+    preset: str,
+    cfg: Any,
+    expected: dict[str, torch.Tensor],
+    r: int,
+    tp: int,
+    step: int,
+    **kw: Any,
+) -> None:
     """get_into the views of zeroed engine buffers, then compare them bitwise to ``expected``."""
     bufs = {n: torch.zeros_like(t) for n, t in expected.items()}
     ptrs = {n: t.data_ptr() for n, t in bufs.items()}
@@ -475,11 +638,16 @@ ROUND_TRIPS = [  # (preset, config, TP sizes of the consumers, options)
 ]
 
 
-@pytest.mark.parametrize("preset,make_cfg,tps,kw", ROUND_TRIPS,
-                         ids=[f"{c[0]}-{'-'.join(c[3]) or 'tp'}" for c in ROUND_TRIPS])
-def test_hf_publisher_fills_fused_engine_buffers(stores: Callable[..., Store], preset: str,
-                                                 make_cfg: Callable[[], Any], tps: tuple[int, ...],
-                                                 kw: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "preset,make_cfg,tps,kw", ROUND_TRIPS, ids=[f"{c[0]}-{'-'.join(c[3]) or 'tp'}" for c in ROUND_TRIPS]
+)
+def test_hf_publisher_fills_fused_engine_buffers(
+    stores: Callable[..., Store],
+    preset: str,
+    make_cfg: Callable[[], Any],
+    tps: tuple[int, ...],
+    kw: dict[str, Any],
+) -> None:
     cfg = make_cfg()
     hf = hf_state(preset, cfg)
     published = hf if kw.get("hf_experts") == "fused" else per_expert(hf)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 

@@ -51,9 +51,11 @@ def test_fused_rollout_views_land_in_the_fused_parameters() -> None:
     assert set(views) == set(rl_loop.make_model(o, 0).state_dict())
     spans = {n: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for n, t in fused.params.items()}
     layer0 = "model.layers.0."
-    for hf, engine in ((layer0 + "self_attn.k_proj.weight", layer0 + "self_attn.qkv_proj.weight"),
-                       (layer0 + "mlp.up_proj.weight", layer0 + "mlp.gate_up_proj.weight"),
-                       ("lm_head.weight", "lm_head.weight")):
+    for hf, engine in (
+        (layer0 + "self_attn.k_proj.weight", layer0 + "self_attn.qkv_proj.weight"),
+        (layer0 + "mlp.up_proj.weight", layer0 + "mlp.gate_up_proj.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+    ):
         v = views[hf]
         t = v.tensor if isinstance(v, Shard) else v
         lo, hi = spans[engine]
@@ -70,10 +72,12 @@ def test_fused_rollout_views_land_in_the_fused_parameters() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_rl_loop_fsdp2_trainer_feeds_plain_and_fused_rollouts_bitwise(etcd: Any, namespace: str,
-                                                                      capfd: pytest.CaptureFixture[str]) -> None:
-    rc = rl_loop.main(["--etcd", etcd.endpoint, "--namespace", namespace, "--steps", str(STEPS),
-                       "--timeout", "120"])
+def test_rl_loop_fsdp2_trainer_feeds_plain_and_fused_rollouts_bitwise(
+    etcd: Any, namespace: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    rc = rl_loop.main(
+        ["--etcd", etcd.endpoint, "--namespace", namespace, "--steps", str(STEPS), "--timeout", "120"]
+    )
     out = capfd.readouterr().out
     assert rc == 0, out
     lines = [ln for ln in out.splitlines() if ln.strip()]
@@ -84,7 +88,9 @@ def test_rl_loop_fsdp2_trainer_feeds_plain_and_fused_rollouts_bitwise(etcd: Any,
         assert line is not None, out
         assert "WEIGHTS DID NOT MOVE" not in line, line  # each step's pull had new bytes to move
         for label in labels:
-            m = re.search(re.escape(label) + r": sync\s+([0-9.]+) ms, (logits bitwise equal|LOGITS DIFFER)", line)
+            m = re.search(
+                re.escape(label) + r": sync\s+([0-9.]+) ms, (logits bitwise equal|LOGITS DIFFER)", line
+            )
             assert m is not None and m.group(2) == "logits bitwise equal", line
             assert float(m.group(1)) > 0
 
@@ -92,15 +98,45 @@ def test_rl_loop_fsdp2_trainer_feeds_plain_and_fused_rollouts_bitwise(etcd: Any,
 @pytest.mark.timeout(180)
 def test_trainer_under_torchrun_feeds_a_separately_started_rollout(etcd: Any, namespace: str) -> None:
     """The launch docs/rl.md shows: the trainer group under torchrun, a rollout started on its own."""
-    common = ["--etcd", etcd.endpoint, "--namespace", namespace, "--steps", str(STEPS), "--rollouts", "plain",
-              "--timeout", "120"]
+    common = [
+        "--etcd",
+        etcd.endpoint,
+        "--namespace",
+        namespace,
+        "--steps",
+        str(STEPS),
+        "--rollouts",
+        "plain",
+        "--timeout",
+        "120",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    rollout = subprocess.Popen([sys.executable, str(EXAMPLE), "--role", "rollout", "--index", "0", *common],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    rollout = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--role", "rollout", "--index", "0", *common],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
-        trainer = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                  "2", str(EXAMPLE), "--role", "trainer", *common],
-                                 capture_output=True, text=True, env=env, timeout=150)
+        trainer = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(EXAMPLE),
+                "--role",
+                "trainer",
+                *common,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=150,
+        )
         pulled, _ = rollout.communicate(timeout=60)
     finally:
         if rollout.poll() is None:
@@ -109,5 +145,7 @@ def test_trainer_under_torchrun_feeds_a_separately_started_rollout(etcd: Any, na
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
     lines = trainer.stdout.strip().splitlines()
     assert lines[-1].startswith("ok"), trainer.stdout
-    assert sum("rollout0-plain: sync" in ln and "logits bitwise equal" in ln for ln in lines) == STEPS, trainer.stdout
+    assert sum("rollout0-plain: sync" in ln and "logits bitwise equal" in ln for ln in lines) == STEPS, (
+        trainer.stdout
+    )
     assert rollout.returncode == 0 and pulled.strip().splitlines()[-1].startswith("ok"), pulled

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 import astate_store
-
 from tests.integrations import _vllm as V
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]

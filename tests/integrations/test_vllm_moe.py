@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 import astate_store
-
 from tests.integrations import _vllm as V
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from astate_store.model import codec
 from astate_store.catalog.blobs import CHUNK_BYTES, blob_from_kvs, blob_requests
 from astate_store.catalog.records import (
     layout_from_record,
@@ -22,11 +21,13 @@ from astate_store.catalog.records import (
     manifest_record,
 )
 from astate_store.errors import CodecError
+from astate_store.model import codec
 from astate_store.model.layout import Box, ShardRecord
 
 ints = st.integers(min_value=0, max_value=2**62)
 names = st.from_regex(r"[A-Za-z0-9_.\-]{1,12}(/[A-Za-z0-9_.\-]{1,8}){0,2}", fullmatch=True).filter(
-    lambda s: ".." not in s.split("/"))
+    lambda s: ".." not in s.split("/")
+)
 
 
 @st.composite
@@ -35,24 +36,60 @@ def shards(draw: st.DrawFn) -> ShardRecord:
     shape = tuple(draw(st.lists(st.integers(1, 64), min_size=nd, max_size=nd)))
     offs = tuple(draw(st.integers(0, s - 1)) for s in shape)
     sizes = tuple(draw(st.integers(1, s - o)) for s, o in zip(shape, offs))
-    return ShardRecord(draw(names), draw(st.sampled_from(["float32", "bfloat16", "int8", "float8_e4m3fn"])), shape,
-                       Box(offs, sizes), tuple(draw(st.lists(ints, min_size=nd, max_size=nd))), 0,
-                       draw(st.integers(0, 100)), draw(ints))
+    return ShardRecord(
+        draw(names),
+        draw(st.sampled_from(["float32", "bfloat16", "int8", "float8_e4m3fn"])),
+        shape,
+        Box(offs, sizes),
+        tuple(draw(st.lists(ints, min_size=nd, max_size=nd))),
+        0,
+        draw(st.integers(0, 100)),
+        draw(ints),
+    )
 
 
 shard_lists = st.lists(shards(), max_size=5)
 manifests = shard_lists.map(manifest_record)
-layouts = st.builds(lambda e, sh, t: layout_record(e, 0, manifest_record(sh), sh, t), ints, shard_lists,
-                    st.binary(max_size=64))
+layouts = st.builds(
+    lambda e, sh, t: layout_record(e, 0, manifest_record(sh), sh, t),
+    ints,
+    shard_lists,
+    st.binary(max_size=64),
+)
 hexid = st.from_regex(r"[0-9a-f]{24}", fullmatch=True)
-pieces = st.builds(lambda s, e, r, w, l, b, m: {"step": s, "epoch": e, "rank": r, "world_size": w, "layout_id": l,
-                                                "base_offset": b, "manifest_id": m},
-                   ints, ints, ints, st.integers(1, 10**6), st.text(), ints, hexid)
-descs = st.builds(lambda a, h, regs: {"kind": "ucx", "worker_address": a, "host": h, "regions": regs},
-                  st.binary(max_size=200), st.text(max_size=20),
-                  st.lists(st.builds(lambda b, s, k, m: {"base": b, "size": s, "rkey": k, "memory_type": m},
-                                     ints, ints, st.binary(max_size=40), st.sampled_from(["host", "cuda"])),
-                           max_size=4))
+pieces = st.builds(
+    lambda s, e, r, w, l, b, m: {
+        "step": s,
+        "epoch": e,
+        "rank": r,
+        "world_size": w,
+        "layout_id": l,
+        "base_offset": b,
+        "manifest_id": m,
+    },
+    ints,
+    ints,
+    ints,
+    st.integers(1, 10**6),
+    st.text(),
+    ints,
+    hexid,
+)
+descs = st.builds(
+    lambda a, h, regs: {"kind": "ucx", "worker_address": a, "host": h, "regions": regs},
+    st.binary(max_size=200),
+    st.text(max_size=20),
+    st.lists(
+        st.builds(
+            lambda b, s, k, m: {"base": b, "size": s, "rkey": k, "memory_type": m},
+            ints,
+            ints,
+            st.binary(max_size=40),
+            st.sampled_from(["host", "cuda"]),
+        ),
+        max_size=4,
+    ),
+)
 
 
 def _as_json(v: object) -> object:
@@ -71,8 +108,14 @@ def _jsonschema_check(kind: str, data: bytes) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.one_of(layouts.map(lambda r: ("layout", r)), manifests.map(lambda r: ("manifest", r)),
-                 pieces.map(lambda r: ("piece", r)), descs.map(lambda r: ("ucx_descriptor", r))))
+@given(
+    st.one_of(
+        layouts.map(lambda r: ("layout", r)),
+        manifests.map(lambda r: ("manifest", r)),
+        pieces.map(lambda r: ("piece", r)),
+        descs.map(lambda r: ("ucx_descriptor", r)),
+    )
+)
 def test_round_trip_and_schema(kind_rec: tuple[str, dict]) -> None:
     kind, rec = kind_rec
     data = codec.encode(kind, rec)
@@ -89,13 +132,22 @@ def test_truncated_bytes_are_rejected(rec: dict, data: st.DataObject) -> None:
         codec.decode("piece", raw[:cut])
 
 
-commits = st.builds(lambda s, e, w, t: {"step": s, "epoch": e, "world_size": w, "committed_at": t},
-                    ints, ints, st.integers(1, 10**6), st.floats(0, 2e9, allow_nan=False))
+commits = st.builds(
+    lambda s, e, w, t: {"step": s, "epoch": e, "world_size": w, "committed_at": t},
+    ints,
+    ints,
+    st.integers(1, 10**6),
+    st.floats(0, 2e9, allow_nan=False),
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.one_of(commits.map(lambda r: (r, msgpack.packb({"schema": "commit/1", **r}))),
-                 st.binary(max_size=64).map(lambda b: (None, b))))
+@given(
+    st.one_of(
+        commits.map(lambda r: (r, msgpack.packb({"schema": "commit/1", **r}))),
+        st.binary(max_size=64).map(lambda b: (None, b)),
+    )
+)
 def test_garbage_is_refused_and_valid_records_decode(case: tuple[dict | None, bytes]) -> None:
     """Bytes decode exactly when they are a valid commit record: the record comes back whole; any
     other bytes raise ``CodecError`` (never another exception, never a half-filled record)."""
@@ -142,11 +194,14 @@ def test_wrong_kind_missing_and_extra_fields() -> None:
         codec.decode("commit", msgpack.packb([1, 2]))
 
 
-@pytest.mark.parametrize("bad, why", [(7, "expected string"), ("a b", "does not match"), (b"x", "expected string")])
+@pytest.mark.parametrize(
+    "bad, why", [(7, "expected string"), ("a b", "does not match"), (b"x", "expected string")]
+)
 def test_a_bad_item_of_a_long_array_is_named(bad: object, why: str) -> None:
     # 10^4 names are checked in one pass; a bad one is still found and named by its index
-    rec = manifest_record([ShardRecord(f"t{i:05d}", "float32", (2,), Box((0,), (2,)), (1,), 0, 0, 0)
-                           for i in range(10_000)])
+    rec = manifest_record(
+        [ShardRecord(f"t{i:05d}", "float32", (2,), Box((0,), (2,)), (1,), 0, 0, 0) for i in range(10_000)]
+    )
     codec.validate("manifest", {"schema": "manifest/1", **rec})
     rec["names"][4321] = bad
     with pytest.raises(CodecError, match=rf"names\[4321\].*{why}"):
@@ -154,10 +209,20 @@ def test_a_bad_item_of_a_long_array_is_named(bad: object, why: str) -> None:
 
 
 def test_piece_slot_bases_are_optional_and_bounded() -> None:
-    rec = {"step": 1, "epoch": 1, "rank": 0, "world_size": 1, "layout_id": "x", "base_offset": 4096,
-           "manifest_id": "0" * 24}
+    rec = {
+        "step": 1,
+        "epoch": 1,
+        "rank": 0,
+        "world_size": 1,
+        "layout_id": "x",
+        "base_offset": 4096,
+        "manifest_id": "0" * 24,
+    }
     assert "slot_bases" not in codec.decode("piece", codec.encode("piece", rec))
-    assert codec.decode("piece", codec.encode("piece", {**rec, "slot_bases": [0, 4096]}))["slot_bases"] == [0, 4096]
+    assert codec.decode("piece", codec.encode("piece", {**rec, "slot_bases": [0, 4096]}))["slot_bases"] == [
+        0,
+        4096,
+    ]
     with pytest.raises(CodecError, match=r"slot_bases.*at most 64"):
         codec.encode("piece", {**rec, "slot_bases": list(range(65))})
     with pytest.raises(CodecError, match=r"slot_bases\[1\].*minimum"):
@@ -177,18 +242,23 @@ def test_counters() -> None:
 @settings(max_examples=40, deadline=None)
 @given(shard_lists, st.integers(0, 9), st.binary(max_size=32))
 def test_columnar_layouts_give_back_the_shards(shs: list, rank: int, transport: bytes) -> None:
-    recs = [ShardRecord(s.name, s.dtype, s.global_shape, s.box, s.strides, rank, s.region, s.byte_offset)
-            for s in shs]
+    recs = [
+        ShardRecord(s.name, s.dtype, s.global_shape, s.box, s.strides, rank, s.region, s.byte_offset)
+        for s in shs
+    ]
     man = manifest_record(recs)
     lay = layout_record(3, rank, man, recs, transport)
     m = manifest_from_record(codec.decode("manifest", codec.encode("manifest", man)), man["manifest_id"])
-    back = layout_from_record(codec.decode("layout", codec.encode("layout", lay)), m, key_id=lay["layout_id"],
-                              epoch=3, rank=rank)
+    back = layout_from_record(
+        codec.decode("layout", codec.encode("layout", lay)), m, key_id=lay["layout_id"], epoch=3, rank=rank
+    )
     assert len(back.shards) == len(recs) and "built" not in repr(back.shards)  # records built on first use
     assert list(back.shards) == recs and back.transport == transport
     assert back.shards == tuple(recs) and hash(back.shards) == hash(tuple(recs))
     assert pickle.loads(pickle.dumps(back)).shards == tuple(recs)  # pickles as the tuple of its records
-    if back.columns.spans is not None:  # byte ranges near 2**62 (these strides) overflow int64: left to the records
+    if (
+        back.columns.spans is not None
+    ):  # byte ranges near 2**62 (these strides) overflow int64: left to the records
         assert back.columns.spans.tolist() == [[r.region, *r.byte_range(r.box)] for r in recs]
 
 
@@ -202,9 +272,16 @@ def addressed_shards(draw: st.DrawFn) -> ShardRecord:
     shape = tuple(draw(st.lists(st.integers(0, 64), min_size=nd, max_size=nd)))
     offs = tuple(draw(st.integers(0, s)) for s in shape)
     sizes = tuple(draw(st.integers(0, s - o)) for s, o in zip(shape, offs))
-    return ShardRecord(draw(names), draw(st.sampled_from(["float32", "bfloat16", "int8", "float64"])), shape,
-                       Box(offs, sizes), tuple(draw(st.lists(small, min_size=nd, max_size=nd))), 0,
-                       draw(st.integers(0, 100)), draw(small))
+    return ShardRecord(
+        draw(names),
+        draw(st.sampled_from(["float32", "bfloat16", "int8", "float64"])),
+        shape,
+        Box(offs, sizes),
+        tuple(draw(st.lists(small, min_size=nd, max_size=nd))),
+        0,
+        draw(st.integers(0, 100)),
+        draw(small),
+    )
 
 
 @settings(max_examples=60, deadline=None)

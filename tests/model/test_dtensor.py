@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import socket
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,6 @@ import torch
 from astate_store import Shard
 from astate_store.errors import LayoutError
 from astate_store.store import Store
-
 from tests._dtensor_workers import (
     Net,
     TPNet,
@@ -31,7 +31,6 @@ from tests._dtensor_workers import (
     mesh2d_worker,
 )
 from tests._procs import CTX
-
 
 
 def _port() -> int:
@@ -81,8 +80,11 @@ def test_fsdp2_two_ranks_feed_three_ranks_and_a_tied_plain_model(etcd: Any, proc
     procs[0] = cmds
     tport, cport = _port(), _port()
     for r in range(2):
-        procs.append(CTX.Process(target=fsdp_trainer, args=(etcd.endpoint, ns, r, tport, session, out, cmds[r]),
-                                 daemon=True))
+        procs.append(
+            CTX.Process(
+                target=fsdp_trainer, args=(etcd.endpoint, ns, r, tport, session, out, cmds[r]), daemon=True
+            )
+        )
     for r in range(3):
         procs.append(CTX.Process(target=fsdp_consumer, args=(etcd.endpoint, ns, r, cport, out), daemon=True))
     for p in procs[1:]:
@@ -90,7 +92,9 @@ def test_fsdp2_two_ranks_feed_three_ranks_and_a_tied_plain_model(etcd: Any, proc
 
     refused = _collect(out, 2, "refused")
     for r, errs in refused.items():
-        assert errs["partial"] is not None and "'grad'" in errs["partial"] and "Partial" in errs["partial"], errs
+        assert errs["partial"] is not None and "'grad'" in errs["partial"] and "Partial" in errs["partial"], (
+            errs
+        )
         assert errs["non_tensor"] is not None and "'meta.lr'" in errs["non_tensor"], errs
         assert errs["wrapped"] is not None and "'w'" in errs["wrapped"] and "DTensor" in errs["wrapped"], errs
 
@@ -136,8 +140,13 @@ def test_2d_mesh_fsdp_over_tp_and_tp_shard1_to_shard0(etcd: Any, procs: list[Any
     procs[0] = cmds
     port = _port()
     for r in range(4):
-        procs.append(CTX.Process(target=mesh2d_worker, args=(etcd.endpoint, ns, ns_tp, r, port, session, out, cmds[r]),
-                                 daemon=True))
+        procs.append(
+            CTX.Process(
+                target=mesh2d_worker,
+                args=(etcd.endpoint, ns, ns_tp, r, port, session, out, cmds[r]),
+                daemon=True,
+            )
+        )
     for p in procs[1:]:
         p.start()
     res = _collect(out, 4, "mesh2d")
@@ -167,7 +176,11 @@ def test_boxes_of_one_name_ties_nested_and_non_tensors(etcd: Any) -> None:
     fused = torch.arange(60, dtype=torch.float32).reshape(10, 6)
     emb = torch.arange(24, dtype=torch.float32).reshape(4, 6) * 3
     head = emb.clone()  # untied on the publisher, equal values
-    rows = [Shard(fused[0:3], (0, 0), (10, 6)), Shard(fused[3:4], (3, 0), (10, 6)), Shard(fused[4:], (4, 0), (10, 6))]
+    rows = [
+        Shard(fused[0:3], (0, 0), (10, 6)),
+        Shard(fused[3:4], (3, 0), (10, 6)),
+        Shard(fused[4:], (4, 0), (10, 6)),
+    ]
     with Store(ns, endpoint=etcd.endpoint) as pub, Store(ns, endpoint=etcd.endpoint) as con:
         with pytest.raises(LayoutError, match="'bad'.*overlap"):
             pub.put(1, {"bad": [Shard(fused[0:4], (0, 0), (10, 6)), Shard(fused[3:], (3, 0), (10, 6))]})
@@ -175,8 +188,11 @@ def test_boxes_of_one_name_ties_nested_and_non_tensors(etcd: Any) -> None:
             pub.put(1, {"fused": rows, "opt": {"step": 4}})
         for step in (1, 2):
             fused.add_(step)
-            assert pub.put(step, {"fused": rows, "m": {"emb": emb, "head": head}, "opt": {"step": step}},
-                           non_tensors="skip")
+            assert pub.put(
+                step,
+                {"fused": rows, "m": {"emb": emb, "head": head}, "opt": {"step": step}},
+                non_tensors="skip",
+            )
         # columns of the fused tensor as two boxes of one name; a tied consumer of emb/head
         dst = torch.zeros(6, 10).t()  # a strided destination
         tied = torch.zeros(4, 6)
@@ -185,7 +201,9 @@ def test_boxes_of_one_name_ties_nested_and_non_tensors(etcd: Any) -> None:
         _exact(dst, fused, "fused by columns")
         _exact(tied, emb, "tied consumer")
         with pytest.raises(LayoutError, match="'fused'.*overlap"):
-            con.get_into({"fused": [Shard(dst[:5], (0, 0), (10, 6)), Shard(dst[4:], (4, 0), (10, 6))]}, timeout=30)
+            con.get_into(
+                {"fused": [Shard(dst[:5], (0, 0), (10, 6)), Shard(dst[4:], (4, 0), (10, 6))]}, timeout=30
+            )
     # a tied consumer whose first name is not published: filled once through the other name
     ns2 = "dt-" + uuid.uuid4().hex[:10]
     with Store(ns2, endpoint=etcd.endpoint) as pub, Store(ns2, endpoint=etcd.endpoint) as con:
@@ -200,12 +218,16 @@ def test_flattening_matches_dcp_and_box_lists_are_checked() -> None:
     disagree, repeat a box or hold something else are refused naming the tensor."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten
 
-    from astate_store.model.validation import validate_tensors
     from astate_store.model.state_dict import flatten_state_dict
+    from astate_store.model.validation import validate_tensors
 
     t = [torch.zeros(2) for _ in range(5)]
-    nested = {"model": {"a": t[0], "b": {"c": t[1]}}, "opt": {"state": {0: {"exp_avg": t[2]}}, "groups": [
-        {"lr": 0.1, "params": [0]}]}, "lst": [t[3], t[4]], "step": 7}
+    nested = {
+        "model": {"a": t[0], "b": {"c": t[1]}},
+        "opt": {"state": {0: {"exp_avg": t[2]}}, "groups": [{"lr": 0.1, "params": [0]}]},
+        "lst": [t[3], t[4]],
+        "step": 7,
+    }
     ours = flatten_state_dict(nested)
     theirs, _ = dcp_flatten(nested)
     assert list(ours) == list(theirs) and all(ours[k] is theirs[k] for k in ours), (list(ours), list(theirs))
@@ -219,6 +241,11 @@ def test_flattening_matches_dcp_and_box_lists_are_checked() -> None:
         validate_tensors({"w": [Shard(g[:3], (0, 0), (6, 4)), Shard(g[:3], (0, 0), (6, 4))]}, "x")
     with pytest.raises(LayoutError, match="'w'.*Shard"):
         validate_tensors({"w": [Shard(g[:3], (0, 0), (6, 4)), g[3:]]}, "x")
-    es = validate_tensors({"w": [Shard(g[3:], (3, 0), (6, 4)), Shard(g[:3], (0, 0), (6, 4))], "v": g, "u": g}, "x")
-    assert [(e.name, e.box.offsets, e.aliases) for e in es] == [("u", (0, 0), ("v",)), ("w", (0, 0), ()),
-                                                               ("w", (3, 0), ())]
+    es = validate_tensors(
+        {"w": [Shard(g[3:], (3, 0), (6, 4)), Shard(g[:3], (0, 0), (6, 4))], "v": g, "u": g}, "x"
+    )
+    assert [(e.name, e.box.offsets, e.aliases) for e in es] == [
+        ("u", (0, 0), ("v",)),
+        ("w", (0, 0), ()),
+        ("w", (3, 0), ()),
+    ]

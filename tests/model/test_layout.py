@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 
 import pytest
@@ -12,12 +11,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astate_store.errors import LayoutError
-from astate_store.model.layout import Box, Shard, ShardRecord, TensorLayout, contiguous_strides, group_layouts, merge_tensor_layout, validate_name
+from astate_store.model.layout import (
+    Box,
+    Shard,
+    ShardRecord,
+    TensorLayout,
+    contiguous_strides,
+    group_layouts,
+    merge_tensor_layout,
+    validate_name,
+)
 from astate_store.model.validation import local_box, validate_tensors
 
 
-def rec(rank: int, offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...] = (8, 6),
-        dtype: str = "float32") -> ShardRecord:
+def rec(
+    rank: int,
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    shape: tuple[int, ...] = (8, 6),
+    dtype: str = "float32",
+) -> ShardRecord:
     return ShardRecord("layer.w", dtype, shape, Box(offsets, sizes), contiguous_strides(sizes), rank, 0, 0)
 
 
@@ -71,17 +84,26 @@ def test_not_a_tensor() -> None:
 
 
 def test_merge_tiles_with_replicas() -> None:
-    lay = merge_tensor_layout("layer.w", [rec(0, (0, 0), (4, 6)), rec(1, (4, 0), (4, 6)),
-                                          rec(2, (0, 0), (4, 6)), rec(3, (4, 0), (4, 6))])
+    lay = merge_tensor_layout(
+        "layer.w",
+        [rec(0, (0, 0), (4, 6)), rec(1, (4, 0), (4, 6)), rec(2, (0, 0), (4, 6)), rec(3, (4, 0), (4, 6))],
+    )
     assert len(lay.shards) == 4 and lay.global_shape == (8, 6)
 
 
 def test_merge_column_split_and_uneven() -> None:
     # ranks arrive in any order: the layout lists the shards by box offsets
     cols = merge_tensor_layout("layer.w", [rec(1, (0, 1), (8, 5)), rec(0, (0, 0), (8, 1))])
-    assert (cols.name, cols.dtype, cols.global_shape, cols.nbytes) == ("layer.w", "float32", (8, 6), 8 * 6 * 4)
-    assert [(s.rank, s.box.offsets, s.box.sizes) for s in cols.shards] == [(0, (0, 0), (8, 1)),
-                                                                           (1, (0, 1), (8, 5))]
+    assert (cols.name, cols.dtype, cols.global_shape, cols.nbytes) == (
+        "layer.w",
+        "float32",
+        (8, 6),
+        8 * 6 * 4,
+    )
+    assert [(s.rank, s.box.offsets, s.box.sizes) for s in cols.shards] == [
+        (0, (0, 0), (8, 1)),
+        (1, (0, 1), (8, 5)),
+    ]
     uneven = [rec(0, (0, 0), (3, 6)), rec(1, (3, 0), (5, 3)), rec(2, (3, 3), (5, 3))]
     lay = merge_tensor_layout("layer.w", uneven[::-1])
     assert lay.shards == tuple(uneven) and lay.global_shape == (8, 6)
@@ -156,7 +178,9 @@ def tensor_shards(draw):
     kind = draw(st.sampled_from(["whole", "one_dim", "grid", "random"]))
 
     def split(n, allow):
-        cuts = sorted(set(draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=3)))) if allow and n > 1 else []
+        cuts = (
+            sorted(set(draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=3)))) if allow and n > 1 else []
+        )
         pts = [0] + [c for c in cuts if c < n] + [n]
         return list(zip(pts, (b - a for a, b in zip(pts, pts[1:]))))
 
@@ -187,8 +211,10 @@ def tensor_shards(draw):
             recs[i] = [dt, sh, lo[:-1] + (lo[-1] - 1,), sz, r]
         elif what == "dup":
             recs.append([dt, sh, lo, sz, 7])
-    return [ShardRecord("t.w", dt, sh, Box(lo, sz), contiguous_strides(sz), r, i % 2, 8 * i)
-            for i, (dt, sh, lo, sz, r) in enumerate(recs)]
+    return [
+        ShardRecord("t.w", dt, sh, Box(lo, sz), contiguous_strides(sz), r, i % 2, 8 * i)
+        for i, (dt, sh, lo, sz, r) in enumerate(recs)
+    ]
 
 
 @settings(max_examples=300, deadline=None)

@@ -9,13 +9,16 @@ from hypothesis import strategies as st
 
 from astate_store.model.spans import span_runs
 
-ranges = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 22), st.integers(0, 1 << 16)), max_size=200)
+ranges = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 1 << 22), st.integers(0, 1 << 16)), max_size=200
+)
 
 
 @settings(max_examples=200, deadline=None)
 @given(ranges, st.integers(1, 1 << 18), st.integers(1, 8))
-def test_runs_cover_every_range_and_keep_the_widest_gaps(rs: list[tuple[int, int, int]], gap: int,
-                                                          max_runs: int) -> None:
+def test_runs_cover_every_range_and_keep_the_widest_gaps(
+    rs: list[tuple[int, int, int]], gap: int, max_runs: int
+) -> None:
     key = np.array([k for k, _, _ in rs], dtype=np.int64)
     lo = np.array([a for _, a, _ in rs], dtype=np.int64)
     hi = lo + np.array([n for _, _, n in rs], dtype=np.int64)

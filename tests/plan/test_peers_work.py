@@ -23,13 +23,13 @@ def test_planner_reads_rebuild_the_rollout_buffer() -> None:
     for rank, reads in enumerate(work.reads):
         assert len(reads) and (reads[:, 0] + reads[:, 2] <= work.region_bytes[rank]).all()
         for src, off, n in reads:
-            dst[off:off + n] = regions[rank][src:src + n]
-            covered[off:off + n] += 1
+            dst[off : off + n] = regions[rank][src : src + n]
+            covered[off : off + n] += 1
     assert P.verify(work, flat) == []
     views = P.dst_views(work, flat)
     for name, t in views.items():  # every tensor byte written exactly once; padding untouched
         off = work.dst_offsets[name]
-        assert (covered[off:off + t.numel() * 4] == 1).all(), name
+        assert (covered[off : off + t.numel() * 4] == 1).all(), name
     assert int(covered.sum()) == work.nbytes == sum(t.numel() * 4 for t in views.values())
     # row-parallel matrices are split on dim 1: one read per row half, so the plan has many rows
     assert work.n_reads > 2 * len(work.spec)
@@ -43,5 +43,5 @@ def test_a_wrong_offset_is_caught() -> None:
     for rank, reads in enumerate(work.reads):
         for i, (src, off, n) in enumerate(reads):
             shift = 256 if (rank, i) == (1, 3) else 0  # one read from the wrong place
-            dst[off:off + n] = regions[rank][src + shift:src + shift + n]
+            dst[off : off + n] = regions[rank][src + shift : src + shift + n]
     assert len(P.verify(work, flat)) == 1

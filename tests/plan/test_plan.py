@@ -94,8 +94,8 @@ def execute_checked(reads, sources: dict, dests: dict):
         dl = ln // sisz * disz
         assert so >= 0 and so + ln <= len(sources[key])
         assert do >= 0 and do + dl <= len(dests[dreg])
-        rmask[key][so:so + ln] = True
-        wcount[dreg][do:do + dl] += 1
+        rmask[key][so : so + ln] = True
+        wcount[dreg][do : do + dl] += 1
     execute_reads(reads, sources, dests)
     return wcount, rmask
 
@@ -103,8 +103,13 @@ def execute_checked(reads, sources: dict, dests: dict):
 # ----------------------------------------------------------------------------------------------
 # Scenario strategy
 
-DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-      "float8_e4m3fn": torch.float8_e4m3fn, "float64": torch.float64}
+DT = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float64": torch.float64,
+}
 DTYPES = ["float32", "bfloat16", "float16", "int8", "int64", "uint8", "bool", "float8_e4m3fn", "int32"]
 
 
@@ -141,8 +146,16 @@ def scenarios(draw):
         views = draw(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=1))
         cons.append((sub, cuts, views[0]))
     src_view = draw(st.tuples(st.booleans(), st.booleans()))
-    return dict(shape=shape, dtype=dtype, seed=seed, src_cuts=src_cuts, reps=reps, nranks=nranks,
-                cons=cons, src_view=src_view)
+    return dict(
+        shape=shape,
+        dtype=dtype,
+        seed=seed,
+        src_cuts=src_cuts,
+        reps=reps,
+        nranks=nranks,
+        cons=cons,
+        src_view=src_view,
+    )
 
 
 def build(sc):
@@ -154,8 +167,11 @@ def build(sc):
     if sc.get("float_values"):
         vals = torch.from_numpy(rng.standard_normal(size=shape).astype(np.float32)).to(DT[dtype])
         flat = vals.contiguous().reshape(-1).clone()
-        gbytes = (flat.view(torch.uint8).numpy().reshape(shape + (isz,)).copy() if flat.numel()
-                  else np.zeros(shape + (isz,), np.uint8))
+        gbytes = (
+            flat.view(torch.uint8).numpy().reshape(shape + (isz,)).copy()
+            if flat.numel()
+            else np.zeros(shape + (isz,), np.uint8)
+        )
         sc["_values"] = vals
     else:
         gbytes = rng.integers(0, 256, size=shape + (isz,), dtype=np.uint8)
@@ -163,7 +179,6 @@ def build(sc):
     # source records: each (box, replica) on a rank, stored in one region per rank
     per_rank: dict = {}
     recs = []
-    placed = []
     for r in range(sc["reps"]):
         for bi, box in enumerate(boxes):
             rank = (bi + r * 7) % sc["nranks"] + r * sc["nranks"]
@@ -195,15 +210,22 @@ def build(sc):
             drecs.append(ShardRecord("t", dtype, shape, gbox, strides, ci, region, off))
         requests[ci] = tuple(drecs)
         dests[ci] = bufs
-    return dict(gbytes=gbytes, layouts={"t": layout}, sources=sources, requests=requests, dests=dests,
-                isz=isz, recs=recs)
+    return dict(
+        gbytes=gbytes,
+        layouts={"t": layout},
+        sources=sources,
+        requests=requests,
+        dests=dests,
+        isz=isz,
+        recs=recs,
+    )
 
 
 def check_consumer(env, cid, reads, extra_recs=()):
-    isz = env["isz"]
     dests = env["dests"][cid]
     srcs = {k: v.clone() for k, v in env["sources"].items()}
     wcount, rmask = execute_checked(reads, srcs, dests)
+    isz = env["isz"]
     # every destination element byte written exactly once, nothing else written
     for rec in env["requests"][cid]:
         addrs = _addresses(rec.box, rec.strides, rec.byte_offset, isz)
@@ -223,8 +245,9 @@ def check_consumer(env, cid, reads, extra_recs=()):
             inter = srec.box.intersect(rec.box) if srec.box.ndim else srec.box
             if inter is None or inter.numel == 0:
                 continue
-            base = srec.byte_offset + isz * sum((a - b) * s for a, b, s in
-                                                zip(inter.offsets, srec.box.offsets, srec.strides))
+            base = srec.byte_offset + isz * sum(
+                (a - b) * s for a, b, s in zip(inter.offsets, srec.box.offsets, srec.strides)
+            )
             addrs = _addresses(inter, srec.strides, base, isz)
             for b in range(isz):
                 allowed[(srec.rank, srec.region)][(addrs + b).reshape(-1)] = True
@@ -263,7 +286,6 @@ def test_prepack_round_trip(sc):
     items = gp.pack_items()
     packed = []
     sources = env["sources"]
-    isz = env["isz"]
     for rank, its in items.items():
         nbytes = sum(it.nbytes for it in its)
         buf = torch.zeros(nbytes + 8, dtype=torch.uint8)
@@ -275,7 +297,7 @@ def test_prepack_round_trip(sc):
             sbuf = sources[(rank, it.source.region)]
             for r in runs:
                 a, b, n = int(r["src_offset"]), int(r["dst_offset"]), int(r["length"])
-                buf[off + b:off + b + n] = sbuf[a:a + n]
+                buf[off + b : off + b + n] = sbuf[a : a + n]
             packed.append(it.packed(region=99, byte_offset=off))
             off += it.nbytes
         sources[(rank, 99)] = buf
@@ -320,8 +342,19 @@ def test_deterministic(sc):
 
 
 def _contig_shards(name, dtype, shape, boxes, ranks, region=0, offsets=None):
-    return [ShardRecord(name, dtype, shape, b, contiguous_strides(b.sizes), r, region,
-                        0 if offsets is None else offsets[i]) for i, (b, r) in enumerate(zip(boxes, ranks))]
+    return [
+        ShardRecord(
+            name,
+            dtype,
+            shape,
+            b,
+            contiguous_strides(b.sizes),
+            r,
+            region,
+            0 if offsets is None else offsets[i],
+        )
+        for i, (b, r) in enumerate(zip(boxes, ranks))
+    ]
 
 
 def _rows(shape, k, dim=0):
@@ -357,17 +390,34 @@ def test_row_parallel_one_read_per_shard():
 
 
 def test_whole_tensor_one_read_and_zero_d_and_one_d():
-    lay = merge_tensor_layout("w", _contig_shards("w", "float32", (5, 6, 7), [Box((0, 0, 0), (5, 6, 7))], [3]))
+    lay = merge_tensor_layout(
+        "w", _contig_shards("w", "float32", (5, 6, 7), [Box((0, 0, 0), (5, 6, 7))], [3])
+    )
     gp = plan_global({"w": lay}, {0: [_dest("w", "float32", (5, 6, 7), Box((0, 0, 0), (5, 6, 7)), 4, 16)]})
     r = gp.reads(0)
-    assert len(r) == 1 and r["length"][0] == 5 * 6 * 7 * 4 and r["dst_offset"][0] == 16 and r["dst_region"][0] == 4
+    assert (
+        len(r) == 1
+        and r["length"][0] == 5 * 6 * 7 * 4
+        and r["dst_offset"][0] == 16
+        and r["dst_region"][0] == 4
+    )
     s = merge_tensor_layout("s", [ShardRecord("s", "int64", (), Box((), ()), (), 1, 2, 8)])
     r = plan_global({"s": s}, {"c": [ShardRecord("s", "int64", (), Box((), ()), (), 0, 0, 24)]}).reads("c")
-    assert r.tolist() == np.array([(8, 24, 8, 1, 2, 0, 0, 0, DTYPE_CODES.index("int64"),
-                                    DTYPE_CODES.index("int64"), False)], READ_DTYPE).tolist()
-    v = merge_tensor_layout("v", _contig_shards("v", "uint8", (10,), [Box((0,), (3,)), Box((3,), (7,))], [0, 1]))
+    assert (
+        r.tolist()
+        == np.array(
+            [(8, 24, 8, 1, 2, 0, 0, 0, DTYPE_CODES.index("int64"), DTYPE_CODES.index("int64"), False)],
+            READ_DTYPE,
+        ).tolist()
+    )
+    v = merge_tensor_layout(
+        "v", _contig_shards("v", "uint8", (10,), [Box((0,), (3,)), Box((3,), (7,))], [0, 1])
+    )
     r = plan_global({"v": v}, {0: [_dest("v", "uint8", (10,), Box((2,), (6,)))]}).reads(0)
-    assert sorted(r[["src_rank", "src_offset", "length", "dst_offset"]].tolist()) == [(0, 2, 1, 0), (1, 0, 5, 1)]
+    assert sorted(r[["src_rank", "src_offset", "length", "dst_offset"]].tolist()) == [
+        (0, 2, 1, 0),
+        (1, 0, 5, 1),
+    ]
 
 
 def test_column_slice_is_vectorized_runs():
@@ -437,9 +487,15 @@ def test_conversion_flag_and_values():
     shape = (4, 6)
     lay = merge_tensor_layout("w", _contig_shards("w", "float32", shape, _rows(shape, 2), [0, 1]))
     vals = torch.randn(shape)
-    sources = {(0, 0): vals[:2].contiguous().view(-1).view(torch.uint8).clone(),
-               (1, 0): vals[2:].contiguous().view(-1).view(torch.uint8).clone()}
-    for dt, tdt in [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float8_e4m3fn", torch.float8_e4m3fn)]:
+    sources = {
+        (0, 0): vals[:2].contiguous().view(-1).view(torch.uint8).clone(),
+        (1, 0): vals[2:].contiguous().view(-1).view(torch.uint8).clone(),
+    }
+    for dt, tdt in [
+        ("bfloat16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("float8_e4m3fn", torch.float8_e4m3fn),
+    ]:
         d = _dest("w", dt, shape, Box((0, 0), shape))
         gp = plan_global({"w": lay}, {0: [d]})
         r = gp.reads(0)
@@ -451,8 +507,10 @@ def test_conversion_flag_and_values():
         assert torch.equal(out.view(tdt).view(shape).float(), vals.to(tdt).float())
 
 
-@pytest.mark.parametrize("src,dst", [("float32", "int32"), ("int32", "float32"), ("int8", "int32"),
-                                     ("bool", "uint8"), ("uint8", "int8")])
+@pytest.mark.parametrize(
+    "src,dst",
+    [("float32", "int32"), ("int32", "float32"), ("int8", "int32"), ("bool", "uint8"), ("uint8", "int8")],
+)
 def test_forbidden_conversion(src, dst):
     shape = (4,)
     lay = merge_tensor_layout("conv.w", _contig_shards("conv.w", src, shape, [Box((0,), shape)], [0]))
@@ -477,13 +535,20 @@ def test_errors_name_the_tensor():
     # partial layout: only the first half of the rows is published
     from astate_store.model.layout import TensorLayout
 
-    half = TensorLayout("p.w", "float32", (4, 4), tuple(_contig_shards("p.w", "float32", (4, 4), [Box((0, 0), (2, 4))], [0])))
+    half = TensorLayout(
+        "p.w", "float32", (4, 4), tuple(_contig_shards("p.w", "float32", (4, 4), [Box((0, 0), (2, 4))], [0]))
+    )
     with pytest.raises(PlanError, match="p.w.*not covered"):
         plan_global({"p.w": half}, {0: [_dest("p.w", "float32", (4, 4), Box((1, 0), (2, 4)))]})
     # covered part of a partial layout plans fine
-    assert plan_global({"p.w": half}, {0: [_dest("p.w", "float32", (4, 4), Box((0, 0), (2, 4)))]}).read_count(0) == 1
+    assert (
+        plan_global({"p.w": half}, {0: [_dest("p.w", "float32", (4, 4), Box((0, 0), (2, 4)))]}).read_count(0)
+        == 1
+    )
     # layout whose shards disagree on dtype
-    bad = TensorLayout("q.w", "float32", (4,), (ShardRecord("q.w", "float16", (4,), Box((0,), (4,)), (1,), 0, 0, 0),))
+    bad = TensorLayout(
+        "q.w", "float32", (4,), (ShardRecord("q.w", "float16", (4,), Box((0,), (4,)), (1,), 0, 0, 0),)
+    )
     with pytest.raises(PlanError, match="q.w"):
         plan_global({"q.w": bad}, {0: [_dest("q.w", "float32", (4,), Box((0,), (4,)))]})
 
@@ -548,9 +613,14 @@ def test_not_everyone_reads_rank_zero_and_order_staggered():
 def test_topology_prefers_same_host_then_rail():
     shape = (16, 16)
     lay = _replicated("w", shape, [Box((0, 0), shape)], 3)  # ranks 0, 1, 2
-    topo = Fabric(sources={0: Placement("h0", nic="r0"), 1: Placement("h1", nic="r1"), 2: Placement("h2", nic="r0")},
-                  consumers={"a": Placement("h1", nic="r0"), "b": Placement("h9", nic="r0"),
-                             "c": Placement("h9", nic="r5")})
+    topo = Fabric(
+        sources={0: Placement("h0", nic="r0"), 1: Placement("h1", nic="r1"), 2: Placement("h2", nic="r0")},
+        consumers={
+            "a": Placement("h1", nic="r0"),
+            "b": Placement("h9", nic="r0"),
+            "c": Placement("h9", nic="r5"),
+        },
+    )
     req = (_dest("w", "bfloat16", shape, Box((0, 0), shape)),)
     gp = plan_global({"w": lay}, {"a": req, "b": req, "c": req}, topology=topo)
     assert set(gp.reads("a")["src_rank"].tolist()) == {1}  # same host wins over same rail
@@ -573,8 +643,10 @@ def test_cache_hits_and_misses():
     c = pl.plan({"w": lay2}, {k: tuple(v) for k, v in reqs.items()})
     assert c is a and pl.hits == 2
     # a changed layout misses
-    moved = [ShardRecord(s.name, s.dtype, s.global_shape, s.box, s.strides, s.rank, s.region, s.byte_offset + 64)
-             for s in lay.shards]
+    moved = [
+        ShardRecord(s.name, s.dtype, s.global_shape, s.box, s.strides, s.rank, s.region, s.byte_offset + 64)
+        for s in lay.shards
+    ]
     pl.plan({"w": merge_tensor_layout("w", moved)}, reqs)
     assert pl.misses == 2
     # caller-provided version key skips fingerprinting
@@ -598,7 +670,9 @@ def test_merges_runs_across_tensors_in_flat_buffers():
     for i, sh in enumerate(shapes):
         nm = f"p{i}"
         box = Box((0,) * len(sh), sh)
-        layouts[nm] = merge_tensor_layout(nm, [ShardRecord(nm, "float32", sh, box, contiguous_strides(sh), 0, 0, off)])
+        layouts[nm] = merge_tensor_layout(
+            nm, [ShardRecord(nm, "float32", sh, box, contiguous_strides(sh), 0, 0, off)]
+        )
         dreq.append(ShardRecord(nm, "float32", sh, box, contiguous_strides(sh), 0, 5, off + 100))
         off += box.numel * 4
     gp = plan_global(layouts, {0: dreq})
@@ -622,7 +696,9 @@ def test_packed_mapping_form_and_plan_consumer():
     gp = plan_global({"w": lay}, {7: d}, packed={7: [rec]})
     assert np.array_equal(gp.reads(7), cp2.reads)
     # a packed record for a box the consumer no longer needs is ignored
-    gp = plan_global({"w": lay}, {7: (_dest("w", "bfloat16", shape, Box((0, 0), (rows, 16))),)}, packed={7: [rec]})
+    gp = plan_global(
+        {"w": lay}, {7: (_dest("w", "bfloat16", shape, Box((0, 0), (rows, 16))),)}, packed={7: [rec]}
+    )
     assert gp.stale_packed == 1
 
 
@@ -695,7 +771,9 @@ def test_copy_runs_strided_source():
     buf[8:] = vals.t().contiguous().view(-1).view(torch.uint8)
     out = torch.zeros(item.nbytes, dtype=torch.uint8)
     for r in item.copy_runs():
-        out[r["dst_offset"]:r["dst_offset"] + r["length"]] = buf[r["src_offset"]:r["src_offset"] + r["length"]]
+        out[r["dst_offset"] : r["dst_offset"] + r["length"]] = buf[
+            r["src_offset"] : r["src_offset"] + r["length"]
+        ]
     assert torch.equal(out.view(torch.int16).view(4, 2), vals[1:5, 1:3])
 
 
@@ -724,22 +802,42 @@ def test_equal_requests_distinct_objects_share_rotation():
 
 
 @settings(max_examples=60, deadline=None)
-@given(scenarios(), st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
-       st.sampled_from(["float32", "bfloat16", "float16", "float8_e4m3fn", "float64"]))
+@given(
+    scenarios(),
+    st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
+    st.sampled_from(["float32", "bfloat16", "float16", "float8_e4m3fn", "float64"]),
+)
 def test_random_layouts_convert(sc, sdt, ddt):
     sc = dict(sc, dtype=sdt, float_values=True)
     env = build(sc)
     vals = sc["_values"]
-    reqs = {c: tuple(ShardRecord(r.name, ddt, r.global_shape, r.box, r.strides, r.rank, r.region,
-                                 r.byte_offset // itemsize(sdt) * itemsize(ddt)) for r in rs)
-            for c, rs in env["requests"].items()}
+    reqs = {
+        c: tuple(
+            ShardRecord(
+                r.name,
+                ddt,
+                r.global_shape,
+                r.box,
+                r.strides,
+                r.rank,
+                r.region,
+                r.byte_offset // itemsize(sdt) * itemsize(ddt),
+            )
+            for r in rs
+        )
+        for c, rs in env["requests"].items()
+    }
     gp = plan_global(env["layouts"], reqs)
     disz = itemsize(ddt)
     for c, rs in reqs.items():
         reads = gp.reads(c)
         assert (reads["convert"] == (sdt != ddt)).all()
-        dests = {r.region: torch.zeros(len(env["dests"][c][r.region]) // itemsize(sdt) * disz + 8, dtype=torch.uint8)
-                 for r in rs}
+        dests = {
+            r.region: torch.zeros(
+                len(env["dests"][c][r.region]) // itemsize(sdt) * disz + 8, dtype=torch.uint8
+            )
+            for r in rs
+        }
         srcs = {k: v.clone() for k, v in env["sources"].items()}
         execute_reads(reads, srcs, dests)
         for r in rs:
@@ -753,8 +851,12 @@ def test_random_layouts_convert(sc, sdt, ddt):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 6), st.integers(1, 24), st.lists(st.integers(1, 40), min_size=1, max_size=10),
-       st.integers(1, 4))
+@given(
+    st.integers(1, 6),
+    st.integers(1, 24),
+    st.lists(st.integers(1, 40), min_size=1, max_size=10),
+    st.integers(1, 4),
+)
 def test_balance_bound_property(R, C, rows, splits):
     layouts, reqs = {}, {c: [] for c in range(C)}
     largest = 0
@@ -788,11 +890,29 @@ def _ref_sources(layouts):
     def pad(t, fill):
         return (fill,) * (D - len(t)) + tuple(t)
 
-    out = {k: [] for k in ("box_lo", "box_sz", "box_rs", "box_rc", "rec_rank", "rec_region", "rec_off",
-                           "rec_str", "rec_lo", "rec_t", "t_bs", "t_bc", "rec_obj")}
+    out = {
+        k: []
+        for k in (
+            "box_lo",
+            "box_sz",
+            "box_rs",
+            "box_rc",
+            "rec_rank",
+            "rec_region",
+            "rec_off",
+            "rec_str",
+            "rec_lo",
+            "rec_t",
+            "t_bs",
+            "t_bc",
+            "rec_obj",
+        )
+    }
     for ti, n in enumerate(names):
-        recs = sorted((s for s in layouts[n].shards if all(z > 0 for z in s.box.sizes)),
-                      key=lambda s: (s.box.offsets, s.box.sizes, s.rank, s.region, s.byte_offset))
+        recs = sorted(
+            (s for s in layouts[n].shards if all(z > 0 for z in s.box.sizes)),
+            key=lambda s: (s.box.offsets, s.box.sizes, s.rank, s.region, s.byte_offset),
+        )
         out["t_bs"].append(len(out["box_lo"]))
         for j, s in enumerate(recs):
             if j == 0 or recs[j - 1].box != s.box:
@@ -812,8 +932,13 @@ def _ref_sources(layouts):
     out["t_shape"] = [pad(layouts[n].global_shape, 1) for n in names]
     out["t_code"] = [DTYPE_CODES.index(layouts[n].dtype) for n in names]
     out["tensor_salt"] = [zlib.crc32(n.encode()) for n in names]
-    out.update(D=D, names=tuple(names), shapes=[tuple(layouts[n].global_shape) for n in names],
-               dtypes=[layouts[n].dtype for n in names], n_layout_recs=len(out["rec_obj"]))
+    out.update(
+        D=D,
+        names=tuple(names),
+        shapes=[tuple(layouts[n].global_shape) for n in names],
+        dtypes=[layouts[n].dtype for n in names],
+        n_layout_recs=len(out["rec_obj"]),
+    )
     return out
 
 
@@ -835,8 +960,18 @@ def raw_layouts(draw):
                 box = Box(lo, tuple(draw(st.integers(0, n - o)) for o, n in zip(lo, shape)))
                 boxes.append(box)
             strides = tuple(draw(st.lists(st.integers(0, 20), min_size=nd, max_size=nd)))
-            shards.append(ShardRecord(nm, dtype, shape, box, strides, draw(st.integers(0, 3)), draw(st.integers(0, 2)),
-                                      8 * draw(st.integers(0, 3))))
+            shards.append(
+                ShardRecord(
+                    nm,
+                    dtype,
+                    shape,
+                    box,
+                    strides,
+                    draw(st.integers(0, 3)),
+                    draw(st.integers(0, 2)),
+                    8 * draw(st.integers(0, 3)),
+                )
+            )
         layouts[nm] = TensorLayout(nm, dtype, shape, tuple(shards))
     return layouts
 
@@ -848,13 +983,20 @@ def test_sources_match_reference(layouts):
     ref = _ref_sources(layouts)
     for k in ("D", "names", "shapes", "dtypes", "n_layout_recs"):
         assert getattr(src, k) == ref[k], k
-    assert len(src.rec_obj) == len(ref["rec_obj"]) and all(a is b for a, b in zip(src.rec_obj, ref["rec_obj"]))
+    assert len(src.rec_obj) == len(ref["rec_obj"]) and all(
+        a is b for a, b in zip(src.rec_obj, ref["rec_obj"])
+    )
     for k, v in ref.items():
         if k in ("D", "names", "shapes", "dtypes", "n_layout_recs", "rec_obj"):
             continue
         a = getattr(src, k)
-        want = np.array(v, np.int64) if v else np.zeros((0, src.D) if k in ("box_lo", "box_sz", "rec_str", "rec_lo",
-                                                                            "t_shape") else (0,), np.int64)
+        want = (
+            np.array(v, np.int64)
+            if v
+            else np.zeros(
+                (0, src.D) if k in ("box_lo", "box_sz", "rec_str", "rec_lo", "t_shape") else (0,), np.int64
+            )
+        )
         assert a.dtype == np.int64 and a.shape == want.shape and np.array_equal(a, want), k
 
 
@@ -870,19 +1012,35 @@ def test_sources_errors_name_the_first_bad_tensor():
     cases = [
         (lay("a.w", [rec("a.w", box=Box((1, 0), (4, 4)))]), "'a.w': a publisher shard box is out of bounds"),
         (lay("a.w", [rec("a.w", box=Box((-1, 0), (1, 4)))]), "'a.w': a publisher shard box is out of bounds"),
-        (lay("a.w", [rec("a.w", strides=(4,))]), "'a.w': a publisher shard has a box/strides of the wrong ndim"),
-        (lay("a.w", [rec("a.w", box=Box((0,), (4,)))]), "'a.w': a publisher shard has a box/strides of the wrong ndim"),
-        (lay("a.w", [rec("a.w", strides=(-4, 1))]), "'a.w': a publisher shard has negative strides or byte offset"),
+        (
+            lay("a.w", [rec("a.w", strides=(4,))]),
+            "'a.w': a publisher shard has a box/strides of the wrong ndim",
+        ),
+        (
+            lay("a.w", [rec("a.w", box=Box((0,), (4,)))]),
+            "'a.w': a publisher shard has a box/strides of the wrong ndim",
+        ),
+        (
+            lay("a.w", [rec("a.w", strides=(-4, 1))]),
+            "'a.w': a publisher shard has negative strides or byte offset",
+        ),
         (lay("a.w", [rec("a.w", off=-8)]), "'a.w': a publisher shard has negative strides or byte offset"),
         (lay("a.w", [rec("a.w"), rec("a.w", dtype="float16")]), r"'a.w': rank 3 shard \('a.w', float16"),
-        (lay("a.w", [rec("a.w", shape=(4, 5))]), r"'a.w': rank 3 shard \('a.w', float32, \(4, 5\)\) disagrees"),
+        (
+            lay("a.w", [rec("a.w", shape=(4, 5))]),
+            r"'a.w': rank 3 shard \('a.w', float32, \(4, 5\)\) disagrees",
+        ),
         (lay("a.w", [rec("x.w")]), r"'a.w': rank 3 shard \('x.w'"),
         (lay("a.w", [], dtype="complex64"), "'a.w': unknown dtype 'complex64'"),
     ]
     for bad, msg in cases:
         # the first bad tensor in name order is named, whatever the later ones hold
-        layouts = {"b.w": lay("b.w", [rec("b.w", off=-1)], dtype="complex64"), "a.w": bad, "0.w": lay("0.w"),
-                   "c.w": lay("c.w", [rec("c.w", box=Box((9, 9), (1, 1)))])}
+        layouts = {
+            "b.w": lay("b.w", [rec("b.w", off=-1)], dtype="complex64"),
+            "a.w": bad,
+            "0.w": lay("0.w"),
+            "c.w": lay("c.w", [rec("c.w", box=Box((9, 9), (1, 1)))]),
+        }
         with pytest.raises(PlanError, match=msg):
             _Sources(layouts)
     with pytest.raises(PlanError, match="'b.w': layout must be a TensorLayout"):

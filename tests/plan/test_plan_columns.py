@@ -25,13 +25,17 @@ def _columns(recs: list[ShardRecord]) -> ShardColumns:
     """A rank's shards through the records a publisher writes and a consumer decodes."""
     man = manifest_record(recs)
     lay = layout_record(1, recs[0].rank if recs else 0, man, recs, b"")
-    out = layout_from_record(lay, manifest_from_record(man, man["manifest_id"]), key_id=lay["layout_id"]).columns
+    out = layout_from_record(
+        lay, manifest_from_record(man, man["manifest_id"]), key_id=lay["layout_id"]
+    ).columns
     assert out is not None
     return out
 
 
 @st.composite
-def published(draw: st.DrawFn) -> tuple[dict[str, tuple[tuple[int, ...], str]], list[list[ShardRecord]], bool]:
+def published(
+    draw: st.DrawFn,
+) -> tuple[dict[str, tuple[tuple[int, ...], str]], list[list[ShardRecord]], bool]:
     """Tensors (name -> shape, dtype) and each of ``ranks`` ranks' shards: every tensor whole on
     some ranks (replicas) or split along one dim over the ranks, optionally replicated; True when
     all of it is the simple case (row-major ranges: splits along the first dim wider than 1)."""
@@ -49,7 +53,11 @@ def published(draw: st.DrawFn) -> tuple[dict[str, tuple[tuple[int, ...], str]], 
                 shards[r].append((name, Box((0,) * len(shape), shape)))
             continue
         k = draw(st.integers(0, len(shape) - 1))
-        cuts = sorted(set(draw(st.lists(st.integers(1, max(shape[k] - 1, 1)), max_size=2)))) if shape[k] > 1 else []
+        cuts = (
+            sorted(set(draw(st.lists(st.integers(1, max(shape[k] - 1, 1)), max_size=2))))
+            if shape[k] > 1
+            else []
+        )
         pts = [0, *[c for c in cuts if c < shape[k]], shape[k]]
         parts = list(zip(pts, pts[1:]))
         if len(parts) > 1 and any(n > 1 for n in shape[:k]):
@@ -73,19 +81,24 @@ def published(draw: st.DrawFn) -> tuple[dict[str, tuple[tuple[int, ...], str]], 
 
 def _reference(tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
-    return {n: rng.integers(0, 256, size=(int(np.prod(shape)) * ITEM[dt],), dtype=np.uint8).reshape(
-        (*shape, ITEM[dt])) for n, (shape, dt) in tensors.items()}
+    return {
+        n: rng.integers(0, 256, size=(int(np.prod(shape)) * ITEM[dt],), dtype=np.uint8).reshape(
+            (*shape, ITEM[dt])
+        )
+        for n, (shape, dt) in tensors.items()
+    }
 
 
 def _regions(recs: list[list[ShardRecord]], ref: dict[str, np.ndarray]) -> list[np.ndarray]:
     """Each rank's region with its shards' bytes at their offsets (row-major boxes)."""
     out = []
     for mine in recs:
-        mem = np.zeros(1 + max((r.byte_offset + max(r.box.numel, 1) * ITEM[r.dtype] for r in mine), default=0),
-                       np.uint8)
+        mem = np.zeros(
+            1 + max((r.byte_offset + max(r.box.numel, 1) * ITEM[r.dtype] for r in mine), default=0), np.uint8
+        )
         for r in mine:
             piece = ref[r.name][tuple(slice(o, o + z) for o, z in zip(r.box.offsets, r.box.sizes))]
-            mem[r.byte_offset:r.byte_offset + piece.size] = piece.reshape(-1)
+            mem[r.byte_offset : r.byte_offset + piece.size] = piece.reshape(-1)
         out.append(mem)
     return out
 
@@ -96,9 +109,13 @@ def test_simple_layouts_are_read_byte_exact_each_byte_once(case, rotation: int) 
     tensors, recs, simple = case
     ref = _reference(tensors)
     names = sorted(tensors)
-    reads = whole_buffer_reads([_columns(m) for m in recs], names,
-                               np.array([DTYPE_CODES[tensors[n][1]] for n in names]),
-                               [tensors[n][0] for n in names], rotation)
+    reads = whole_buffer_reads(
+        [_columns(m) for m in recs],
+        names,
+        np.array([DTYPE_CODES[tensors[n][1]] for n in names]),
+        [tensors[n][0] for n in names],
+        rotation,
+    )
     if not simple:
         assert reads is None
         return
@@ -108,8 +125,8 @@ def test_simple_layouts_are_read_byte_exact_each_byte_once(case, rotation: int) 
     written = [np.zeros(ref[n].size, np.int64) for n in names]
     for src, region, s_off, b, d_off, length in reads.tolist():
         assert region == 0 and length > 0
-        bufs[b][d_off:d_off + length] = regions[src][s_off:s_off + length]
-        written[b][d_off:d_off + length] += 1
+        bufs[b][d_off : d_off + length] = regions[src][s_off : s_off + length]
+        written[b][d_off : d_off + length] += 1
     for i, n in enumerate(names):
         assert (written[i] == 1).all(), n  # every byte once
         assert bytes(bufs[i]) == bytes(ref[n].reshape(-1)), n
@@ -122,7 +139,9 @@ def test_dp_replicas_share_the_reads() -> None:
     for i in range(6):
         for half in range(2):
             for r in (half, half + 2):
-                recs[r].append(ShardRecord(f"t{i}", "float32", (8,), Box((4 * half,), (4,)), (1,), r, 0, 16 * i))
+                recs[r].append(
+                    ShardRecord(f"t{i}", "float32", (8,), Box((4 * half,), (4,)), (1,), r, 0, 16 * i)
+                )
     cols = [_columns(m) for m in recs]
     names = [f"t{i}" for i in range(6)]
     for rotation in range(3):
@@ -134,8 +153,10 @@ def test_dp_replicas_share_the_reads() -> None:
 def test_replicas_spread_by_rotation_and_sources_interleave() -> None:
     """Four tensors whole on both ranks: rotation 0 reads them from ranks 0, 1, 0, 1, rotation 1
     from 1, 0, 1, 0; the rows alternate between the ranks."""
-    recs = [[ShardRecord(f"t{i}", "float32", (4,), Box((0,), (4,)), (1,), r, 0, 16 * i) for i in range(4)]
-            for r in range(2)]
+    recs = [
+        [ShardRecord(f"t{i}", "float32", (4,), Box((0,), (4,)), (1,), r, 0, 16 * i) for i in range(4)]
+        for r in range(2)
+    ]
     cols = [_columns(m) for m in recs]
     names = [f"t{i}" for i in range(4)]
     args = (names, np.full(4, DTYPE_CODES["float32"]), [(4,)] * 4)
@@ -152,8 +173,10 @@ def test_what_it_leaves_to_the_planner(why: str) -> None:
     """Another dtype (a conversion), another shape, a buffer no source holds, a shard that is not
     dense, a gap in the tiling: None, so the general planner decides and names the problem."""
     shape, dtype, names = (8, 4), "float32", ["w"]
-    recs = [ShardRecord("w", "float32", (8, 4), Box((0, 0), (4, 4)), (4, 1), 0, 0, 0),
-            ShardRecord("w", "float32", (8, 4), Box((4, 0), (4, 4)), (4, 1), 1, 0, 0)]
+    recs = [
+        ShardRecord("w", "float32", (8, 4), Box((0, 0), (4, 4)), (4, 1), 0, 0, 0),
+        ShardRecord("w", "float32", (8, 4), Box((4, 0), (4, 4)), (4, 1), 1, 0, 0),
+    ]
     if why == "dtype":
         dtype = "bfloat16"
     elif why == "shape":

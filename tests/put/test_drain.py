@@ -69,7 +69,9 @@ def test_a_dead_consumer_holds_the_drain_no_longer_than_its_lease(etcd: Any, nam
     procs = [pub]
     try:
         _get(pub_out, "put")
-        dead = CTX.Process(target=consumer, args=(etcd.endpoint, namespace, 1, 2, 3600.0, dead_out), daemon=True)
+        dead = CTX.Process(
+            target=consumer, args=(etcd.endpoint, namespace, 1, 2, 3600.0, dead_out), daemon=True
+        )
         live = CTX.Process(target=consumer, args=(etcd.endpoint, namespace, 1, 2, 0.5, live_out), daemon=True)
         procs += [dead, live]
         dead.start()

@@ -12,23 +12,25 @@ import torch
 
 from astate_store import LayoutError, Shard, TornReadError
 from astate_store.store import Store
-
+from tests._procs import CTX
 from tests._store_workers import mutating_publisher
 from tests.store.test_sync import Group, expected
-from tests._procs import CTX
-
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("retire_timeout", [5.0, 0.0], ids=["publisher-waits", "publisher-never-waits"])
-def test_zero_copy_publisher_mutating_never_yields_torn_versions(etcd: Any, transport: str,
-                                                                 retire_timeout: float) -> None:
+def test_zero_copy_publisher_mutating_never_yields_torn_versions(
+    etcd: Any, transport: str, retire_timeout: float
+) -> None:
     ns = "zc-" + uuid.uuid4().hex[:10]
     numel, ntensors, steps = 1 << 18, 6, 300
     out = CTX.Queue()
-    p = CTX.Process(target=mutating_publisher, daemon=True,
-                    args=(etcd.endpoint, ns, transport, steps, numel, ntensors, retire_timeout, out))
+    p = CTX.Process(
+        target=mutating_publisher,
+        daemon=True,
+        args=(etcd.endpoint, ns, transport, steps, numel, ntensors, retire_timeout, out),
+    )
     p.start()
     try:
         assert out.get(timeout=120)[0] == "ready"
@@ -69,10 +71,10 @@ def mixed_group(etcd: Any) -> Any:
 
 def test_float_conversion_on_pull(etcd: Any, mixed_group: Any) -> None:
     with Store(mixed_group.ns, endpoint=etcd.endpoint, transport="shm") as store:
-        emb = torch.zeros(64, 48, dtype=torch.bfloat16)                          # fp32 -> bf16
+        emb = torch.zeros(64, 48, dtype=torch.bfloat16)  # fp32 -> bf16
         qkv = Shard(torch.zeros(96, 24, dtype=torch.float32), (0, 24), (96, 48))  # bf16 -> fp32, other split
-        experts = torch.zeros(8, 24, 16, dtype=torch.float32)                     # fp16 -> fp32
-        odd = torch.zeros(37, 29, dtype=torch.float16)                            # fp32 -> fp16, uneven source
+        experts = torch.zeros(8, 24, 16, dtype=torch.float32)  # fp16 -> fp32
+        odd = torch.zeros(37, 29, dtype=torch.float16)  # fp32 -> fp16, uneven source
         ptr = emb.data_ptr()
         assert store.get_into({"emb": emb, "qkv": qkv, "experts": experts, "odd": odd}, timeout=30) == 3
         assert emb.data_ptr() == ptr
@@ -86,7 +88,7 @@ def test_publishers_convert_for_consumers_after_one_step(etcd: Any) -> None:
     g = Group(etcd.endpoint, "pconv-" + uuid.uuid4().hex[:10], 2, 2, "shm")
     try:
         with Store(g.ns, endpoint=etcd.endpoint, transport="shm") as store:
-            emb = torch.zeros(64, 48, dtype=torch.bfloat16)                           # fp32 -> bf16
+            emb = torch.zeros(64, 48, dtype=torch.bfloat16)  # fp32 -> bf16
             qkv = Shard(torch.zeros(96, 24, dtype=torch.float32), (0, 24), (96, 48))  # bf16 -> fp32
             local = []
             for step in range(1, 9):
@@ -130,8 +132,10 @@ def test_snapshot_staging_cap(etcd: Any) -> None:
     ns = "cap-" + uuid.uuid4().hex[:10]
     tensors = {"w": torch.arange(4096, dtype=torch.float32)}  # 16 KiB
     # Room for one slot only: every put retires the previous version first, and still syncs.
-    with Store(ns, endpoint=etcd.endpoint, transport="shm", staging_cap_bytes=20000) as one, \
-            Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+    with (
+        Store(ns, endpoint=etcd.endpoint, transport="shm", staging_cap_bytes=20000) as one,
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as cons,
+    ):
         buf = torch.zeros(4096)
         for step in (1, 2, 3):
             tensors["w"].add_(1)
@@ -145,8 +149,10 @@ def test_snapshot_larger_than_the_cap_streams_to_consumers(etcd: Any) -> None:
     ns = "stream-" + uuid.uuid4().hex[:10]
     w = torch.zeros(1 << 16)  # 256 KiB through a 16 KiB cap
     got: list[tuple[int, bool]] = []
-    with Store(ns, endpoint=etcd.endpoint, transport="shm", staging_cap_bytes=16384) as pub, \
-            Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+    with (
+        Store(ns, endpoint=etcd.endpoint, transport="shm", staging_cap_bytes=16384) as pub,
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as cons,
+    ):
         buf = torch.empty(1 << 16)
 
         def pull() -> None:
@@ -172,8 +178,10 @@ def test_snapshot_larger_than_the_cap_streams_to_consumers(etcd: Any) -> None:
 def test_mixing_snapshot_and_zero_copy_puts(etcd: Any) -> None:
     ns = "mix-" + uuid.uuid4().hex[:10]
     live = torch.zeros(4096)
-    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
-            Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+    with (
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as pub,
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as cons,
+    ):
         buf = torch.empty(4096)
         for step, copy in enumerate([False, True, False, True, False], start=1):
             pub.retire()
@@ -184,6 +192,7 @@ def test_mixing_snapshot_and_zero_copy_puts(etcd: Any) -> None:
 
 
 # ---- least exposure and registration hygiene ---------------------------------------------------
+
 
 def _data_regions(store: Store) -> list[Any]:
     from astate_store.transport import PeerDescriptor
@@ -196,10 +205,16 @@ def test_in_place_registers_only_the_published_spans(etcd: Any) -> None:
 
     ns = "span-" + uuid.uuid4().hex[:10]
     big = torch.arange(1 << 20, dtype=torch.float32)  # one 4 MiB storage
-    views = {"head": big[:1000], "tail": big[-1000:],  # far apart: a small registration each
-             "mid": big[300_000:301_000], "mid2": big[300_500:302_000]}  # overlapping: one registration
-    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
-            Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+    views = {
+        "head": big[:1000],
+        "tail": big[-1000:],  # far apart: a small registration each
+        "mid": big[300_000:301_000],
+        "mid2": big[300_500:302_000],
+    }  # overlapping: one registration
+    with (
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as pub,
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as cons,
+    ):
         pub.put(1, views, copy=False)
         assert pub.stats.registrations == 3
         regions = _data_regions(pub)
@@ -215,8 +230,10 @@ def test_in_place_registers_only_the_published_spans(etcd: Any) -> None:
 def test_registrations_released_when_no_version_publishes_them(etcd: Any) -> None:
     ns = "reg-" + uuid.uuid4().hex[:10]
     a, b = torch.full((4096,), 1.0), torch.full((8192,), 2.0)
-    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
-            Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
+    with (
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as pub,
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as cons,
+    ):
         buf_a, buf_b = torch.empty(4096), torch.empty(8192)
         pub.put(1, {"a": a}, copy=False)
         assert cons.get_into({"a": buf_a}, step=1, timeout=30) == 1 and torch.equal(buf_a, a)
@@ -248,8 +265,10 @@ def test_registrations_released_when_no_version_publishes_them(etcd: Any) -> Non
 def test_unserve_releases_the_served_buffers(etcd: Any) -> None:
     ns = "unserve-" + uuid.uuid4().hex[:10]
     w = torch.arange(4096, dtype=torch.float32)
-    with Store(ns, endpoint=etcd.endpoint, transport="shm") as pub, \
-            Store(ns, endpoint=etcd.endpoint, transport="shm") as relay:
+    with (
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as pub,
+        Store(ns, endpoint=etcd.endpoint, transport="shm") as relay,
+    ):
         pub.put(1, {"w": w})
         buf = torch.empty(4096)
         assert relay.get_into({"w": buf}, timeout=30) == 1

@@ -15,19 +15,19 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-
-from tests.support.data import value
 
 from astate_store import LayoutError, PeerUnreachable, ReplicationTimeout, Shard, VersionNotFound, WaitTimeout
 from astate_store.get.kv import KeyInfo
 from astate_store.servers.replica import ReplicaServer, parse_bytes
 from astate_store.store import Store, connect
 from tests._procs import CTX
+from tests.support.data import value
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,8 +50,10 @@ def _tensors(i: int, step: int) -> dict[str, torch.Tensor]:
 
 def writer_main(endpoint: str, names: list[str], uri: str, out: Any) -> None:
     """A trainer process holding several namespaces; each put waits until 2 servers hold it."""
-    stores = [connect(ns, etcd=endpoint, transport="shm", lease_ttl=2.0, replicas=2, replica_timeout=60.0)
-              for ns in names]
+    stores = [
+        connect(ns, etcd=endpoint, transport="shm", lease_ttl=2.0, replicas=2, replica_timeout=60.0)
+        for ns in names
+    ]
     try:
         for step in (1, 2):
             for i, st in enumerate(stores):
@@ -66,9 +68,24 @@ def writer_main(endpoint: str, names: list[str], uri: str, out: Any) -> None:
 def _server(endpoint: str, prefix: str, log: Path, *, cli: bool) -> subprocess.Popen[bytes]:
     """A replica server process: ``astate serve`` (the CLI), or the module's own ``main``."""
     entry = ["-m", "astate_store.cli", "-v", "serve"] if cli else ["-m", "astate_store.servers.replica", "-v"]
-    return subprocess.Popen([sys.executable, *entry, "--etcd", endpoint, "--namespace-prefix", prefix,
-                             "--memory-bytes", "64MiB", "--transport", "shm", "--lease-ttl", "2"],
-                            stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    return subprocess.Popen(
+        [
+            sys.executable,
+            *entry,
+            "--etcd",
+            endpoint,
+            "--namespace-prefix",
+            prefix,
+            "--memory-bytes",
+            "64MiB",
+            "--transport",
+            "shm",
+            "--lease-ttl",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("wb"),
+    )
 
 
 def _kill(p: Any) -> None:
@@ -89,7 +106,9 @@ def test_namespaces_outlive_their_writer_on_servers_then_the_checkpoint(etcd: An
     names = [f"{prefix}-{i}" for i in range(3)]
     servers = [_server(etcd.endpoint, prefix, tmp_path / f"server{k}.log", cli=k == 0) for k in range(2)]
     out = CTX.Queue()
-    writer = CTX.Process(target=writer_main, args=(etcd.endpoint, names, str(tmp_path / "ckpt"), out), daemon=True)
+    writer = CTX.Process(
+        target=writer_main, args=(etcd.endpoint, names, str(tmp_path / "ckpt"), out), daemon=True
+    )
     writer.start()
     try:
         msg = out.get(timeout=90)
@@ -99,8 +118,10 @@ def test_namespaces_outlive_their_writer_on_servers_then_the_checkpoint(etcd: An
         # The writer is gone: every namespace is read back, whole, from the servers.
         for i, ns in enumerate(names):
             with connect(ns, etcd=etcd.endpoint, transport="shm") as st:
-                assert st.keys() == {n: KeyInfo(_shape(n, i), str(_SPECS[n][1]).removeprefix("torch."),
-                                                _value(n, i, 2).nbytes) for n in _SPECS}
+                assert st.keys() == {
+                    n: KeyInfo(_shape(n, i), str(_SPECS[n][1]).removeprefix("torch."), _value(n, i, 2).nbytes)
+                    for n in _SPECS
+                }
                 step, got = st.get(timeout=30)
                 assert step == 2
                 _assert_namespace(got, i, 2)
@@ -110,7 +131,9 @@ def test_namespaces_outlive_their_writer_on_servers_then_the_checkpoint(etcd: An
             with connect(ns, etcd=etcd.endpoint, transport="shm") as st:
                 step, got = st.get(["w", "pos"], timeout=30)
                 assert step == 2 and sorted(got) == ["pos", "w"]
-                assert torch.equal(got["w"], _value("w", i, 2)) and torch.equal(got["pos"], _value("pos", i, 2))
+                assert torch.equal(got["w"], _value("w", i, 2)) and torch.equal(
+                    got["pos"], _value("pos", i, 2)
+                )
         # A restarted trainer recovers namespace 0 from the surviving server and republishes it.
         with connect(names[0], etcd=etcd.endpoint, transport="shm", lease_ttl=2.0) as trainer:
             bufs = {n: torch.zeros(_shape(n, 0), dtype=_SPECS[n][1]) for n in _SPECS}
@@ -181,11 +204,13 @@ def test_get_and_keys_round_trip(pair: tuple[Store, Store]) -> None:
 
 def test_get_assembles_shards_of_several_ranks(etcd: Any, namespace: str) -> None:
     full = torch.arange(48, dtype=torch.float32).reshape(8, 6)
-    ranks = [Store(namespace, endpoint=etcd.endpoint, transport="shm", rank=k, world_size=2, session_id=namespace)
-             for k in range(2)]
+    ranks = [
+        Store(namespace, endpoint=etcd.endpoint, transport="shm", rank=k, world_size=2, session_id=namespace)
+        for k in range(2)
+    ]
     try:
         for k, st in enumerate(ranks):
-            st.put(3, {"m": Shard(full[:, 3 * k:3 * k + 3].clone(), (0, 3 * k), (8, 6))})
+            st.put(3, {"m": Shard(full[:, 3 * k : 3 * k + 3].clone(), (0, 3 * k), (8, 6))})
         with Store(namespace, endpoint=etcd.endpoint, transport="shm") as r:
             assert r.keys()["m"] == KeyInfo((8, 6), "float32", 192)
             step, got = r.get(timeout=10)
@@ -235,8 +260,10 @@ def test_server_budget_keeps_the_most_recently_committed(etcd: Any) -> None:
     one = torch.ones(64 << 10, dtype=torch.uint8)  # 64 KiB per namespace
     server = ReplicaServer(etcd.endpoint, prefix, parse_bytes("160KiB"), transport="shm", lease_ttl=2.0)
     th = threading.Thread(target=server.run)
-    writers = [Store(ns, endpoint=etcd.endpoint, transport="shm", session_id=ns, replicas=1, replica_timeout=30)
-               for ns in names]
+    writers = [
+        Store(ns, endpoint=etcd.endpoint, transport="shm", session_id=ns, replicas=1, replica_timeout=30)
+        for ns in names
+    ]
     th.start()
     try:
         for i, st in enumerate(writers):

@@ -3,24 +3,24 @@ back per rank, checkpoints keep it, and a bad meta record is contained."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from astate_store import CatalogCorrupted, LayoutError, VersionNotFound
-from astate_store.model import codec
 from astate_store.catalog.records import pad20
-from astate_store.store import Store
+from astate_store.model import codec
 from astate_store.model.usermeta import MAX_META_BYTES, rng_state, set_rng_state
-
+from astate_store.store import Store
 from tests._meta_workers import publisher, rank_meta, rank_tensors
 from tests._procs import CTX
 
 
-
 def _publish(etcd, ns: str, uri: str, steps: int = 2) -> None:
     out = CTX.Queue()
-    procs = [CTX.Process(target=publisher, args=(etcd.endpoint, ns, r, steps, uri, out), daemon=True) for r in (0, 1)]
+    procs = [
+        CTX.Process(target=publisher, args=(etcd.endpoint, ns, r, steps, uri, out), daemon=True)
+        for r in (0, 1)
+    ]
     for p in procs:
         p.start()
     got = sorted(out.get(timeout=120)[1] for _ in procs)
@@ -55,9 +55,14 @@ def test_meta_commits_per_rank_and_checkpoints_keep_it(etcd, namespace, tmp_path
 def test_bad_meta_is_refused_before_anything_is_published(etcd, namespace):
     with Store(namespace, endpoint=etcd.endpoint, transport="shm") as store:
         t = {"x": torch.ones(4)}
-        bad = [([1, 2], "must be a dict"), ({1: "a"}, "is not a string"), ({"t": torch.ones(1)}, "Tensor"),
-               ({"f": float("nan")}, "finite"), ({"big": b"x" * (MAX_META_BYTES + 1)}, "byte limit"),
-               ({"n": 2 ** 70}, "64 bits")]
+        bad = [
+            ([1, 2], "must be a dict"),
+            ({1: "a"}, "is not a string"),
+            ({"t": torch.ones(1)}, "Tensor"),
+            ({"f": float("nan")}, "finite"),
+            ({"big": b"x" * (MAX_META_BYTES + 1)}, "byte limit"),
+            ({"n": 2**70}, "64 bits"),
+        ]
         for meta, why in bad:
             with pytest.raises(LayoutError, match=why):
                 store.put(1, t, meta=meta)
@@ -87,8 +92,10 @@ def test_a_garbage_meta_record_is_a_typed_error_and_harms_nothing_else(etcd, nam
             store.meta(1)
         assert store.stats.bad_records == skipped + 1
         # A well-formed record of another rank under rank 0's key is refused too.
-        raw.put(key("meta", pad20(1), pad20(epoch), pad20(0)),
-                codec.encode("meta", {"step": 1, "epoch": epoch, "rank": 3, "data": b"\x80"}))
+        raw.put(
+            key("meta", pad20(1), pad20(epoch), pad20(0)),
+            codec.encode("meta", {"step": 1, "epoch": epoch, "rank": 3, "data": b"\x80"}),
+        )
         with pytest.raises(CatalogCorrupted, match="another version or rank"):
             store.meta(1)
         with Store(namespace, endpoint=etcd.endpoint, transport="shm") as reader:

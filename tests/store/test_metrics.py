@@ -17,8 +17,9 @@ import os
 import re
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -32,15 +33,20 @@ from tests._procs import CTX
 pytestmark = pytest.mark.timeout(120)
 
 SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-    "w": ((256, 64), torch.float32), "b": ((1000,), torch.float32), "h": ((128, 32), torch.bfloat16)}
+    "w": ((256, 64), torch.float32),
+    "b": ((1000,), torch.float32),
+    "h": ((128, 32), torch.bfloat16),
+}
 NBYTES = sum(torch.empty(s, dtype=d).nbytes for s, d in SHAPES.values())
 GARBAGE = b"\x93\xa3not a record\xff\x00"
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 
 
 def tensors(step: int) -> dict[str, torch.Tensor]:
-    return {n: (torch.arange(torch.Size(s).numel(), dtype=torch.float32).reshape(s) + 1000.0 * step).to(d)
-            for n, (s, d) in SHAPES.items()}
+    return {
+        n: (torch.arange(torch.Size(s).numel(), dtype=torch.float32).reshape(s) + 1000.0 * step).to(d)
+        for n, (s, d) in SHAPES.items()
+    }
 
 
 def publisher(endpoint: str, ns: str, cmds: Any, out: Any) -> None:
@@ -66,8 +72,9 @@ def scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     return out
 
 
-def value(m: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, rank: str = "0", **labels: str
-          ) -> float:
+def value(
+    m: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, rank: str = "0", **labels: str
+) -> float:
     """The one sample of ``name`` whose labels include ``labels`` (and ``rank``)."""
     want = {("rank", rank), *labels.items()}
     hits = [v for ls, v in m.get(name, {}).items() if want <= set(ls)]
@@ -151,7 +158,11 @@ def test_consumer_metrics_after_real_pulls(world: World) -> None:
     assert after.plans == value(m, "astate_plans_total", namespace=ns) >= 1
     assert after.plan_hits == value(m, "astate_plan_cache_hits_total", namespace=ns)
     assert after.reads == value(m, "astate_reads_total", namespace=ns) >= pulls
-    assert before.etcd_rpcs <= value(m, "astate_etcd_rpcs_total", namespace=ns, kind="foreground") <= after.etcd_rpcs
+    assert (
+        before.etcd_rpcs
+        <= value(m, "astate_etcd_rpcs_total", namespace=ns, kind="foreground")
+        <= after.etcd_rpcs
+    )
     assert value(m, "astate_pull_duration_seconds_sum", namespace=ns) == pytest.approx(after.pull_seconds)
     assert after.latest_step == after.delivered_step == step
     last = after.last_pull
@@ -235,8 +246,9 @@ def test_bad_metrics_port_is_refused_before_connecting(etcd: Any, monkeypatch: p
         connect("metrics-bad", etcd=etcd.endpoint)
 
 
-def test_a_taken_metrics_port_does_not_stop_the_store(etcd: Any, caplog: pytest.LogCaptureFixture,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_taken_metrics_port_does_not_stop_the_store(
+    etcd: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import socket
 
     with socket.socket() as taken:
@@ -247,15 +259,19 @@ def test_a_taken_metrics_port_does_not_stop_the_store(etcd: Any, caplog: pytest.
         with caplog.at_level(logging.WARNING, logger="astate_store"):
             with connect("metrics-taken", etcd=etcd.endpoint) as store:
                 assert store.metrics_port is None and store.latest() is None
-    assert any(f":{port}" in r.getMessage() and "cannot serve metrics" in r.getMessage() for r in caplog.records)
+    assert any(
+        f":{port}" in r.getMessage() and "cannot serve metrics" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_grafana_dashboard_names_only_served_metrics(world: World) -> None:
     dash = json.loads(DASHBOARD.read_text())
     served = set(scrape(world.cons.metrics_port)) | set(scrape(world.pub_port))  # type: ignore[arg-type]
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", ())]
-    exprs += [v["query"]["query"] if isinstance(v.get("query"), dict) else v.get("query", "")
-              for v in dash.get("templating", {}).get("list", ())]
+    exprs += [
+        v["query"]["query"] if isinstance(v.get("query"), dict) else v.get("query", "")
+        for v in dash.get("templating", {}).get("list", ())
+    ]
     named = {n for e in exprs for n in re.findall(r"\bastate_[a-z_]+", e)}
     assert len(named) >= 10 and named <= served, sorted(named - served)
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
@@ -279,7 +295,9 @@ def test_etcd_retries_are_counted_and_logged_once(caplog: pytest.LogCaptureFixtu
         with caplog.at_level(logging.DEBUG, logger="astate_store.catalog"):
             with pytest.raises(CatalogUnavailable):
                 cat.versions.latest()
-        warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "did not answer" in r.getMessage()]
+        warnings = [
+            r for r in caplog.records if r.levelno == logging.WARNING and "did not answer" in r.getMessage()
+        ]
         assert cat.client.retries >= 3 and len(warnings) == 1
         assert f"127.0.0.1:{port}" in warnings[0].getMessage()
     finally:

@@ -12,10 +12,9 @@ import torch
 
 from astate_store import PeerUnreachable
 from astate_store.store import Store
-
+from tests._procs import CTX
 from tests._store_workers import SPECS, consumer_main, looping_consumer, value
 from tests.store.test_sync import Group, assert_exact, whole_buffers
-from tests._procs import CTX
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,10 +23,13 @@ def _ns() -> str:
     return "rec-" + uuid.uuid4().hex[:10]
 
 
-def _consumer(etcd: Any, ns: str, *, step: int | None = None, serve: bool = False, hold: float = 0.0
-              ) -> tuple[Any, Any]:
+def _consumer(
+    etcd: Any, ns: str, *, step: int | None = None, serve: bool = False, hold: float = 0.0
+) -> tuple[Any, Any]:
     out = CTX.Queue()
-    p = CTX.Process(target=consumer_main, args=(etcd.endpoint, ns, "shm", step, serve, out, hold), daemon=True)
+    p = CTX.Process(
+        target=consumer_main, args=(etcd.endpoint, ns, "shm", step, serve, out, hold), daemon=True
+    )
     p.start()
     return p, out
 
@@ -57,7 +59,9 @@ def test_consumer_reserves_when_trainers_are_gone_and_trainer_restarts_from_it(e
         g2 = Group(etcd.endpoint, ns, 2, 2, "shm")
         try:
             rec = _recover(g2, None)
-            assert [m[0] for m in rec] == ["recovered", "recovered"] and all(m[2] == 1 and m[3] for m in rec), rec
+            assert [m[0] for m in rec] == ["recovered", "recovered"] and all(
+                m[2] == 1 and m[3] for m in rec
+            ), rec
             g2.put(2)
             with Store(ns, endpoint=etcd.endpoint, transport="shm") as cons:
                 bufs = whole_buffers()

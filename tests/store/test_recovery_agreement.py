@@ -14,15 +14,14 @@ import msgpack
 import pytest
 import torch
 
-from astate_store.model import codec
 from astate_store.catalog import Catalog
 from astate_store.errors import RecoveryError, StaleSessionError, StaleStepError
+from astate_store.model import codec
 from astate_store.store import Store
-
+from tests._procs import CTX
 from tests._store_workers import STAGES, consumer_main, stage_names
 from tests.model.test_codec import _as_json
 from tests.store.test_sync import Group, assert_exact, whole_buffers
-from tests._procs import CTX
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,8 +36,9 @@ def _pad(v: int) -> str:
 
 def _consumer(etcd: Any, ns: str, names: list[str] | None, *, serve: bool, hold: float) -> tuple[Any, Any]:
     out = CTX.Queue()
-    p = CTX.Process(target=consumer_main, args=(etcd.endpoint, ns, "shm", None, serve, out, hold, names),
-                    daemon=True)
+    p = CTX.Process(
+        target=consumer_main, args=(etcd.endpoint, ns, "shm", None, serve, out, hold, names), daemon=True
+    )
     p.start()
     return p, out
 
@@ -65,7 +65,9 @@ def _gone(cat: Catalog, epoch: int, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def _records(cat: Catalog, epoch: int) -> tuple[dict[int, dict[str, Any]], dict[int, dict[int, dict[str, Any]]]]:
+def _records(
+    cat: Catalog, epoch: int
+) -> tuple[dict[int, dict[str, Any]], dict[int, dict[int, dict[str, Any]]]]:
     """The recovery plans (by round) and outcomes (by round, rank) of session ``epoch``, each also
     checked against its schema by jsonschema."""
     pre = cat.client.key("recovery", _pad(epoch)) + "/"
@@ -73,9 +75,11 @@ def _records(cat: Catalog, epoch: int) -> tuple[dict[int, dict[str, Any]], dict[
     plans: dict[int, dict[str, Any]] = {}
     outcomes: dict[int, dict[int, dict[str, Any]]] = {}
     for value, kv in kvs:
-        parts = kv.key.decode()[len(pre):].split("/")
+        parts = kv.key.decode()[len(pre) :].split("/")
         kind = "recovery_plan" if parts[1] == "plan" else "recovery_outcome"
-        jsonschema.Draft202012Validator(codec.schema_of(kind)).validate(_as_json(msgpack.unpackb(value, raw=False)))
+        jsonschema.Draft202012Validator(codec.schema_of(kind)).validate(
+            _as_json(msgpack.unpackb(value, raw=False))
+        )
         rec = codec.decode(kind, value)
         if kind == "recovery_plan":
             plans[int(parts[0])] = rec
@@ -130,13 +134,21 @@ def test_ranks_with_different_views_agree_on_one_step(etcd: Any, tmp_path: Path)
                 plans, outcomes = _records(cat, epoch)
                 # Round 0: rank 0's plan, the live sources of step 2; only rank 0 could fetch them.
                 assert (plans[0]["action"], plans[0]["step"], plans[0]["source"], plans[0]["rank"]) == (
-                    "fetch", 2, "live", 0), plans
+                    "fetch",
+                    2,
+                    "live",
+                    0,
+                ), plans
                 assert outcomes[0][0]["status"] == "ok" and outcomes[0][0]["step"] == 2, outcomes
                 assert outcomes[0][1]["status"] == "failed", outcomes
                 assert any(f"'{n}'" in outcomes[0][1]["error"] for n in stage_names(1, 2)), outcomes
                 # Round 1: every rank restores the checkpoint rank 0 chose (not rank 1's older one).
                 assert (plans[1]["action"], plans[1]["step"], plans[1]["source"], plans[1]["uri"]) == (
-                    "fetch", 2, "checkpoint", uri), plans
+                    "fetch",
+                    2,
+                    "checkpoint",
+                    uri,
+                ), plans
                 assert {r: o["status"] for r, o in outcomes[1].items()} == {0: "ok", 1: "ok"}, outcomes
                 assert (plans[2]["action"], plans[2]["step"]) == ("publish", 2) and sorted(plans) == [0, 1, 2]
                 # The republished step commits in the new session; consumers read it byte for byte.
@@ -176,7 +188,9 @@ def test_no_common_step_every_rank_raises_the_same_error(etcd: Any) -> None:
             try:
                 rec = _recover(g2, [("recover", None), ("recover", None)])
                 text = _errors(rec)
-                assert "newest committed step is 1" in text and "the catalog knows no checkpoint" in text, text
+                assert "newest committed step is 1" in text and "the catalog knows no checkpoint" in text, (
+                    text
+                )
                 # the tensors only the gone ranks held are named, with their boxes and ranks
                 assert "rank 0: NoLiveSource" in text and "rank 1: NoLiveSource" in text, text
                 assert any(f"'{n}' box" in text for n in ("qkv", "odd", "experts", "step_count")), text
@@ -224,7 +238,10 @@ def test_one_rank_with_a_corrupted_checkpoint_part_fails_them_all(etcd: Any, tmp
                 assert epoch is not None
                 plans, outcomes = _records(cat, epoch)
                 assert [(p["action"], p.get("source")) for _r, p in sorted(plans.items())] == [
-                    ("fetch", "live"), ("fetch", "checkpoint"), ("fail", None)], plans
+                    ("fetch", "live"),
+                    ("fetch", "checkpoint"),
+                    ("fail", None),
+                ], plans
                 assert outcomes[1][0]["status"] == "ok" and outcomes[1][1]["status"] == "failed", outcomes
                 assert [f["rank"] for f in plans[2]["failures"]] == [1], plans
                 assert _pieces_of(cat, epoch) == [] and cat.versions.latest() == 1
@@ -272,16 +289,21 @@ def test_a_rank_that_never_reports_fails_the_others_in_bounded_time(etcd: Any) -
     w = torch.arange(4096, dtype=torch.float32)
     with Store(ns, endpoint=etcd.endpoint, transport="shm", session_id=f"{ns}-old") as old:
         old.put(1, {"w": w})
-        with Store(ns, endpoint=etcd.endpoint, rank=0, world_size=2, transport="shm", session_id=f"{ns}-a") as r0:
+        with Store(
+            ns, endpoint=etcd.endpoint, rank=0, world_size=2, transport="shm", session_id=f"{ns}-a"
+        ) as r0:
             with pytest.raises(RecoveryError, match="rank 1: did not report within 2s") as info:
                 r0.recover({"w": torch.zeros(4096)}, timeout=2)
             assert info.value.step == 1 and set(info.value.failures) == {1}
             epoch = r0.catalog.session.epoch
             assert _pieces_of(r0.catalog, epoch) == []
         with Catalog(etcd.endpoint, ns) as c0:
-            c0.sessions.open(rank=0, world_size=2, session_id=f"{ns}-b")  # a rank 0 that does not recover (yet)
-            with Store(ns, endpoint=etcd.endpoint, rank=1, world_size=2, transport="shm",
-                       session_id=f"{ns}-b") as r1:
+            c0.sessions.open(
+                rank=0, world_size=2, session_id=f"{ns}-b"
+            )  # a rank 0 that does not recover (yet)
+            with Store(
+                ns, endpoint=etcd.endpoint, rank=1, world_size=2, transport="shm", session_id=f"{ns}-b"
+            ) as r1:
                 with pytest.raises(RecoveryError, match="rank 0 wrote no recovery plan for round 0"):
                     r1.recover({"w": torch.zeros(4096)}, timeout=1)
                 late = c0.agreement.decide(0, "fetch", "too late", step=1, source="live")
@@ -289,7 +311,8 @@ def test_a_rank_that_never_reports_fails_the_others_in_bounded_time(etcd: Any) -
 
 
 def test_agreement_records_once_per_round_skip_bad_records_and_fence(
-        catalog_factory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    catalog_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     c0, c1 = catalog_factory(), catalog_factory()
     s0 = c0.sessions.open(rank=0, world_size=2, session_id="s")
     c1.sessions.open(rank=1, world_size=2, session_id="s")
@@ -303,11 +326,27 @@ def test_agreement_records_once_per_round_skip_bad_records_and_fence(
     # Undecodable records, and records whose epoch/round/rank disagree with their key, are skipped.
     raw = c0.client.raw
     raw.put(a0.outcome_key(s0.epoch, 0, 1), b"\x00not msgpack")
-    raw.put(a0.outcome_key(s0.epoch, 0, 0), codec.encode("recovery_outcome", {
-        "epoch": s0.epoch, "round": 0, "rank": 1, "status": "ok", "step": 5}))
-    raw.put(a0.plan_key(s0.epoch, 1), codec.encode("recovery_plan", {
-        "epoch": s0.epoch + 7, "round": 1, "rank": 0, "action": "publish", "step": 5, "reason": "forged",
-        "decided_at": 0.0}))
+    raw.put(
+        a0.outcome_key(s0.epoch, 0, 0),
+        codec.encode(
+            "recovery_outcome", {"epoch": s0.epoch, "round": 0, "rank": 1, "status": "ok", "step": 5}
+        ),
+    )
+    raw.put(
+        a0.plan_key(s0.epoch, 1),
+        codec.encode(
+            "recovery_plan",
+            {
+                "epoch": s0.epoch + 7,
+                "round": 1,
+                "rank": 0,
+                "action": "publish",
+                "step": 5,
+                "reason": "forged",
+                "decided_at": 0.0,
+            },
+        ),
+    )
     with caplog.at_level(logging.WARNING, logger="astate_store.catalog"):
         got, nxt, gone = a0.wait_outcomes(0, 2, time.monotonic() + 0.5)
     assert (got, nxt, gone) == ({}, None, set())
@@ -318,11 +357,15 @@ def test_agreement_records_once_per_round_skip_bad_records_and_fence(
     a0.report(0, True, step=5)
     a1.report(0, False, error="PeerUnreachable: gone")
     got, nxt, gone = a0.wait_outcomes(0, 2, time.monotonic() + 5)
-    assert {r: (o.ok, o.step, o.error) for r, o in got.items()} == {0: (True, 5, ""),
-                                                                    1: (False, None, "PeerUnreachable: gone")}
+    assert {r: (o.ok, o.step, o.error) for r, o in got.items()} == {
+        0: (True, 5, ""),
+        1: (False, None, "PeerUnreachable: gone"),
+    }
     # The forged plan of round 1 is replaced, atomically, by the real one.
     done = a0.decide(1, "fail", "rank 1 failed", step=5, failures={1: "PeerUnreachable: gone"})
-    assert a1.wait_plan(1, time.monotonic() + 5) == done and dict(done.failures) == {1: "PeerUnreachable: gone"}
+    assert a1.wait_plan(1, time.monotonic() + 5) == done and dict(done.failures) == {
+        1: "PeerUnreachable: gone"
+    }
     assert a0.next_round() == 2  # a later recover call in this session starts afresh
     # A newer session fences this one's plans and outcomes.
     c2 = catalog_factory()

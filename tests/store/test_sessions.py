@@ -28,8 +28,10 @@ TTL = 2.0
 
 def _tensors(i: int, step: int) -> dict[str, torch.Tensor]:
     """Session ``i``'s state at ``step``: different bytes and shapes per session and step."""
-    return {"context": torch.arange(64 + i, dtype=torch.float32) * (step + 1) + i,
-            "position": torch.tensor([i, step], dtype=torch.int64)}
+    return {
+        "context": torch.arange(64 + i, dtype=torch.float32) * (step + 1) + i,
+        "position": torch.tensor([i, step], dtype=torch.int64),
+    }
 
 
 def writer_main(endpoint: str, prefix: str, out: Any, go: Any) -> None:
@@ -86,7 +88,11 @@ def test_many_sessions_one_process(etcd: Any, namespace: str) -> None:
         assert shared["threads"] < 25, shared  # not a few threads per session
         # Reader process: plain stores for some sessions, a hub (shared worker) for the rest.
         for i in range(N):
-            s = connect(f"{prefix}{i}", etcd=etcd.endpoint, transport="shm") if i < 5 else hub.open(f"{prefix}{i}")
+            s = (
+                connect(f"{prefix}{i}", etcd=etcd.endpoint, transport="shm")
+                if i < 5
+                else hub.open(f"{prefix}{i}")
+            )
             readers.append(s)
             step, got = s.get(timeout=20)
             want = _tensors(i, 2)
@@ -95,7 +101,9 @@ def test_many_sessions_one_process(etcd: Any, namespace: str) -> None:
                 assert got[k].dtype == v.dtype and torch.equal(got[k], v), (i, k)
             assert s.meta(2) == {"turn": 2}
         buf = {"context": torch.empty(64 + 7), "position": torch.empty(2, dtype=torch.int64)}
-        assert readers[7].get_into(buf, timeout=20) == 2 and torch.equal(buf["context"], _tensors(7, 2)["context"])
+        assert readers[7].get_into(buf, timeout=20) == 2 and torch.equal(
+            buf["context"], _tensors(7, 2)["context"]
+        )
         assert _session_records(client, prefix) == N
         go.put("closed")
         assert _expect(out, "closed-one") == N - 1

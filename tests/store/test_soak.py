@@ -21,8 +21,16 @@ def test_short_soak_stays_bounded() -> None:
         sys.path.remove(str(BENCH))
     # 100 steps: checkpoints every 20 (keep the 2 newest and the first of every 50 steps), the
     # publisher group SIGKILLed and recovered at 40 and 80, samples every 5 steps after 20 of warm-up
-    args = argparse.Namespace(steps=100, warmup=20, sample_every=5, ckpt_every=20, restart_every=40, keep_last=2,
-                              keep_every=50, verbose=False)
+    args = argparse.Namespace(
+        steps=100,
+        warmup=20,
+        sample_every=5,
+        ckpt_every=20,
+        restart_every=40,
+        keep_last=2,
+        keep_every=50,
+        verbose=False,
+    )
     out = soak.run(args)
     assert out["errors"] == [], out["errors"]
     assert [r["steps"] for r in out["recoveries"]] == [[40, 40], [80, 80]], out["recoveries"]

@@ -6,16 +6,16 @@ import os
 import signal
 import threading
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from astate_store import LayoutError, PeerUnreachable, Shard, WaitTimeout
 from astate_store.store import Store
-
-from tests._store_workers import SPECS, STAGES, publisher_main, split, value, whole
 from tests._procs import CTX
+from tests._store_workers import SPECS, STAGES, publisher_main, split, value, whole
 
 TRANSPORTS = ["shm", "tcp"]
 
@@ -23,16 +23,28 @@ TRANSPORTS = ["shm", "tcp"]
 class Group:
     """A publisher group of separate processes driven through queues."""
 
-    def __init__(self, endpoint: str, ns: str, world: int, tp: int, transport: str, spec: str = "mixed",
-                 copy: bool = True):
+    def __init__(
+        self,
+        endpoint: str,
+        ns: str,
+        world: int,
+        tp: int,
+        transport: str,
+        spec: str = "mixed",
+        copy: bool = True,
+    ):
         self.ns, self.world = ns, world
         self.cmds = [CTX.Queue() for _ in range(world)]
         self.out = CTX.Queue()
         session = uuid.uuid4().hex[:8]  # one id per group: a restarted group is a new session
-        self.procs = [CTX.Process(target=publisher_main, daemon=True,
-                                  args=(endpoint, ns, r, world, tp, spec, transport, self.cmds[r], self.out, copy,
-                                        session))
-                      for r in range(world)]
+        self.procs = [
+            CTX.Process(
+                target=publisher_main,
+                daemon=True,
+                args=(endpoint, ns, r, world, tp, spec, transport, self.cmds[r], self.out, copy, session),
+            )
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
         self.pids = {}
@@ -85,7 +97,9 @@ def group(etcd: Any, transport: str, world: int = 2, tp: int = 2, **kw: Any) -> 
     return Group(etcd.endpoint, "sync-" + uuid.uuid4().hex[:10], world, tp, transport, **kw)
 
 
-def expected(name: str, step: int, box: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> torch.Tensor:
+def expected(
+    name: str, step: int, box: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+) -> torch.Tensor:
     shape, dtype, _ = SPECS["mixed"][name]
     full = value(name, shape, dtype, step)
     if box is None:
@@ -112,11 +126,13 @@ def spy_builds(c: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]
     consumer's batches (``get/batches.py``)."""
     built: list[tuple[str, int]] = []
     for builder in ("_build_columns", "_build_pull"):
+
         def spy(v: Any, *a: Any, _real: Any = getattr(c.batches, builder), _name: str = builder) -> Any:
             work = _real(v, *a)
             if work is not None:
                 built.append((_name, v.step))
             return work
+
         monkeypatch.setattr(c.batches, builder, spy)
     return built
 
@@ -172,8 +188,9 @@ def test_dp_replicas_serve_as_alternative_sources(etcd: Any, transport: str, con
         g.close()
 
 
-def test_whole_buffers_of_row_split_shards_are_planned_from_the_columns(etcd: Any, transport: str,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_whole_buffers_of_row_split_shards_are_planned_from_the_columns(
+    etcd: Any, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Publishers that split every tensor on dim 0 (DP replicas of each shard, a replicated norm,
     a 0-d tensor): a consumer of whole buffers plans its first pull from the layouts' columns, one
     read per shard, and reads the replicas' ranks in turn; the bytes are exact every step. Column
@@ -211,8 +228,13 @@ def test_subset_of_names_and_strided_destination(etcd: Any, transport: str, cons
         holder = torch.zeros(48, 64 + 3)  # destination is a transposed, offset view
         view = holder[:, 3:].t()
         assert view.shape == (64, 48)
-        got = store.get_into({"emb": view, "experts": Shard(torch.zeros(3, 24, 16, dtype=torch.float16),
-                                                            (4, 0, 0), (8, 24, 16))}, timeout=30)
+        got = store.get_into(
+            {
+                "emb": view,
+                "experts": Shard(torch.zeros(3, 24, 16, dtype=torch.float16), (4, 0, 0), (8, 24, 16)),
+            },
+            timeout=30,
+        )
         assert got == 1
         assert torch.equal(view, expected("emb", 1))
         assert torch.equal(holder[:, :3], torch.zeros(48, 3))  # nothing outside the view written
@@ -276,7 +298,9 @@ def committed_pieces(s: Store, step: int) -> dict[int, Any]:
 
 
 @pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "anonymous"])
-def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_host_pull_reads_the_mapped_snapshot(
+    etcd: Any, memfd: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Publisher processes stage snapshots in sealed memfds: a same-host consumer maps them
     and copies; with ``ASTATE_MEMFD=0`` they are anonymous and read with process_vm_readv.
     Byte-exact either way, and across steps that reuse the slots."""
@@ -296,8 +320,11 @@ def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkey
     s = Store(g.ns, endpoint=etcd.endpoint, transport="shm")
     hints: list[tuple[Any, int]] = []  # (peer, first byte hinted) per prefault hint the pulls gave
     real_hint = s._ctx.transport.prefault
-    monkeypatch.setattr(s._ctx.transport, "prefault",
-                        lambda peer, spans: (hints.extend((peer, lo) for _r, lo, _hi in spans), real_hint(peer, spans)))
+    monkeypatch.setattr(
+        s._ctx.transport,
+        "prefault",
+        lambda peer, spans: (hints.extend((peer, lo) for _r, lo, _hi in spans), real_hint(peer, spans)),
+    )
     try:
         bufs = whole_buffers()
         for step in (1, 2, 3):
@@ -312,7 +339,11 @@ def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkey
                 for r, p in pieces.items():
                     los = [lo for peer, lo in hints if peer[-1] == r]
                     other = max(p.slot_bases)
-                    assert any(lo < other for lo in los) and any(lo >= other for lo in los), (r, los, p.slot_bases)
+                    assert any(lo < other for lo in los) and any(lo >= other for lo in los), (
+                        r,
+                        los,
+                        p.slot_bases,
+                    )
         t = s._ctx.transport
         infos = [t.peer_info(k) for k in t.peers]
         assert infos and all(i.direct for i in infos)
@@ -326,8 +357,9 @@ def test_same_host_pull_reads_the_mapped_snapshot(etcd: Any, memfd: bool, monkey
         g.close()
 
 
-def test_new_staging_slot_reuses_the_ready_made_batch(etcd: Any, transport: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_new_staging_slot_reuses_the_ready_made_batch(
+    etcd: Any, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A publisher's two snapshot slots hold the same layout at two bases: the first read of
     the second slot moves the ready-made batch's rows there instead of planning again, and
     the bytes are exact in both slots (whole and column-split buffers; pre-packing off, so

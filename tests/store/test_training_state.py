@@ -10,12 +10,10 @@ from typing import Any
 import torch
 
 from astate_store.model.state_dict import flatten_state_dict
-from astate_store.store import Store
 from astate_store.model.usermeta import set_rng_state
-
-from tests._training_state_workers import full_training_state, make_model, train_step, trainer
+from astate_store.store import Store
 from tests._procs import CTX
-
+from tests._training_state_workers import full_training_state, make_model, train_step, trainer
 
 
 def _port() -> int:
@@ -26,8 +24,10 @@ def _port() -> int:
 
 def _trainer_results(etcd: Any, ns: str, uri: str, ref: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     out, port = CTX.Queue(), _port()
-    procs = [CTX.Process(target=trainer, args=(etcd.endpoint, ns, r, port, uri, ref, out), daemon=True)
-             for r in (0, 1)]
+    procs = [
+        CTX.Process(target=trainer, args=(etcd.endpoint, ns, r, port, uri, ref, out), daemon=True)
+        for r in (0, 1)
+    ]
     for p in procs:
         p.start()
     try:
@@ -60,8 +60,12 @@ def test_full_training_state_checkpoints_and_restores_into_another_layout(etcd, 
         meta = store.meta(2)
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    set_state_dict(model, optim, model_state_dict=tensors["model"],
-                   optim_state_dict={"state": tensors["optim"], "param_groups": meta["param_groups"]})
+    set_state_dict(
+        model,
+        optim,
+        model_state_dict=tensors["model"],
+        optim_state_dict={"state": tensors["optim"], "param_groups": meta["param_groups"]},
+    )
     got = flatten_state_dict(full_training_state(model, optim)[0])
     assert set(got) == set(full) and any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in got)
     for k, v in full.items():

@@ -8,7 +8,8 @@ or the wrong place never passes for a right one.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["value"]
 

@@ -19,7 +19,15 @@ from astate_store.errors import CatalogUnavailable
 if TYPE_CHECKING:  # the supervisor imports this module alone: nothing above errors/process at run time
     pass
 
-from astate_store.etcd.embedded import tied_to_caller, _etcd_command, _free_ports, _healthy, _log_tail, _stop_process, find_etcd_binary
+from astate_store.etcd.embedded import (
+    _etcd_command,
+    _free_ports,
+    _healthy,
+    _log_tail,
+    _stop_process,
+    find_etcd_binary,
+    tied_to_caller,
+)
 
 __all__ = ["EtcdCluster", "EtcdMember"]
 
@@ -58,8 +66,14 @@ class EtcdCluster:
         CatalogUnavailable: the cluster did not become healthy in time.
     """
 
-    def __init__(self, size: int = 3, binary: str | None = None, start_timeout: float = 20.0,
-                 host: str = "127.0.0.1", token: str | None = None):
+    def __init__(
+        self,
+        size: int = 3,
+        binary: str | None = None,
+        start_timeout: float = 20.0,
+        host: str = "127.0.0.1",
+        token: str | None = None,
+    ):
         if size < 1:
             raise ValueError(f"cluster size must be >= 1, got {size}")
         self.size, self.host, self.start_timeout = size, host, start_timeout
@@ -80,7 +94,7 @@ class EtcdCluster:
     def index_of(self, endpoint: str) -> int:
         return self.endpoints.index(endpoint)
 
-    def start(self) -> "EtcdCluster":
+    def start(self) -> EtcdCluster:
         last = ""
         for attempt in range(3):  # a free port can be taken between probe and bind
             ports = _free_ports(2 * self.size, self.host)
@@ -93,12 +107,18 @@ class EtcdCluster:
                 os.makedirs(d)
                 client = f"http://{self.host}:{ports[2 * i]}"
                 m = EtcdMember(name, f"{self.host}:{ports[2 * i]}", peers[i], d)
-                cmd = _etcd_command(self.binary, name, os.path.join(d, "data"), client, peers[i], initial,
-                                    token=self.token)
+                cmd = _etcd_command(
+                    self.binary, name, os.path.join(d, "data"), client, peers[i], initial, token=self.token
+                )
                 with open(os.path.join(d, "etcd.log"), "ab") as logf:
                     # tied to this process: a killed test run leaves no member behind
-                    m.proc = subprocess.Popen(tied_to_caller(cmd), stdout=logf, stderr=logf,
-                                              stdin=subprocess.DEVNULL, start_new_session=True)
+                    m.proc = subprocess.Popen(
+                        tied_to_caller(cmd),
+                        stdout=logf,
+                        stderr=logf,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
                 self.members.append(m)
             deadline = time.monotonic() + self.start_timeout
             pending = list(self.members)
@@ -108,10 +128,16 @@ class EtcdCluster:
                     time.sleep(0.05)
             if not pending:
                 atexit.register(self.stop)
-                log.info("etcd cluster of %d at %s (pids %s)", self.size, self.endpoint,
-                         [m.proc.pid for m in self.members if m.proc])
+                log.info(
+                    "etcd cluster of %d at %s (pids %s)",
+                    self.size,
+                    self.endpoint,
+                    [m.proc.pid for m in self.members if m.proc],
+                )
                 return self
-            last = "\n".join(f"{m.name}: {_log_tail(os.path.join(m.data_dir, 'etcd.log'), 800)}" for m in pending)
+            last = "\n".join(
+                f"{m.name}: {_log_tail(os.path.join(m.data_dir, 'etcd.log'), 800)}" for m in pending
+            )
             self._stop_members()
         shutil.rmtree(self.base_dir, ignore_errors=True)
         raise CatalogUnavailable(f"etcd cluster did not become healthy; member logs end:\n{last}")
@@ -138,7 +164,7 @@ class EtcdCluster:
         self._stop_members()
         shutil.rmtree(self.base_dir, ignore_errors=True)
 
-    def __enter__(self) -> "EtcdCluster":
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

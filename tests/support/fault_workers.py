@@ -32,8 +32,9 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from tests.support.data import value
 
@@ -57,10 +58,10 @@ def _close_all(stores: Any) -> None:
 def spec(size: str) -> dict[str, tuple[tuple[int, ...], str, str]]:
     rows, cols = _SIZES[size]
     return {
-        "w": ((rows, cols), "float32", "rows"),     # row-parallel over the publisher ranks
-        "c": ((64, 96), "bfloat16", "cols"),        # column-parallel
-        "b": ((cols,), "float32", "rep"),           # replicated
-        "n": ((), "int64", "rep"),                  # a 0-dim counter
+        "w": ((rows, cols), "float32", "rows"),  # row-parallel over the publisher ranks
+        "c": ((64, 96), "bfloat16", "cols"),  # column-parallel
+        "b": ((cols,), "float32", "rep"),  # replicated
+        "n": ((), "int64", "rep"),  # a 0-dim counter
     }
 
 
@@ -74,7 +75,9 @@ def tdtype(name: str) -> Any:
     return getattr(_torch(), name)
 
 
-def split_box(shape: Sequence[int], dim: int, parts: int, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def split_box(
+    shape: Sequence[int], dim: int, parts: int, index: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     n = shape[dim]
     lo, hi = n * index // parts, n * (index + 1) // parts
     offs = [0] * len(shape)
@@ -116,7 +119,7 @@ def make_buffers(size: str, layout: str) -> dict[str, Any]:
         elif layout in ("cols0", "cols1"):
             idx = int(layout[-1])
             if name == "w":
-                box = split_box(shape, 1, 2, idx)   # the other dim than the publishers split
+                box = split_box(shape, 1, 2, idx)  # the other dim than the publishers split
             elif name == "c":
                 box = split_box(shape, 0, 2, idx)
             else:
@@ -159,7 +162,11 @@ def same_bytes(a: Any, b: Any) -> bool:
     torch = _torch()
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+    return bool(
+        torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+        )
+    )
 
 
 def check_buffers(size: str, bufs: Mapping[str, Any], step: int) -> list[str]:
@@ -175,7 +182,9 @@ def identify(size: str, name: str, buf: Any, step: int, around: int = 3) -> str:
     best = (0.0, -1)
     for s in range(max(0, step - around), step + around + 1):
         exp = expected_of(size, name, buf, s)
-        eq = t.contiguous().reshape(-1) == exp.contiguous().reshape(-1)  # element-wise: values differ per step
+        eq = t.contiguous().reshape(-1) == exp.contiguous().reshape(
+            -1
+        )  # element-wise: values differ per step
         frac = float(eq.float().mean()) if eq.numel() else 1.0
         if frac == 1.0:
             return f"all of step {s}"
@@ -306,8 +315,18 @@ def op_probe(state: dict[str, Any], key: str | None = None) -> dict[str, Any]:
     return out
 
 
-def op_pub_open(state: dict[str, Any], key: str, endpoint: str, ns: str, *, rank: int = 0, world: int = 1,
-                session: str | None = None, size: str = "small", **kw: Any) -> dict[str, Any]:
+def op_pub_open(
+    state: dict[str, Any],
+    key: str,
+    endpoint: str,
+    ns: str,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    session: str | None = None,
+    size: str = "small",
+    **kw: Any,
+) -> dict[str, Any]:
     torch = _torch()
     from astate_store import Shard
 
@@ -315,8 +334,11 @@ def op_pub_open(state: dict[str, Any], key: str, endpoint: str, ns: str, *, rank
     h = _Held(store, "pub", size, rank=rank, world=world)
     for name, (offs, sizes) in publisher_boxes(size, rank, world).items():
         shape, dt, _ = spec(size)[name]
-        h.tensors[name] = Shard(torch.zeros(sizes, dtype=tdtype(dt)), offs, shape) if shape else torch.zeros(
-            (), dtype=tdtype(dt))
+        h.tensors[name] = (
+            Shard(torch.zeros(sizes, dtype=tdtype(dt)), offs, shape)
+            if shape
+            else torch.zeros((), dtype=tdtype(dt))
+        )
     old = state["held"].pop(key, None)
     if old is not None:
         _close_held(old)
@@ -324,8 +346,9 @@ def op_pub_open(state: dict[str, Any], key: str, endpoint: str, ns: str, *, rank
     return {"pid": os.getpid()}
 
 
-def op_pub_put(state: dict[str, Any], key: str, step: int, *, copy: bool = True, retire: bool | None = None
-               ) -> dict[str, Any]:
+def op_pub_put(
+    state: dict[str, Any], key: str, step: int, *, copy: bool = True, retire: bool | None = None
+) -> dict[str, Any]:
     """Write step's values into this rank's tensors and put them; ``copy=False`` retires first."""
     h = state["held"][key]
     t0 = time.monotonic()
@@ -340,8 +363,16 @@ def op_pub_put(state: dict[str, Any], key: str, step: int, *, copy: bool = True,
     return {"committed": bool(committed), "seconds": time.monotonic() - t0, "retire_seconds": t1 - t0}
 
 
-def op_pub_checkpoint(state: dict[str, Any], key: str, step: int, uri: str, *, keep_last: int | None = None,
-                      keep_every: int | None = None, timeout: float = 60.0) -> dict[str, Any]:
+def op_pub_checkpoint(
+    state: dict[str, Any],
+    key: str,
+    step: int,
+    uri: str,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
     """This rank's part of checkpoint ``step`` at ``uri``, under the retention policy when the
     store's ``checkpoint`` takes one (``retention``: whether it did)."""
     import inspect
@@ -367,7 +398,8 @@ def op_pub_recover(state: dict[str, Any], key: str, *, timeout: float = 60.0) ->
     boxes = publisher_boxes(h.size, h.extra["rank"], h.extra["world"])
     exact = got is not None and all(
         same_bytes(_tensor_of(t), _sel(value(n, spec(h.size)[n][0], spec(h.size)[n][1], got), boxes[n]))
-        for n, t in h.tensors.items())
+        for n, t in h.tensors.items()
+    )
     return {"step": got, "exact": exact}
 
 
@@ -380,8 +412,9 @@ def op_open_close(state: dict[str, Any], endpoint: str, ns: str, **kw: Any) -> d
         store.close()
 
 
-def op_con_open(state: dict[str, Any], key: str, endpoint: str, ns: str, *, size: str = "small", **kw: Any
-                ) -> dict[str, Any]:
+def op_con_open(
+    state: dict[str, Any], key: str, endpoint: str, ns: str, *, size: str = "small", **kw: Any
+) -> dict[str, Any]:
     old = state["held"].pop(key, None)
     if old is not None:
         _close_held(old)
@@ -389,9 +422,19 @@ def op_con_open(state: dict[str, Any], key: str, endpoint: str, ns: str, *, size
     return {"pid": os.getpid(), "consumer_id": state["held"][key].store.consumer_id}
 
 
-def op_con_pull(state: dict[str, Any], key: str, layout: str = "whole", *, step: int | None = None,
-                wait: float = 30.0, kill_pid: int | None = None, kill_delay: float = 0.0,
-                hold: float = 0.0, announce: bool = False, reuse_from: str | None = None) -> dict[str, Any]:
+def op_con_pull(
+    state: dict[str, Any],
+    key: str,
+    layout: str = "whole",
+    *,
+    step: int | None = None,
+    wait: float = 30.0,
+    kill_pid: int | None = None,
+    kill_delay: float = 0.0,
+    hold: float = 0.0,
+    announce: bool = False,
+    reuse_from: str | None = None,
+) -> dict[str, Any]:
     """get_into the layout's buffers; returns the step and whether every byte is that step's.
     ``reuse_from``: pull into the buffers another (closed) store of this actor used."""
     h = state["held"][key]
@@ -455,10 +498,16 @@ def op_peer_paths(state: dict[str, Any], key: str) -> list[dict[str, Any]]:
     """How this store reaches each peer: same-host ``process_vm_readv`` (direct) or UCX, its lanes."""
     t = state["held"][key].store._ctx._transport
     out = []
-    for p in (t.peers if t is not None else []):
+    for p in t.peers if t is not None else []:
         info = t.peer_info(p)
-        out.append({"peer": str(p), "direct": info.direct, "peer_error_mode": info.peer_error_handling,
-                    "lanes": t.endpoint_info(p)[:300]})
+        out.append(
+            {
+                "peer": str(p),
+                "direct": info.direct,
+                "peer_error_mode": info.peer_error_handling,
+                "lanes": t.endpoint_info(p)[:300],
+            }
+        )
     return out
 
 
@@ -479,7 +528,11 @@ def op_catalog_view(state: dict[str, Any], key: str, steps: Sequence[int] = ()) 
             readable[int(s)] = True
         except AStateError as exc:
             readable[int(s)] = f"{type(exc).__name__}: {exc}"[:200]
-    return {"latest": cat.versions.latest(), "committed": cat.versions.committed_steps(), "readable": readable}
+    return {
+        "latest": cat.versions.latest(),
+        "committed": cat.versions.committed_steps(),
+        "readable": readable,
+    }
 
 
 def op_etcd_start(state: dict[str, Any], host: str) -> dict[str, Any]:
@@ -545,22 +598,43 @@ def op_zombie(state: dict[str, Any], endpoint: str, ns: str, variant: int) -> li
         cat = con.catalog
         latest, committed = cat.versions.latest(), cat.versions.committed_steps()
         zombie_commits = [s for s in (3, 4) if s in committed]
-        if variant % 3 == 1 and 2 in committed and cat.versions.read_version(2).epoch != new[0].catalog.session.epoch:
+        if (
+            variant % 3 == 1
+            and 2 in committed
+            and cat.versions.read_version(2).epoch != new[0].catalog.session.epoch
+        ):
             zombie_commits.append(2)
-        res.append({"what": "catalog", "ok": True, "latest": latest, "committed": committed,
-                    "zombie_commits": zombie_commits, "newest_expected": newest})
+        res.append(
+            {
+                "what": "catalog",
+                "ok": True,
+                "latest": latest,
+                "committed": committed,
+                "zombie_commits": zombie_commits,
+                "newest_expected": newest,
+            }
+        )
         bufs = make_buffers(size, "whole")
         poison(bufs)
         got = con.get_into(bufs, timeout=10)
-        res.append({"what": "pull", "ok": True, "pull": True, "step": got, "exact": not check_buffers(size, bufs, got),
-                    "expected_step": newest})
+        res.append(
+            {
+                "what": "pull",
+                "ok": True,
+                "pull": True,
+                "step": got,
+                "exact": not check_buffers(size, bufs, got),
+                "expected_step": newest,
+            }
+        )
     finally:
         _close_all(stores)
     return res
 
 
-def _pub(endpoint: str, ns: str, session: str, rank: int, world: int, size: str, **kw: Any) -> tuple[Any, Any, int, int,
-                                                                                                  str]:
+def _pub(
+    endpoint: str, ns: str, session: str, rank: int, world: int, size: str, **kw: Any
+) -> tuple[Any, Any, int, int, str]:
     torch = _torch()
     from astate_store import Shard
 
@@ -569,8 +643,11 @@ def _pub(endpoint: str, ns: str, session: str, rank: int, world: int, size: str,
     tensors: dict[str, Any] = {}
     for name, (offs, sizes) in publisher_boxes(size, rank, world).items():
         shape, dt, _ = spec(size)[name]
-        tensors[name] = Shard(torch.zeros(sizes, dtype=tdtype(dt)), offs, shape) if shape else torch.zeros(
-            (), dtype=tdtype(dt))
+        tensors[name] = (
+            Shard(torch.zeros(sizes, dtype=tdtype(dt)), offs, shape)
+            if shape
+            else torch.zeros((), dtype=tdtype(dt))
+        )
     return store, tensors, rank, world, size
 
 
@@ -641,9 +718,9 @@ GARBAGE = b"\xc1\xff\x00 not a record \x93"
 
 def _bad_record(name: str, pub: Any, con: Any, step: int) -> list[tuple[Any, bytes]]:
     """(key, value) pairs to write for hostile record ``name`` after ``step`` committed."""
-    from astate_store.model import codec
     from astate_store.catalog.blobs import blob_requests
     from astate_store.catalog.records import pad20
+    from astate_store.model import codec
 
     c = pub.catalog.client
     sess = pub.catalog.session
@@ -660,8 +737,15 @@ def _bad_record(name: str, pub: Any, con: Any, step: int) -> list[tuple[Any, byt
         return put.value
 
     def piece_rec(**over: Any) -> bytes:
-        rec = {"step": step, "epoch": sess.epoch, "rank": 0, "world_size": 1, "layout_id": piece.layout_id,
-               "base_offset": piece.base_offset, "manifest_id": piece.manifest_id}
+        rec = {
+            "step": step,
+            "epoch": sess.epoch,
+            "rank": 0,
+            "world_size": 1,
+            "layout_id": piece.layout_id,
+            "base_offset": piece.base_offset,
+            "manifest_id": piece.manifest_id,
+        }
         rec.update(over)
         return codec.encode("piece", rec)
 
@@ -712,10 +796,22 @@ def _bad_record(name: str, pub: Any, con: Any, step: int) -> list[tuple[Any, byt
         return [(lkey + "/000000", GARBAGE), (lkey + "/zz", GARBAGE)]
     if name == "replica_layout_garbage":
         rid = "ghost-" + uuid.uuid4().hex[:6]
-        return [(c.key("layouts", "replicas", rid, piece.layout_id), GARBAGE),
-                (vpre + f"/replicas/g/{rid}", codec.encode("replica", {
-                    "step": step, "group": "g", "member": rid, "layout_id": piece.layout_id,
-                    "manifest_id": piece.manifest_id}))]
+        return [
+            (c.key("layouts", "replicas", rid, piece.layout_id), GARBAGE),
+            (
+                vpre + f"/replicas/g/{rid}",
+                codec.encode(
+                    "replica",
+                    {
+                        "step": step,
+                        "group": "g",
+                        "member": rid,
+                        "layout_id": piece.layout_id,
+                        "manifest_id": piece.manifest_id,
+                    },
+                ),
+            ),
+        ]
     if name == "piece_garbage":
         return [(vpre + f"/pieces/{e}/{r}", GARBAGE)]
     if name == "piece_non_numeric_key":
@@ -735,34 +831,66 @@ def _bad_record(name: str, pub: Any, con: Any, step: int) -> list[tuple[Any, byt
     if name == "commit_future_step":
         rec = codec.decode("commit", raw.get(vpre + "/commit")[0])
         rec["step"] = step + 5
-        return [(c.key("versions", pad20(step + 5), "commit"), codec.encode("commit", rec)),
-                (c.key("commits", pad20(step + 5)), b"")]
+        return [
+            (c.key("versions", pad20(step + 5), "commit"), codec.encode("commit", rec)),
+            (c.key("commits", pad20(step + 5)), b""),
+        ]
     if name == "commits_index_garbage_key":
         return [(c.key("commits", "not-a-step"), GARBAGE)]
     if name == "replica_garbage":
         return [(vpre + "/replicas/g/ghost", GARBAGE)]
     if name == "replica_unknown_layout":
-        return [(vpre + "/replicas/g/ghost", codec.encode("replica", {
-            "step": step, "group": "g", "member": "ghost", "layout_id": "e" * 24, "manifest_id": "d" * 24}))]
+        return [
+            (
+                vpre + "/replicas/g/ghost",
+                codec.encode(
+                    "replica",
+                    {
+                        "step": step,
+                        "group": "g",
+                        "member": "ghost",
+                        "layout_id": "e" * 24,
+                        "manifest_id": "d" * 24,
+                    },
+                ),
+            )
+        ]
     if name == "latest_garbage":
         return [(c.key("latest"), GARBAGE)]
     if name == "latest_huge":
         return [(c.key("latest"), codec.encode_counter(10**19 - 1))]
     if name == "reader_leaseless":
         # A reader that never finishes and has no lease: the publisher must stop waiting for it.
-        return [(c.key("readers", pad20(step), "ghost"), codec.encode("reader", {
-            "step": step, "reader_id": "ghost", "host": "nowhere", "pid": 1}))]
+        return [
+            (
+                c.key("readers", pad20(step), "ghost"),
+                codec.encode("reader", {"step": step, "reader_id": "ghost", "host": "nowhere", "pid": 1}),
+            )
+        ]
     if name == "delivered_garbage":
         return [(c.key("delivered", pad20(step), "ghost"), GARBAGE)]
     if name == "consumer_garbage":
         return [(c.key("consumers", "ghost"), GARBAGE)]
-    packs = {"consumer_pack_wrong_ndim": {"rank": 0, "name": "w", "offsets": [0], "sizes": [1]},
-             "consumer_pack_huge_box": {"rank": 0, "name": "w", "offsets": [0, 0], "sizes": [1 << 30, 1 << 30]},
-             "consumer_pack_unknown_name": {"rank": 0, "name": "nope", "offsets": [0], "sizes": [1]},
-             "consumer_pack_unknown_rank": {"rank": 9, "name": "b", "offsets": [0], "sizes": [4]},
-             "consumer_pack_0dim_convert": {"rank": 0, "name": "n", "offsets": [], "sizes": [], "dtype": "bfloat16"}}
+    packs = {
+        "consumer_pack_wrong_ndim": {"rank": 0, "name": "w", "offsets": [0], "sizes": [1]},
+        "consumer_pack_huge_box": {"rank": 0, "name": "w", "offsets": [0, 0], "sizes": [1 << 30, 1 << 30]},
+        "consumer_pack_unknown_name": {"rank": 0, "name": "nope", "offsets": [0], "sizes": [1]},
+        "consumer_pack_unknown_rank": {"rank": 9, "name": "b", "offsets": [0], "sizes": [4]},
+        "consumer_pack_0dim_convert": {
+            "rank": 0,
+            "name": "n",
+            "offsets": [],
+            "sizes": [],
+            "dtype": "bfloat16",
+        },
+    }
     if name in packs:  # a consumer record asking publishers for a copy that cannot be built
-        return [(c.key("consumers", "ghost"), codec.encode("consumer", {"reader_id": "ghost", "packs": [packs[name]]}))]
+        return [
+            (
+                c.key("consumers", "ghost"),
+                codec.encode("consumer", {"reader_id": "ghost", "packs": [packs[name]]}),
+            )
+        ]
     if name == "retired_garbage":
         return [(c.key("retired", pad20(step), pad20(5)), GARBAGE)]
     if name == "torn_garbage":
@@ -770,12 +898,26 @@ def _bad_record(name: str, pub: Any, con: Any, step: int) -> list[tuple[Any, byt
     if name == "checkpoint_garbage":
         return [(c.key("checkpoints", pad20(step)), GARBAGE)]
     if name == "checkpoint_missing_uri":
-        return [(c.key("checkpoints", pad20(step)), codec.encode("checkpoint", {
-            "step": step, "uri": "/nonexistent/astate-fault-" + uuid.uuid4().hex[:6], "world_size": 1,
-            "bytes": 10, "written_at": time.time()}))]
+        return [
+            (
+                c.key("checkpoints", pad20(step)),
+                codec.encode(
+                    "checkpoint",
+                    {
+                        "step": step,
+                        "uri": "/nonexistent/astate-fault-" + uuid.uuid4().hex[:6],
+                        "world_size": 1,
+                        "bytes": 10,
+                        "written_at": time.time(),
+                    },
+                ),
+            )
+        ]
     if name == "recovery_plan_garbage":
-        return [(c.key("recovery", pad20(sess.epoch + 1), pad20(0), "plan"), GARBAGE),
-                (c.key("recovery", pad20(sess.epoch + 1), pad20(0), "ranks", pad20(0)), GARBAGE)]
+        return [
+            (c.key("recovery", pad20(sess.epoch + 1), pad20(0), "plan"), GARBAGE),
+            (c.key("recovery", pad20(sess.epoch + 1), pad20(0), "ranks", pad20(0)), GARBAGE),
+        ]
     if name == "version_key_not_utf8":
         return [((vpre + "/").encode() + b"\xff\xfe/\x80", GARBAGE)]
     if name == "manifest_key_not_utf8":  # a key inside the manifest blob's range (where its chunks live)
@@ -797,8 +939,14 @@ def _blob_bytes(client: Any, key: str) -> bytes:
     return data
 
 
-def _attempt(res: list[dict[str, Any]], what: str, fn: Callable[[], Any], *, pull: Mapping[str, Any] | None = None,
-             size: str = "small") -> Any:
+def _attempt(
+    res: list[dict[str, Any]],
+    what: str,
+    fn: Callable[[], Any],
+    *,
+    pull: Mapping[str, Any] | None = None,
+    size: str = "small",
+) -> Any:
     """Run one store operation; record its result (exact bytes for a pull) or its error."""
     from astate_store import AStateError
 
@@ -810,12 +958,19 @@ def _attempt(res: list[dict[str, Any]], what: str, fn: Callable[[], Any], *, pul
             r.update(pull=True, step=out, bad=check_buffers(size, pull, out))
             r["exact"] = not r["bad"]
         else:
-            r["result"] = out if isinstance(out, (int, float, str, bool, type(None), list)) else repr(out)[:200]
+            r["result"] = (
+                out if isinstance(out, (int, float, str, bool, type(None), list)) else repr(out)[:200]
+            )
     except AStateError as exc:
         r.update(ok=False, typed=True, etype=type(exc).__name__, msg=str(exc)[:300])
     except Exception as exc:
-        r.update(ok=False, typed=False, etype=type(exc).__name__, msg=str(exc)[:300],
-                 tb=traceback.format_exc()[-1500:])
+        r.update(
+            ok=False,
+            typed=False,
+            etype=type(exc).__name__,
+            msg=str(exc)[:300],
+            tb=traceback.format_exc()[-1500:],
+        )
     res.append(r)
     return r
 
@@ -839,7 +994,9 @@ def op_hostile_record(state: dict[str, Any], endpoint: str, name: str) -> list[d
         pairs = _bad_record(name, pub[0], pre, 1)
         for k, v in pairs:
             pub[0].catalog.client.raw.put(k, v)
-        res.append({"what": "wrote", "ok": True, "keys": [k if isinstance(k, str) else repr(k) for k, _ in pairs]})
+        res.append(
+            {"what": "wrote", "ok": True, "keys": [k if isinstance(k, str) else repr(k) for k, _ in pairs]}
+        )
         con = _store(endpoint, ns, read_timeout=5.0, lease_ttl=3.0)
         stores.append(con)
         for i, lay in enumerate(("whole", "cols1")):
@@ -882,19 +1039,54 @@ def op_hostile_record(state: dict[str, Any], endpoint: str, name: str) -> list[d
 
 
 HOSTILE_API: tuple[str, ...] = (
-    "get_unknown_name", "get_wrong_global_shape", "get_int_dtype", "get_box_out_of_bounds", "get_non_tensor_list",
-    "get_numpy_array", "get_none_value", "get_name_not_str", "get_empty_mapping", "get_aliased_buffers",
-    "get_overlapping_strides", "get_step_negative", "get_step_str", "get_step_float", "get_step_bool",
-    "get_step_huge", "get_timeout_negative", "get_future_step", "get_bf16_conversion", "get_strided_view",
-    "get_not_a_mapping", "get_shard_wrong_rank",
-    "put_step_negative", "put_step_none", "put_step_huge", "put_stale_step", "put_empty", "put_bad_name_slashes",
-    "put_bad_name_space", "put_name_too_long", "put_complex_dtype", "put_non_tensor", "put_shard_out_of_bounds",
-    "put_changed_global_shape", "put_aliased", "serve_unfilled_buffers", "serve_wrong_step", "bad_namespace",
-    "bad_rank", "retire_without_put", "checkpoint_uncommitted_step", "restore_no_checkpoint",
+    "get_unknown_name",
+    "get_wrong_global_shape",
+    "get_int_dtype",
+    "get_box_out_of_bounds",
+    "get_non_tensor_list",
+    "get_numpy_array",
+    "get_none_value",
+    "get_name_not_str",
+    "get_empty_mapping",
+    "get_aliased_buffers",
+    "get_overlapping_strides",
+    "get_step_negative",
+    "get_step_str",
+    "get_step_float",
+    "get_step_bool",
+    "get_step_huge",
+    "get_timeout_negative",
+    "get_future_step",
+    "get_bf16_conversion",
+    "get_strided_view",
+    "get_not_a_mapping",
+    "get_shard_wrong_rank",
+    "put_step_negative",
+    "put_step_none",
+    "put_step_huge",
+    "put_stale_step",
+    "put_empty",
+    "put_bad_name_slashes",
+    "put_bad_name_space",
+    "put_name_too_long",
+    "put_complex_dtype",
+    "put_non_tensor",
+    "put_shard_out_of_bounds",
+    "put_changed_global_shape",
+    "put_aliased",
+    "serve_unfilled_buffers",
+    "serve_wrong_step",
+    "bad_namespace",
+    "bad_rank",
+    "retire_without_put",
+    "checkpoint_uncommitted_step",
+    "restore_no_checkpoint",
 )
 
 
-def op_hostile_api(state: dict[str, Any], endpoint: str, names: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+def op_hostile_api(
+    state: dict[str, Any], endpoint: str, names: Sequence[str]
+) -> dict[str, list[dict[str, Any]]]:
     """Bad API input, one after another on the same stores (a bad call must not poison them):
     each result is followed by a good pull that must be exact."""
     torch = _torch()
@@ -929,15 +1121,20 @@ def op_hostile_api(state: dict[str, Any], endpoint: str, names: Sequence[str]) -
             "get_unknown_name": (lambda: get({"w": w, "nope": torch.zeros(3)}), None),
             "get_wrong_global_shape": (lambda: get({"w": torch.zeros(shape[0], shape[1] - 1)}), None),
             "get_int_dtype": (lambda: get({"w": torch.zeros(shape, dtype=torch.int32)}), None),
-            "get_box_out_of_bounds": (lambda: get({"w": Shard(torch.zeros(10, shape[1]), (shape[0] - 5, 0), shape)}),
-                                      None),
+            "get_box_out_of_bounds": (
+                lambda: get({"w": Shard(torch.zeros(10, shape[1]), (shape[0] - 5, 0), shape)}),
+                None,
+            ),
             "get_non_tensor_list": (lambda: get({"w": [[0.0] * shape[1]] * shape[0]}), None),
             "get_numpy_array": (lambda: get({"w": w.numpy()}), None),
             "get_none_value": (lambda: get({"w": None}), None),
             "get_name_not_str": (lambda: get({7: w}), None),
             "get_empty_mapping": (lambda: get({}), None),
             "get_aliased_buffers": (lambda: get({"w": w, "b": w[0]}), None),
-            "get_overlapping_strides": (lambda: get({"w": torch.zeros(shape[1]).as_strided(shape, (0, 1))}), None),
+            "get_overlapping_strides": (
+                lambda: get({"w": torch.zeros(shape[1]).as_strided(shape, (0, 1))}),
+                None,
+            ),
             "get_step_negative": (lambda: get(good, step=-1), good),
             "get_step_str": (lambda: get(good, step="1"), good),
             "get_step_float": (lambda: get(good, step=1.5), good),
@@ -945,8 +1142,12 @@ def op_hostile_api(state: dict[str, Any], endpoint: str, names: Sequence[str]) -
             "get_step_huge": (lambda: get(good, step=10**30), good),
             "get_timeout_negative": (lambda: get(good, timeout=-5), good),
             "get_future_step": (lambda: get(good, step=step[0] + 1000, timeout=0.5), good),
-            "get_bf16_conversion": (lambda: get(bf16), bf16) if (bf16 := make_buffers(size, "bf16")) else (None, None),
-            "get_strided_view": (lambda: get(sv), sv) if (sv := make_buffers(size, "strided")) else (None, None),
+            "get_bf16_conversion": (lambda: get(bf16), bf16)
+            if (bf16 := make_buffers(size, "bf16"))
+            else (None, None),
+            "get_strided_view": (lambda: get(sv), sv)
+            if (sv := make_buffers(size, "strided"))
+            else (None, None),
             "get_not_a_mapping": (lambda: get([("w", w)]), None),
             "get_shard_wrong_rank": (lambda: get({"w": Shard(torch.zeros(4), (0, 0), shape)}), None),
             "put_step_negative": (lambda: put(pub[1], -1), None),
@@ -959,17 +1160,24 @@ def op_hostile_api(state: dict[str, Any], endpoint: str, names: Sequence[str]) -
             "put_name_too_long": (lambda: put({**pub[1], "x" * 600: torch.zeros(2)}), None),
             "put_complex_dtype": (lambda: put({**pub[1], "z": torch.zeros(2, dtype=torch.complex64)}), None),
             "put_non_tensor": (lambda: put({**pub[1], "z": [1.0, 2.0]}), None),
-            "put_shard_out_of_bounds": (lambda: put({**pub[1], "w": Shard(torch.zeros(4, 4), (shape[0] - 2, 0),
-                                                                          shape)}), None),
+            "put_shard_out_of_bounds": (
+                lambda: put({**pub[1], "w": Shard(torch.zeros(4, 4), (shape[0] - 2, 0), shape)}),
+                None,
+            ),
             "put_changed_global_shape": (lambda: put({**pub[1], "b": torch.zeros(shape[1] + 1)}), None),
             "put_aliased": (lambda: put({**pub[1], "alias": _tensor_of(pub[1]["w"])[0]}), None),
             "serve_unfilled_buffers": (lambda: con.serve(step[0], make_buffers(size, "whole")), None),
             "serve_wrong_step": (lambda: con.serve(step[0] + 7, good), None),
             "bad_namespace": (lambda: other.append(_store(endpoint, "a/b")), None),
             "bad_rank": (bad_rank, None),
-            "retire_without_put": (lambda: _pub_track(other, endpoint, ns + "y", 0, 1, size)[0].retire(timeout=1), None),
-            "checkpoint_uncommitted_step": (lambda: pub[0].checkpoint(step[0] + 50, tempfile.mkdtemp(
-                prefix="astate-fault-ckpt-")), None),
+            "retire_without_put": (
+                lambda: _pub_track(other, endpoint, ns + "y", 0, 1, size)[0].retire(timeout=1),
+                None,
+            ),
+            "checkpoint_uncommitted_step": (
+                lambda: pub[0].checkpoint(step[0] + 50, tempfile.mkdtemp(prefix="astate-fault-ckpt-")),
+                None,
+            ),
             "restore_no_checkpoint": (lambda: con.restore(make_buffers(size, "whole")), None),
         }
         for name in names:
@@ -980,7 +1188,9 @@ def op_hostile_api(state: dict[str, Any], endpoint: str, names: Sequence[str]) -
                 poison(pull)
             r = _attempt(res, name, fn, pull=pull)
             if name.startswith("put") and r.get("ok") and r.get("result") is not None:
-                step[0] += 1  # a put that was accepted published a step (good values: the next pull checks them)
+                step[0] += (
+                    1  # a put that was accepted published a step (good values: the next pull checks them)
+                )
                 res[-1]["note"] = "accepted"
             if name.startswith("put") and r.get("ok"):
                 # The accepted put published tensors other than the model's: the next good put restores them.
@@ -1009,14 +1219,16 @@ def _pub_track(other: list[Any], endpoint: str, ns: str, rank: int, world: int, 
 # ---- fuzz ------------------------------------------------------------------------------------
 
 
-
-
-
 def _fuzz_targets() -> tuple[str, ...]:
     from astate_store.model import codec
 
-    return tuple(f"codec:{k}" for k in codec.KINDS) + ("counter", "blob_from_kvs", "manifest_from_record",
-                                                      "layout_from_record", "version_from_kvs")
+    return tuple(f"codec:{k}" for k in codec.KINDS) + (
+        "counter",
+        "blob_from_kvs",
+        "manifest_from_record",
+        "layout_from_record",
+        "version_from_kvs",
+    )
 
 
 class _Meta:
@@ -1058,18 +1270,29 @@ def _schema_strategy(node: Mapping[str, Any], defs: Mapping[str, Any], st: Any) 
     if typ == "object":
         props = node.get("properties", {})
         req = set(node.get("required", ()))
-        return st.fixed_dictionaries({k: _schema_strategy(v, defs, st) for k, v in props.items() if k in req},
-                                     optional={k: _schema_strategy(v, defs, st) for k, v in props.items()
-                                               if k not in req})
+        return st.fixed_dictionaries(
+            {k: _schema_strategy(v, defs, st) for k, v in props.items() if k in req},
+            optional={k: _schema_strategy(v, defs, st) for k, v in props.items() if k not in req},
+        )
     return _any_value(st)
 
 
 def _any_value(st: Any) -> Any:
-    leaf = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
-                     st.floats(), st.text(max_size=12), st.binary(max_size=24))
-    return st.recursive(leaf, lambda kids: st.one_of(st.lists(kids, max_size=4),
-                                                     st.dictionaries(st.text(max_size=8), kids, max_size=4)),
-                        max_leaves=12)
+    leaf = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**63), max_value=2**64 - 1),
+        st.floats(),
+        st.text(max_size=12),
+        st.binary(max_size=24),
+    )
+    return st.recursive(
+        leaf,
+        lambda kids: st.one_of(
+            st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)
+        ),
+        max_leaves=12,
+    )
 
 
 def _record_bytes(kind: str, st: Any) -> Any:
@@ -1085,8 +1308,11 @@ def _record_bytes(kind: str, st: Any) -> Any:
     @st.composite
     def mutated(draw: Any) -> bytes:
         r = dict(draw(rec))
-        how = draw(st.sampled_from(["valid", "drop", "add", "replace", "tag", "truncate", "flip", "trail",
-                                    "not_map"]))
+        how = draw(
+            st.sampled_from(
+                ["valid", "drop", "add", "replace", "tag", "truncate", "flip", "trail", "not_map"]
+            )
+        )
         if how == "drop" and r:
             r.pop(draw(st.sampled_from(sorted(r))))
         elif how == "add":
@@ -1094,17 +1320,21 @@ def _record_bytes(kind: str, st: Any) -> Any:
         elif how == "replace" and r:
             r[draw(st.sampled_from(sorted(r)))] = draw(_any_value(st))
         elif how == "tag":
-            r["schema"] = draw(st.one_of(st.sampled_from([f"{k}/1" for k in codec.KINDS] + [f"{kind}/2", kind, "/"]),
-                                         _any_value(st)))
+            r["schema"] = draw(
+                st.one_of(
+                    st.sampled_from([f"{k}/1" for k in codec.KINDS] + [f"{kind}/2", kind, "/"]),
+                    _any_value(st),
+                )
+            )
         if how == "not_map":
             data = msgpack.packb(draw(_any_value(st)), use_bin_type=True)
         else:
             data = msgpack.packb(r, use_bin_type=True)
         if how == "truncate" and data:
-            data = data[:draw(st.integers(0, len(data) - 1))]
+            data = data[: draw(st.integers(0, len(data) - 1))]
         elif how == "flip" and data:
             i = draw(st.integers(0, len(data) - 1))
-            data = data[:i] + bytes([data[i] ^ draw(st.integers(1, 255))]) + data[i + 1:]
+            data = data[:i] + bytes([data[i] ^ draw(st.integers(1, 255))]) + data[i + 1 :]
         elif how == "trail":
             data += draw(st.binary(min_size=1, max_size=8))
         return data
@@ -1144,9 +1374,14 @@ def _manifest_columns(st: Any) -> Any:
             elif which == "len":
                 gs = gs + [draw(st.integers(0, 9))]
         dts = bytes(draw(st.integers(0, 11 if draw(st.booleans()) else 255)) for _ in range(n))
-        return {"names": [draw(st.from_regex(r"[a-z][a-z0-9_.]{0,6}", fullmatch=True)) for _ in range(n)],
-                "dtypes": dts, "ndims": bytes(min(255, x) for x in nd), "global_shapes": _i64s(gs),
-                "offsets": _i64s(of), "sizes": _i64s(sz)}
+        return {
+            "names": [draw(st.from_regex(r"[a-z][a-z0-9_.]{0,6}", fullmatch=True)) for _ in range(n)],
+            "dtypes": dts,
+            "ndims": bytes(min(255, x) for x in nd),
+            "global_shapes": _i64s(gs),
+            "offsets": _i64s(of),
+            "sizes": _i64s(sz),
+        }
 
     return cols()
 
@@ -1155,8 +1390,8 @@ def _fuzz_call(target: str, data: Any, st: Any) -> Callable[[], Any]:
     """The decoder call for one drawn example (``data`` is hypothesis' interactive draw)."""
     import msgpack
 
-    from astate_store.model import codec
     from astate_store.catalog import blobs, records
+    from astate_store.model import codec
     from astate_store.model.layout import Box, ShardRecord
 
     if target.startswith("codec:"):
@@ -1174,12 +1409,14 @@ def _fuzz_call(target: str, data: Any, st: Any) -> Callable[[], Any]:
 
         stored = zlib.compress(payload) if how == "zlib" else payload
         chunked = data.draw(st.booleans())
-        head: dict[str, Any] = {"size": data.draw(st.sampled_from([len(payload), len(payload) + 1, 0])),
-                                "codec": "zlib" if how in ("zlib", "bad") else "none",
-                                "digest": blobs._digest(stored) if data.draw(st.booleans()) else "0" * 16}
+        head: dict[str, Any] = {
+            "size": data.draw(st.sampled_from([len(payload), len(payload) + 1, 0])),
+            "codec": "zlib" if how in ("zlib", "bad") else "none",
+            "digest": blobs._digest(stored) if data.draw(st.booleans()) else "0" * 16,
+        }
         kvs: list[tuple[bytes, Any]] = []
         if chunked:
-            parts = [stored[i:i + 8] for i in range(0, len(stored), 8)] or [b""]
+            parts = [stored[i : i + 8] for i in range(0, len(stored), 8)] or [b""]
             head["chunks"] = data.draw(st.sampled_from([len(parts), len(parts) + 1, max(0, len(parts) - 1)]))
             for i, part in enumerate(parts):
                 if data.draw(st.integers(0, 9)) == 0:
@@ -1189,8 +1426,11 @@ def _fuzz_call(target: str, data: Any, st: Any) -> Callable[[], Any]:
             head["chunks"] = 0
             head["data"] = stored
         if data.draw(st.booleans()):
-            head_raw = codec.encode("blob", head) if data.draw(st.integers(0, 4)) else data.draw(
-                _record_bytes("blob", st))
+            head_raw = (
+                codec.encode("blob", head)
+                if data.draw(st.integers(0, 4))
+                else data.draw(_record_bytes("blob", st))
+            )
             kvs.append((head_raw, _Meta(key.encode())))
         for _ in range(data.draw(st.integers(0, 2))):  # stray keys under the blob's range
             suffix = data.draw(st.one_of(st.text(max_size=8).map(str.encode), st.binary(max_size=8)))
@@ -1214,15 +1454,32 @@ def _fuzz_call(target: str, data: Any, st: Any) -> Callable[[], Any]:
 
         return go
     if target == "layout_from_record":
-        shards = [ShardRecord("w", "float32", (8, 6), Box((0, 0), (4, 6)), (6, 1), 0, 0, 0),
-                  ShardRecord("b", "bfloat16", (6,), Box((0,), (6,)), (1,), 0, 0, 96),
-                  ShardRecord("n", "int64", (), Box((), ()), (), 0, 1, 0)]
+        shards = [
+            ShardRecord("w", "float32", (8, 6), Box((0, 0), (4, 6)), (6, 1), 0, 0, 0),
+            ShardRecord("b", "bfloat16", (6,), Box((0,), (6,)), (1,), 0, 0, 96),
+            ShardRecord("n", "int64", (), Box((), ()), (), 0, 1, 0),
+        ]
         man_rec = records.manifest_record(shards)
         manifest = records.manifest_from_record(man_rec, man_rec["manifest_id"])
         good = records.layout_record(3, 1, manifest, shards, b"\x80")
         rec = dict(good)
-        for field in data.draw(st.lists(st.sampled_from(["strides", "regions", "byte_offsets", "epoch", "rank",
-                                                          "transport", "manifest_id", "packed"]), max_size=3)):
+        for field in data.draw(
+            st.lists(
+                st.sampled_from(
+                    [
+                        "strides",
+                        "regions",
+                        "byte_offsets",
+                        "epoch",
+                        "rank",
+                        "transport",
+                        "manifest_id",
+                        "packed",
+                    ]
+                ),
+                max_size=3,
+            )
+        ):
             if field in ("strides", "regions", "byte_offsets"):
                 rec[field] = _i64s(data.draw(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=6)))
             elif field in ("epoch", "rank"):
@@ -1235,7 +1492,9 @@ def _fuzz_call(target: str, data: Any, st: Any) -> Callable[[], Any]:
                 p = data.draw(_manifest_columns(st))
                 m = len(p["names"])
                 p["regions"] = _i64s(data.draw(st.lists(st.integers(-2, 3), min_size=m, max_size=m + 1)))
-                p["byte_offsets"] = _i64s(data.draw(st.lists(st.integers(-2, 2**40), min_size=m, max_size=m + 1)))
+                p["byte_offsets"] = _i64s(
+                    data.draw(st.lists(st.integers(-2, 2**40), min_size=m, max_size=m + 1))
+                )
                 rec["packed"] = p
         rec.pop("layout_id", None)
         lid = records._layout_id(rec) if data.draw(st.integers(0, 9)) else good["layout_id"]
@@ -1244,8 +1503,9 @@ def _fuzz_call(target: str, data: Any, st: Any) -> Callable[[], Any]:
         raw = msgpack.packb({"schema": "layout/1", **rec}, use_bin_type=True)
 
         def go_layout() -> Any:
-            lay = records.layout_from_record(codec.decode("layout", raw), manifest, key_id=lid, epoch=epoch,
-                                             rank=rank)
+            lay = records.layout_from_record(
+                codec.decode("layout", raw), manifest, key_id=lid, epoch=epoch, rank=rank
+            )
             return (lay.shards, lay.packed)
 
         return go_layout
@@ -1256,19 +1516,58 @@ def _fuzz_call(target: str, data: Any, st: Any) -> Callable[[], Any]:
         good = {"commit": {"step": step, "epoch": epoch, "world_size": world, "committed_at": 1.0}}
         kvs = [(codec.encode("commit", good["commit"]), _Meta((pre + "commit").encode()))]
         for r in range(world):
-            kvs.append((codec.encode("piece", {"step": step, "epoch": epoch, "rank": r, "world_size": world,
-                                                "layout_id": "b" * 24, "base_offset": 0, "manifest_id": "a" * 24}),
-                        _Meta((pre + f"pieces/{records.pad20(epoch)}/{records.pad20(r)}").encode())))
+            kvs.append(
+                (
+                    codec.encode(
+                        "piece",
+                        {
+                            "step": step,
+                            "epoch": epoch,
+                            "rank": r,
+                            "world_size": world,
+                            "layout_id": "b" * 24,
+                            "base_offset": 0,
+                            "manifest_id": "a" * 24,
+                        },
+                    ),
+                    _Meta((pre + f"pieces/{records.pad20(epoch)}/{records.pad20(r)}").encode()),
+                )
+            )
         if data.draw(st.booleans()):
-            kvs.append((codec.encode("replica", {"step": step, "group": "g", "member": "m", "layout_id": "b" * 24,
-                                                  "manifest_id": "a" * 24}), _Meta((pre + "replicas/g/m").encode())))
+            kvs.append(
+                (
+                    codec.encode(
+                        "replica",
+                        {
+                            "step": step,
+                            "group": "g",
+                            "member": "m",
+                            "layout_id": "b" * 24,
+                            "manifest_id": "a" * 24,
+                        },
+                    ),
+                    _Meta((pre + "replicas/g/m").encode()),
+                )
+            )
         for _ in range(data.draw(st.integers(0, 2))):  # what a hostile writer adds or overwrites
             e, r = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
-            kind, suffix = data.draw(st.sampled_from([
-                ("commit", "commit"), ("piece", f"pieces/{records.pad20(e)}/{records.pad20(r)}"),
-                ("replica", f"replicas/g{r}/m{e}"), ("piece", "pieces/x/y"), ("piece", f"pieces/{e}"),
-                ("piece", f"pieces/{e}/{r}/z"), ("commit", "commit/extra"), ("replica", "replicas/g"),
-                ("replica", "replicas/a/b/c"), ("raw", None), ("raw", "")]))
+            kind, suffix = data.draw(
+                st.sampled_from(
+                    [
+                        ("commit", "commit"),
+                        ("piece", f"pieces/{records.pad20(e)}/{records.pad20(r)}"),
+                        ("replica", f"replicas/g{r}/m{e}"),
+                        ("piece", "pieces/x/y"),
+                        ("piece", f"pieces/{e}"),
+                        ("piece", f"pieces/{e}/{r}/z"),
+                        ("commit", "commit/extra"),
+                        ("replica", "replicas/g"),
+                        ("replica", "replicas/a/b/c"),
+                        ("raw", None),
+                        ("raw", ""),
+                    ]
+                )
+            )
             if suffix is None:
                 kb = pre.encode() + data.draw(st.binary(max_size=12))
             else:
@@ -1286,8 +1585,12 @@ def _closure_repr(fn: Callable[[], Any]) -> str:
     import types
 
     cells = getattr(fn, "__closure__", None) or ()
-    vals = [c.cell_contents for c in cells if not isinstance(c.cell_contents, (types.ModuleType, types.FunctionType))
-            and not callable(c.cell_contents)]
+    vals = [
+        c.cell_contents
+        for c in cells
+        if not isinstance(c.cell_contents, (types.ModuleType, types.FunctionType))
+        and not callable(c.cell_contents)
+    ]
     return repr(vals)[:700]
 
 
@@ -1306,8 +1609,14 @@ def op_fuzz(state: dict[str, Any], target: str, examples: int, seed: int) -> dic
     seen: set[str] = set()
 
     @hseed(seed)
-    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck), derandomize=False)
+    @settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        derandomize=False,
+    )
     @given(st.data())
     def run(data: Any) -> None:
         call = _fuzz_call(target, data, st)
@@ -1324,8 +1633,7 @@ def op_fuzz(state: dict[str, Any], target: str, examples: int, seed: int) -> dic
             sig = f"{type(exc).__name__} at {where}"
             if sig not in seen and len(crashes) < 6:
                 seen.add(sig)
-                crashes.append({"signature": sig, "msg": str(exc)[:200],
-                                "input": _closure_repr(call)})
+                crashes.append({"signature": sig, "msg": str(exc)[:200], "input": _closure_repr(call)})
 
     run()
     return {**counts, "crash_examples": crashes}
@@ -1341,8 +1649,11 @@ def actor_main() -> None:
     sys.stdout = proto
     import logging
 
-    logging.basicConfig(level=os.environ.get("ASTATE_FAULT_LOG", "WARNING"), stream=sys.stderr,
-                        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("ASTATE_FAULT_LOG", "WARNING"),
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s",
+    )
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the driver asks on a hang
@@ -1365,8 +1676,16 @@ def actor_main() -> None:
         except AStateError as exc:
             _emit({"id": rid, "ok": False, "typed": True, "etype": type(exc).__name__, "msg": str(exc)[:500]})
         except Exception as exc:
-            _emit({"id": rid, "ok": False, "typed": False, "etype": type(exc).__name__, "msg": str(exc)[:500],
-                   "tb": traceback.format_exc()[-2000:]})
+            _emit(
+                {
+                    "id": rid,
+                    "ok": False,
+                    "typed": False,
+                    "etype": type(exc).__name__,
+                    "msg": str(exc)[:500],
+                    "tb": traceback.format_exc()[-2000:],
+                }
+            )
     for h in list(state["held"].values()):
         _close_held(h)
     if "etcd" in state:
@@ -1387,7 +1706,9 @@ class Died(Exception):
 class Actor:
     """One actor process. Every wait is bounded; :meth:`kill` ends it by PID."""
 
-    def __init__(self, name: str, logdir: str, netns: str | None = None, env: Mapping[str, str] | None = None):
+    def __init__(
+        self, name: str, logdir: str, netns: str | None = None, env: Mapping[str, str] | None = None
+    ):
         self.name = name
         self.netns = netns
         self.log_path = os.path.join(logdir, f"{name}.log")
@@ -1405,8 +1726,16 @@ class Actor:
 
         cmd = tied_to_caller(cmd)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, cwd=str(ROOT),
-                                     env=e, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            cwd=str(ROOT),
+            env=e,
+            text=True,
+            bufsize=1,
+        )
         self._q: queue.Queue[Any] = queue.Queue()
         self._events: queue.Queue[Any] = queue.Queue()
         self._replies: dict[int, Any] = {}
@@ -1430,7 +1759,7 @@ class Actor:
         self._q.put(None)  # EOF: the process is gone
         self._events.put(None)
 
-    def wait_ready(self, timeout: float = 120.0) -> "Actor":
+    def wait_ready(self, timeout: float = 120.0) -> Actor:
         ev = self.event(timeout)
         if ev.get("event") != "ready":
             raise Died(f"actor {self.name}: unexpected first event {ev}")
@@ -1453,7 +1782,9 @@ class Actor:
         self._next += 1
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps({"id": self._next, "op": op, "args": list(args), "kw": kw}) + "\n")
+            self.proc.stdin.write(
+                json.dumps({"id": self._next, "op": op, "args": list(args), "kw": kw}) + "\n"
+            )
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise Died(f"actor {self.name}: {exc}") from None
@@ -1468,7 +1799,9 @@ class Actor:
                 raise Hang(f"actor {self.name} (pid {self.pid}): no answer within {timeout:.1f}s") from None
             if msg is None:
                 self._q.put(None)
-                raise Died(f"actor {self.name} (pid {self.pid}) exited before answering ({self.exit_status()})")
+                raise Died(
+                    f"actor {self.name} (pid {self.pid}) exited before answering ({self.exit_status()})"
+                )
             self._replies[int(msg["id"])] = msg
         return dict(self._replies.pop(rid))
 
@@ -1630,16 +1963,35 @@ class EtcdProcess:
         self.endpoint = f"127.0.0.1:{self.client_port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 30.0) -> "EtcdProcess":
+    def start(self, timeout: float = 30.0) -> EtcdProcess:
         c, p = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
-        cmd = [self.binary, "--name", "f", "--data-dir", os.path.join(self.dir, "data"), "--listen-client-urls", c,
-               "--advertise-client-urls", c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
-               "--initial-cluster", f"f={p}", "--initial-cluster-state", "new", "--log-level", "error"]
+        cmd = [
+            self.binary,
+            "--name",
+            "f",
+            "--data-dir",
+            os.path.join(self.dir, "data"),
+            "--listen-client-urls",
+            c,
+            "--advertise-client-urls",
+            c,
+            "--listen-peer-urls",
+            p,
+            "--initial-advertise-peer-urls",
+            p,
+            "--initial-cluster",
+            f"f={p}",
+            "--initial-cluster-state",
+            "new",
+            "--log-level",
+            "error",
+        ]
         from astate_store.etcd.embedded import tied_to_caller
 
         with open(os.path.join(self.dir, "etcd.log"), "ab") as log:
-            self.proc = subprocess.Popen(tied_to_caller(cmd), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                tied_to_caller(cmd), stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,8 +1,9 @@
 """Which processes a test run or a benchmark started are still running: found by a tag in their environment.
 
 A run calls :func:`tag_children` first: it puts ``ASTATE_RUN_TAG_<random>=<its pid>`` into
-``os.environ``, so every process started from then on (etcd servers, replica servers, actors, fork-server children, and
-whatever they start in turn) inherits it, however far it is reparented later (an orphan is a child
+``os.environ``, so every process started from then on (etcd servers, replica servers, actors,
+fork-server children, and whatever they start in turn) inherits it, however far it is reparented later (an
+orphan is a child
 of init, so parent links cannot find it). Tags nest: a benchmark's tag stays in the environment of
 a test run it starts, which adds its own. At the end :func:`leftovers` lists the live processes that
 carry the tag, other than the caller and its own pool helpers (multiprocessing's fork server and

@@ -26,7 +26,7 @@ def _plan(src: np.ndarray, dst: np.ndarray, rows: list[tuple[int, int, int]]) ->
 def _expected(dst: np.ndarray, rows: list[tuple[int, int, int]]) -> np.ndarray:
     want = dst.copy()
     for s, d, n in rows:
-        want[d:d + n] = SRC[s:s + n]
+        want[d : d + n] = SRC[s : s + n]
     return want
 
 
@@ -44,9 +44,15 @@ def _disjoint_rows(draw: st.DrawFn) -> list[tuple[int, int, int]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.composite(_disjoint_rows)(), threads=st.integers(1, 4), streaming=st.sampled_from([-1, 0, 1]),
-       split=st.sampled_from([0, 1 << 12, 8 << 20]))
-def test_rows_land_exactly(rows: list[tuple[int, int, int]], threads: int, streaming: int, split: int) -> None:
+@given(
+    rows=st.composite(_disjoint_rows)(),
+    threads=st.integers(1, 4),
+    streaming=st.sampled_from([-1, 0, 1]),
+    split=st.sampled_from([0, 1 << 12, 8 << 20]),
+)
+def test_rows_land_exactly(
+    rows: list[tuple[int, int, int]], threads: int, streaming: int, split: int
+) -> None:
     dst = np.full(sum(n for _, _, n in rows) + 77 * len(rows) + 200, 0xA5, dtype=np.uint8)
     want = _expected(dst, rows)
     native().copy_rows(_plan(SRC, dst, rows), threads=threads, streaming=streaming, split_bytes=split)
@@ -63,7 +69,7 @@ def test_big_rows_cut_into_chunks(threads: int, streaming: int) -> None:
     dst = np.zeros(n + 128, dtype=np.uint8)
     one = np.array([[src.ctypes.data + 3, dst.ctypes.data + 5, n]], dtype=np.uint64)
     native().copy_rows(one, threads=threads, streaming=streaming)
-    assert np.array_equal(dst[5:5 + n], src[3:3 + n]) and not dst[:5].any() and not dst[5 + n:].any()
+    assert np.array_equal(dst[5 : 5 + n], src[3 : 3 + n]) and not dst[:5].any() and not dst[5 + n :].any()
     piece = 12_345
     m = n // piece
     dst[:] = 0
@@ -72,8 +78,8 @@ def test_big_rows_cut_into_chunks(threads: int, streaming: int) -> None:
     plan[:, 1] = dst.ctypes.data + 1 + np.arange(m, dtype=np.uint64)[::-1] * piece  # reversed order
     plan[:, 2] = piece
     native().copy_rows(plan, threads=threads, streaming=streaming)
-    got = dst[1:1 + m * piece].reshape(m, piece)[::-1].reshape(-1)
-    assert np.array_equal(got, src[7:7 + m * piece]) and dst[0] == 0 and not dst[1 + m * piece:].any()
+    got = dst[1 : 1 + m * piece].reshape(m, piece)[::-1].reshape(-1)
+    assert np.array_equal(got, src[7 : 7 + m * piece]) and dst[0] == 0 and not dst[1 + m * piece :].any()
 
 
 @pytest.mark.parametrize("streaming", [0, 1])

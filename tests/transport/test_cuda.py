@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from astate_store.store import Store
-
 from tests._store_workers import device_publisher
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 CTX = mp.get_context("spawn")
 
 

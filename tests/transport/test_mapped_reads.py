@@ -19,10 +19,8 @@ import pytest
 import torch
 
 from astate_store.errors import PeerUnreachable, TransportError
-from astate_store.transport import UcxTransport
-from astate_store.transport import memfd
+from astate_store.transport import UcxTransport, memfd
 from astate_store.transport.ucx import native
-
 from tests._transport_peer import pattern
 from tests.transport.test_transport import Peer, _with_region0, ops_for
 
@@ -63,7 +61,7 @@ def test_memfd_regions_are_mapped_and_read_with_memcpy(monkeypatch: pytest.Monke
             want = src.reshape(-1, 8192)[:, :4096].reshape(-1)
             dst = torch.zeros(N, dtype=torch.uint8)
             t.get(_strided_ops(p, dst, N), timeout=30)
-            assert np.array_equal(dst.numpy()[: want.size], want) and not dst.numpy()[want.size:].any()
+            assert np.array_equal(dst.numpy()[: want.size], want) and not dst.numpy()[want.size :].any()
             small = torch.zeros(1 << 16, dtype=torch.uint8)
             t.get(ops_for([(p, 1, 0, small.data_ptr(), 1 << 16)]), timeout=30)
             assert np.array_equal(small.numpy(), pattern(1 << 16, 1))
@@ -77,7 +75,8 @@ def test_memfd_regions_are_mapped_and_read_with_memcpy(monkeypatch: pytest.Monke
 
 @pytest.mark.timeout(120)
 def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``prefault`` (given before planning) populates on the background thread; a get that
     comes while it runs takes the chunks still left from the far end and waits for the rest:
     no chunk is populated twice, and every byte is read."""
@@ -124,7 +123,9 @@ def test_a_prefault_hint_maps_pages_in_the_background_and_the_get_waits_for_it(
 
 
 @pytest.mark.timeout(120)
-def test_a_get_prefaults_only_the_runs_it_reads_and_a_prepared_one_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_get_prefaults_only_the_runs_it_reads_and_a_prepared_one_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A plan reading the two ends of a region (a column-split consumer between another
     one's copies) populates those runs, not the bytes between them; the same plan again
     populates nothing (its window was prepared), and a new plan only what it adds."""
@@ -143,18 +144,23 @@ def test_a_get_prefaults_only_the_runs_it_reads_and_a_prepared_one_nothing(monke
 
             monkeypatch.setattr(memfd, "_populate", spy)
             dst = torch.zeros(2 * N, dtype=torch.uint8)
-            ends = ops_for([(p, 0, 0, dst.data_ptr(), N // 2), (p, 0, N // 2, dst.data_ptr() + N // 2, N // 2),
-                            (p, 0, 3 * N, dst.data_ptr() + N, N)])
+            ends = ops_for(
+                [
+                    (p, 0, 0, dst.data_ptr(), N // 2),
+                    (p, 0, N // 2, dst.data_ptr() + N // 2, N // 2),
+                    (p, 0, 3 * N, dst.data_ptr() + N, N),
+                ]
+            )
             t.get(ends, timeout=30)
             src = pattern(4 * N, 0)
-            assert np.array_equal(dst.numpy(), np.concatenate([src[:N], src[3 * N:]]))
+            assert np.array_equal(dst.numpy(), np.concatenate([src[:N], src[3 * N :]]))
             assert sorted(spans) == [(0, N), (3 * N, 4 * N)]  # two runs; the 2N between left alone
             t.get(ends, timeout=30)
             assert len(spans) == 2
             more = ops_for([(p, 0, 0, dst.data_ptr(), N), (p, 0, 2 * N, dst.data_ptr() + N, N)])
             t.get(more, timeout=30)
             assert sorted(spans) == [(0, N), (2 * N, 3 * N), (3 * N, 4 * N)]
-            assert np.array_equal(dst.numpy(), np.concatenate([src[:N], src[2 * N: 3 * N]]))
+            assert np.array_equal(dst.numpy(), np.concatenate([src[:N], src[2 * N : 3 * N]]))
     finally:
         pub.stop()
 
@@ -183,15 +189,21 @@ def test_mapped_reads_of_an_exited_peer_raise(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.timeout(120)
-def test_forged_memfd_numbers_are_refused_and_reads_stay_exact(monkeypatch: pytest.MonkeyPatch,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_forged_memfd_numbers_are_refused_and_reads_stay_exact(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A descriptor whose region 0 (anonymous memory) names another fd of the same proven
     process: none may be mapped in its place; the bytes still come from the region itself."""
     caplog.set_level(logging.INFO, logger="astate_store")
     pub = Peer("shm", [N])  # anonymous regions
-    why = {"unsealed": "not a memfd sealed", "elsewhere": "not mapped from that file",
-           "file": "not a memfd sealed", "stdin": "not a regular file", "missing": "pidfd_getfd refused",
-           "huge": "pidfd_getfd refused"}
+    why = {
+        "unsealed": "not a memfd sealed",
+        "elsewhere": "not mapped from that file",
+        "file": "not a memfd sealed",
+        "stdin": "not a regular file",
+        "missing": "pidfd_getfd refused",
+        "huge": "pidfd_getfd refused",
+    }
     try:
         with UcxTransport("shm") as t:
             forged = dict(pub.decoys, stdin=0, missing=999, huge=2**31 - 1)

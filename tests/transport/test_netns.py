@@ -8,8 +8,9 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -56,7 +57,9 @@ class _Proc:
         env.pop("ASTATE_ETCD", None)
         # tied to this process: a worker (and the etcd it runs) never outlives the test run
         cmd = tied_to_caller(["ip", "netns", "exec", ns, sys.executable, "-m", "tests._netns_worker", *args])
-        self.p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
 
     def line(self) -> dict[str, Any]:
         assert self.p.stdout is not None

@@ -11,7 +11,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -25,14 +25,15 @@ from astate_store.transport import stream as S
 from astate_store.transport.stream import client as stream_client
 from astate_store.transport.stream import server as stream_server
 from astate_store.transport.stream import wire as stream_wire
-
 from tests._transport_peer import pattern
 from tests.transport.test_transport import Peer, _wait_stopped, ops_for
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _scattered(p: int, region: int, n: int, dst: torch.Tensor, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _scattered(
+    p: int, region: int, n: int, dst: torch.Tensor, rows: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """A plan of ``rows`` equal pieces of ``region`` landing at shuffled places of ``dst`` (what a
     reshard does); the permutation to check them with."""
     piece = n // rows
@@ -117,7 +118,9 @@ def test_a_wrong_stream_key_is_refused_and_ucx_reads_instead() -> None:
         peer.stop()
 
 
-def _request(sock: socket.socket, keys: list[tuple[int, bytes]], rows: list[tuple[int, int, int]]) -> tuple[int, bytes]:
+def _request(
+    sock: socket.socket, keys: list[tuple[int, bytes]], rows: list[tuple[int, int, int]]
+) -> tuple[int, bytes]:
     k = np.array(keys, dtype=S.KEY_DT)
     r = np.array(rows, dtype=S.ROW_DT)
     sock.sendall(struct.pack("<8sII", S.REQUEST, len(k), len(r)) + k.tobytes() + r.tobytes())
@@ -141,7 +144,10 @@ def test_the_server_checks_every_request_and_keeps_serving() -> None:
         key0, key1 = d.regions[0].stream_key, d.regions[1].stream_key
         with socket.create_connection(S.parse_address(d.stream), timeout=30) as c:
             status, body = _request(c, [(0, key0)], [(0, 10, 100), (0, 5000, 7)])
-            assert status == S.OK and body == pattern(n, 0)[10:110].tobytes() + pattern(n, 0)[5000:5007].tobytes()
+            assert (
+                status == S.OK
+                and body == pattern(n, 0)[10:110].tobytes() + pattern(n, 0)[5000:5007].tobytes()
+            )
             # region numbers only tie a request's rows to its keys: the key says which region is read
             status, body = _request(c, [(7, key1)], [(7, 3, 5)])
             assert status == S.OK and body == pattern(n, 1)[3:8].tobytes()
@@ -160,9 +166,12 @@ def test_the_server_checks_every_request_and_keeps_serving() -> None:
             peer.call("unregister", 1)
             status, body = _request(c, [(1, key1)], [(1, 0, 8)])  # freed: refused
             assert status == S.REFUSED and "freed" in body.decode()
-        for junk in (b"GET / HTTP/1.0\r\n\r\n",  # not the protocol
-                     struct.pack("<8sII", S.LANE, 1, 1) + np.array([(0, key0)], S.KEY_DT).tobytes()
-                     + np.array([(0, 0, 8)], S.ROW_DT).tobytes()):  # a lane's opening with rows
+        for junk in (
+            b"GET / HTTP/1.0\r\n\r\n",  # not the protocol
+            struct.pack("<8sII", S.LANE, 1, 1)
+            + np.array([(0, key0)], S.KEY_DT).tobytes()
+            + np.array([(0, 0, 8)], S.ROW_DT).tobytes(),
+        ):  # a lane's opening with rows
             with socket.create_connection(S.parse_address(d.stream), timeout=30) as c:
                 c.sendall(junk)  # the server hangs up
                 try:
@@ -216,7 +225,8 @@ def streaming() -> Iterator[tuple[Peer, UcxTransport, int, torch.Tensor]]:
 
 
 def test_a_stalled_stream_times_out_and_writes_nothing_later(
-        streaming: tuple[Peer, UcxTransport, int, torch.Tensor]) -> None:
+    streaming: tuple[Peer, UcxTransport, int, torch.Tensor],
+) -> None:
     peer, t, p, dst = streaming
     n = dst.numel()
     ops = ops_for([(p, 0, 0, dst.data_ptr(), n)] * 64)  # 4 GiB: many seconds over tcp
@@ -236,7 +246,8 @@ def test_a_stalled_stream_times_out_and_writes_nothing_later(
 
 
 def test_a_publisher_killed_mid_stream_raises_peer_unreachable(
-        streaming: tuple[Peer, UcxTransport, int, torch.Tensor]) -> None:
+    streaming: tuple[Peer, UcxTransport, int, torch.Tensor],
+) -> None:
     peer, t, p, dst = streaming
     os.kill(peer.pid, signal.SIGKILL)
     peer.proc.join(10)
@@ -244,14 +255,17 @@ def test_a_publisher_killed_mid_stream_raises_peer_unreachable(
         t.get(ops_for([(p, 0, 0, dst.data_ptr(), dst.numel())] * 8), timeout=30)
 
 
-@pytest.mark.parametrize("field,value,why", [
-    ("stream", "localhost:80", "not 'ip:port'"),
-    ("stream", "10.0.0.1:0", "not 'ip:port'"),
-    ("stream", "0.0.0.0:80", "not 'ip:port'"),
-    ("stream", 5, "not 'ip:port'"),
-    ("stream_key", b"short", "stream_key of 5 bytes"),
-    ("stream_key", "text", "must be bytes"),
-])
+@pytest.mark.parametrize(
+    "field,value,why",
+    [
+        ("stream", "localhost:80", "not 'ip:port'"),
+        ("stream", "10.0.0.1:0", "not 'ip:port'"),
+        ("stream", "0.0.0.0:80", "not 'ip:port'"),
+        ("stream", 5, "not 'ip:port'"),
+        ("stream_key", b"short", "stream_key of 5 bytes"),
+        ("stream_key", "text", "must be bytes"),
+    ],
+)
 def test_descriptor_stream_fields_are_checked(field: str, value: object, why: str) -> None:
     d = {"kind": "ucx", "worker_address": b"x", "regions": [{"base": 4096, "size": 8, "rkey": b"k"}]}
     if field == "stream":
@@ -274,15 +288,23 @@ class _Local:
         self.server = S.StreamServer("127.0.0.1", self._lookup)
 
     def _lookup(self, key: bytes) -> S.Served | None:
-        return S.Served(self.src.data_ptr(), self.src.numel(), self.key, self.src) if key == self.key else None
+        return (
+            S.Served(self.src.data_ptr(), self.src.numel(), self.key, self.src) if key == self.key else None
+        )
 
     def job(self, dst: torch.Tensor | None = None, *, address: int = 0, n: int = 0) -> S.Job:
         if dst is not None:
             address, n = dst.data_ptr(), dst.numel()
         keys = np.array([(0, self.key)], dtype=S.KEY_DT)
         zero = np.zeros(1, dtype=np.uint64)
-        return S.jobs_for({0: ("local", self.server.address, keys)}, zero, zero, zero,
-                          np.array([n], dtype=np.uint64), np.array([address], dtype=np.uint64))[0]
+        return S.jobs_for(
+            {0: ("local", self.server.address, keys)},
+            zero,
+            zero,
+            zero,
+            np.array([n], dtype=np.uint64),
+            np.array([address], dtype=np.uint64),
+        )[0]
 
 
 def test_a_pooled_connection_the_server_dropped_is_replaced() -> None:
@@ -355,7 +377,9 @@ def test_extra_lanes_take_at_most_half_the_servers_room(monkeypatch: pytest.Monk
         local.server.close()
 
 
-def test_a_full_server_evicts_idle_pooled_connections_for_a_new_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_server_evicts_idle_pooled_connections_for_a_new_consumer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Pooled connections of earlier consumers fill the server; the next consumer is still
     streamed (the server closes the longest-idle connection for it) and is not sent to UCX; the
     first consumer, its pooled connection gone, reconnects on its next pull."""
@@ -379,7 +403,9 @@ def test_a_full_server_evicts_idle_pooled_connections_for_a_new_consumer(monkeyp
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 9))
-def test_split_job_cuts_the_rows_into_lanes_covering_every_byte_once_in_order(lengths: list[int], k: int) -> None:
+def test_split_job_cuts_the_rows_into_lanes_covering_every_byte_once_in_order(
+    lengths: list[int], k: int
+) -> None:
     rows = np.zeros(len(lengths), dtype=S.ROW_DT)
     rows["region"] = np.arange(len(lengths)) % 3
     rows["offset"] = np.arange(len(lengths)) * 10_000 + 7
@@ -393,11 +419,17 @@ def test_split_job_cuts_the_rows_into_lanes_covering_every_byte_once_in_order(le
     assert max(sizes) - min(sizes) <= 1 and all(int(x) > 0 for p in parts for x in p.rows["length"])
 
     def expand(js: list[S.Job]) -> list[tuple[int, int, int]]:  # (region, source byte, destination byte)
-        return [(int(r["region"]), int(r["offset"]) + i, int(d) + i)
-                for j in js for r, d in zip(j.rows, j.local) for i in range(int(r["length"]))]
+        return [
+            (int(r["region"]), int(r["offset"]) + i, int(d) + i)
+            for j in js
+            for r, d in zip(j.rows, j.local)
+            for i in range(int(r["length"]))
+        ]
 
     assert expand(parts) == expand([job])
-    assert [int(i) for p in parts for i in p.rows_index] == sorted(int(i) for p in parts for i in p.rows_index)
+    assert [int(i) for p in parts for i in p.rows_index] == sorted(
+        int(i) for p in parts for i in p.rows_index
+    )
 
 
 def test_the_lanes_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -494,6 +526,7 @@ def test_a_read_of_a_region_freed_since_the_descriptor_is_refused_with_a_typed_e
 
 # ---- the socket loop (move_rows): native and Python, tails below the wake-up mark ----------------
 
+
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
     with socket.create_server(("127.0.0.1", 0)) as ls:
         a = socket.create_connection(ls.getsockname())
@@ -510,12 +543,21 @@ def _rows_over(buf: np.ndarray, sizes: list[int], seed: int) -> tuple[np.ndarray
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-@pytest.mark.parametrize("sizes", [
-    [1], [stream_wire._RCVLOWAT - 1], [stream_wire._RCVLOWAT + 1], [3 * stream_wire._RCVLOWAT + 17],
-    [4096] * 3000 + [5], [1, 7, 65536, stream_wire._RCVLOWAT // 2 + 3, 1, 999_999],
-], ids=["one byte", "below the mark", "above the mark", "tail after marks", "3000 rows", "mixed"])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [1],
+        [stream_wire._RCVLOWAT - 1],
+        [stream_wire._RCVLOWAT + 1],
+        [3 * stream_wire._RCVLOWAT + 17],
+        [4096] * 3000 + [5],
+        [1, 7, 65536, stream_wire._RCVLOWAT // 2 + 3, 1, 999_999],
+    ],
+    ids=["one byte", "below the mark", "above the mark", "tail after marks", "3000 rows", "mixed"],
+)
 def test_move_rows_receives_and_sends_exact_bytes_in_row_order(
-        native: bool, sizes: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    native: bool, sizes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The sender trickles the stream in uneven pieces with pauses, so the receiver sleeps with less
     # queued than the wake-up mark (SO_RCVLOWAT) many times, the tail included: it must neither
     # hang (the deadline turns a hang into a failure) nor misplace a byte.
@@ -526,12 +568,13 @@ def test_move_rows_receives_and_sends_exact_bytes_in_row_order(
     addr, length = _rows_over(dst, sizes, seed=total)
     a, b = _tcp_pair()
     with a, b:
+
         def trickle() -> None:
             rng = np.random.default_rng(1)
             off = 0
             while off < total:
                 n = int(rng.integers(1, 300_000))
-                a.sendall(src[off:off + n].tobytes())
+                a.sendall(src[off : off + n].tobytes())
                 off += n
                 if rng.random() < 0.3:
                     time.sleep(0.01)
@@ -541,7 +584,7 @@ def test_move_rows_receives_and_sends_exact_bytes_in_row_order(
         S.move_rows(b, addr, length, send=False, deadline=time.monotonic() + 60)
         t.join()
         assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1  # a later header read is not held
-        got = np.concatenate([dst[int(p) - dst.ctypes.data:][:int(n)] for p, n in zip(addr, length)])
+        got = np.concatenate([dst[int(p) - dst.ctypes.data :][: int(n)] for p, n in zip(addr, length)])
         assert np.array_equal(got, src)
         # and back: sending from the same rows yields the same stream
         back = bytearray(total)
@@ -560,7 +603,8 @@ def test_move_rows_receives_and_sends_exact_bytes_in_row_order(
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 def test_move_rows_raises_typed_errors_when_the_stream_stalls_or_closes(
-        native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ASTATE_STREAM_NATIVE", "1" if native else "0")
     dst = np.zeros(1 << 20, dtype=np.uint8)
     addr, length = np.array([dst.ctypes.data], np.uint64), np.array([dst.size], np.uint64)
@@ -578,10 +622,13 @@ class _Interrupted(Exception):
     pass
 
 
-def test_a_signal_stops_a_stalled_native_read_with_its_handlers_exception(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_signal_stops_a_stalled_native_read_with_its_handlers_exception(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Ctrl-C on a get(timeout=None) from a stalled peer must not wait for the 120 s stall budget:
     # the loop runs the signal handlers between polls (SIGUSR1 stands in for SIGINT here).
     monkeypatch.setenv("ASTATE_STREAM_NATIVE", "1")
+
     def handler(signum: int, frame: object) -> None:
         raise _Interrupted()
 
@@ -593,8 +640,13 @@ def test_a_signal_stops_a_stalled_native_read_with_its_handlers_exception(monkey
             a.sendall(b"y" * 1000)
             threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
             with pytest.raises(_Interrupted):  # not a TimeoutError, not a hang (deadline None: 120 s)
-                S.move_rows(b, np.array([dst.ctypes.data], np.uint64), np.array([dst.size], np.uint64),
-                            send=False, deadline=None)
+                S.move_rows(
+                    b,
+                    np.array([dst.ctypes.data], np.uint64),
+                    np.array([dst.size], np.uint64),
+                    send=False,
+                    deadline=None,
+                )
             assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
             assert bytes(dst[:1000]) == b"y" * 1000
     finally:

@@ -11,17 +11,18 @@ import pytest
 import torch
 
 from astate_store.transport import topology as T
-from astate_store.transport.topology import numa, policy
 from astate_store.transport.topology import (
     AffinityChoice,
     AffinityConfig,
-    apply_env,
     alloc_on_node,
+    apply_env,
     choose,
     node_of_address,
+    numa,
     parse_cpulist,
     pin_current_thread,
     pinned,
+    policy,
     read_topology,
 )
 
@@ -115,7 +116,12 @@ def test_read_two_socket(sysfs: Path) -> None:
     assert topo.cpus_of(7) == ()
     assert topo.node_of_cpu(3) == 0 and topo.node_of_cpu(12) == 1 and topo.node_of_cpu(99) is None
 
-    assert [g.pci_address for g in topo.gpus] == ["0000:1a:00.0", "0000:3b:00.0", "0000:86:00.0", "0000:b1:00.0"]
+    assert [g.pci_address for g in topo.gpus] == [
+        "0000:1a:00.0",
+        "0000:3b:00.0",
+        "0000:86:00.0",
+        "0000:b1:00.0",
+    ]
     assert [g.ordinal for g in topo.gpus] == [0, 1, 2, 3]
     assert all(g.vendor == "nvidia" for g in topo.gpus)
     assert [topo.node_of_gpu(i) for i in range(4)] == [0, 0, 1, 1]
@@ -124,8 +130,14 @@ def test_read_two_socket(sysfs: Path) -> None:
     assert topo.gpu_by_pci("86:00.0").ordinal == 2  # type: ignore[union-attr]
     assert topo.gpu_by_pci("0000:99:00.0") is None
 
-    assert {(p.ucx_name, p.numa_node, p.active) for p in topo.rdma_ports} == {("mlx5_0:1", 0, True), ("mlx5_1:1", 1, True)}
-    assert {(i.name, i.numa_node) for i in topo.net_interfaces} == {("eth0", 0), ("eth1", 1)}  # lo, docker0 skipped
+    assert {(p.ucx_name, p.numa_node, p.active) for p in topo.rdma_ports} == {
+        ("mlx5_0:1", 0, True),
+        ("mlx5_1:1", 1, True),
+    }
+    assert {(i.name, i.numa_node) for i in topo.net_interfaces} == {
+        ("eth0", 0),
+        ("eth1", 1),
+    }  # lo, docker0 skipped
     assert topo.nics_near(0) == ("mlx5_0:1",)
     assert topo.nics_near(1) == ("mlx5_1:1",)
     assert topo.nics_near(None) == ()
@@ -145,7 +157,10 @@ def test_amd_gpus_counted_when_no_nvidia(tmp_path: Path) -> None:
 def test_inactive_port_falls_back_to_ethernet(sysfs: Path) -> None:
     add_ib(sysfs, "mlx5_1", 1, {1: "1: DOWN", 2: "2: INIT"})
     topo = read_topology(sysfs)
-    assert {p.ucx_name: p.active for p in topo.rdma_ports if p.device == "mlx5_1"} == {"mlx5_1:1": False, "mlx5_1:2": False}
+    assert {p.ucx_name: p.active for p in topo.rdma_ports if p.device == "mlx5_1"} == {
+        "mlx5_1:1": False,
+        "mlx5_1:2": False,
+    }
     assert topo.nics_near(1) == ("eth1",)
     c = choose(topo, "cuda:3", AffinityConfig(), allowed_cpus=ALL16, env=NO_ENV)
     assert c.numa_node == 1 and c.net_devices == "eth1"
@@ -219,7 +234,9 @@ def test_garbage_files_do_not_crash(tmp_path: Path) -> None:
         (torch.device("cuda:3"), 1, "mlx5_1:1"),
     ],
 )
-def test_choose_gpu(sysfs: Path, device: object, node: int, nic: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_choose_gpu(
+    sysfs: Path, device: object, node: int, nic: str, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="astate_store.transport.topology")
     c = choose(read_topology(sysfs), device, AffinityConfig(), allowed_cpus=ALL16, env=NO_ENV)  # type: ignore[arg-type]
     assert c.numa_node == node
@@ -243,12 +260,16 @@ def test_choose_cuda_visible_devices(sysfs: Path) -> None:
     assert c.numa_node == 1 and c.net_devices == "mlx5_1:1"
     c = choose(topo, "cuda:1", AffinityConfig(), allowed_cpus=ALL16, env={"CUDA_VISIBLE_DEVICES": "3,0"})
     assert c.numa_node == 0
-    c = choose(topo, "cuda:0", AffinityConfig(), allowed_cpus=ALL16, env={"CUDA_VISIBLE_DEVICES": "GPU-1234abcd"})
+    c = choose(
+        topo, "cuda:0", AffinityConfig(), allowed_cpus=ALL16, env={"CUDA_VISIBLE_DEVICES": "GPU-1234abcd"}
+    )
     assert c.numa_node is None and c.cpus == () and c.net_devices is None
 
 
 def test_choose_prefers_torch_pci_address(sysfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(policy, "_cuda_pci_address", lambda index: "0000:86:00.0")  # torch says cuda:0 is ordinal 2
+    monkeypatch.setattr(
+        policy, "_cuda_pci_address", lambda index: "0000:86:00.0"
+    )  # torch says cuda:0 is ordinal 2
     c = choose(read_topology(sysfs), "cuda:0", AffinityConfig(), allowed_cpus=ALL16, env=NO_ENV)
     assert c.numa_node == 1 and "from torch" in c.reason
 
@@ -266,7 +287,9 @@ def test_forced_node_and_user_net_devices(sysfs: Path) -> None:
     topo = read_topology(sysfs)
     c = choose(topo, "cuda:0", AffinityConfig(numa_node=1), allowed_cpus=ALL16, env=NO_ENV)
     assert c.numa_node == 1 and c.cpus == tuple(range(8, 16)) and c.net_devices == "mlx5_1:1"
-    c = choose(topo, "cuda:0", AffinityConfig(numa_node=5), allowed_cpus=ALL16, env=NO_ENV)  # absent node: derive
+    c = choose(
+        topo, "cuda:0", AffinityConfig(numa_node=5), allowed_cpus=ALL16, env=NO_ENV
+    )  # absent node: derive
     assert c.numa_node == 0
     for dev in ("cuda:0", "cuda:3", "cpu"):
         c = choose(topo, dev, AffinityConfig(net_devices="mlx5_7:1"), allowed_cpus=ALL16, env=NO_ENV)
@@ -417,7 +440,9 @@ def test_alloc_on_node_edge_cases() -> None:
         alloc_on_node(-1, 0)
 
 
-def test_alloc_on_absent_node_falls_back(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_alloc_on_absent_node_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG, logger="astate_store.transport.topology")
     t = alloc_on_node(8192, 63)  # no such node: mbind refuses, no cpus for first touch
     assert t.shape == (8192,)
@@ -426,7 +451,9 @@ def test_alloc_on_absent_node_falls_back(monkeypatch: pytest.MonkeyPatch, caplog
     assert any("plain allocation" in r.getMessage() for r in caplog.records)
 
 
-def test_alloc_first_touch_fallback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_alloc_first_touch_fallback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG, logger="astate_store.transport.topology")
     monkeypatch.setattr(numa, "_mbind", lambda *a: "mbind unavailable (test)")
     node = read_topology().nodes[0].id

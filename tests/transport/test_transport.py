@@ -8,7 +8,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -19,9 +20,8 @@ from astate_store.errors import PeerUnreachable, TransportError
 from astate_store.transport import PeerDescriptor, RegionInfo, UcxTransport, make_ops
 from astate_store.transport import base as transport_base
 from astate_store.transport.ucx import native
-
-from tests._transport_peer import hold_secret, pattern, serve
 from tests._procs import CTX
+from tests._transport_peer import hold_secret, pattern, serve
 
 MODES = ["shm", "tcp"]
 # (publisher/consumer mode, consumer's same-host process_vm_readv fast path)
@@ -236,7 +236,11 @@ def test_batch_over_2gib_resumes_inside_a_row(pair: tuple[UcxTransport, Peer, st
     scratch = torch.zeros(n, dtype=torch.uint8)
     dst = torch.zeros(3 * n, dtype=torch.uint8)
     rows = [(p, 0, 0, scratch.data_ptr(), n)] * 255
-    rows += [(p, 0, 0, dst.data_ptr(), n), (p, 0, 4096, dst.data_ptr() + n, n - 4096), (p, 0, 77, dst.data_ptr() + 2 * n, 5000)]
+    rows += [
+        (p, 0, 0, dst.data_ptr(), n),
+        (p, 0, 4096, dst.data_ptr() + n, n - 4096),
+        (p, 0, 77, dst.data_ptr() + 2 * n, 5000),
+    ]
     t.get(ops_for(rows), timeout=60)
     src = pattern(n, 0)
     got = dst.numpy()
@@ -716,8 +720,15 @@ def test_forged_descriptor_never_reads_another_process(monkeypatch: pytest.Monke
                 assert not np.array_equal(dst.numpy(), secret), name
             # One plan over the real and a forged peer: the real one still reads directly.
             both = torch.zeros(2 * n, dtype=torch.uint8)
-            t.get(ops_for([(t.peer_index("real"), 0, 0, both.data_ptr(), n),
-                           (t.peer_index("pid"), 0, 0, both.data_ptr() + n, n)]), timeout=30)
+            t.get(
+                ops_for(
+                    [
+                        (t.peer_index("real"), 0, 0, both.data_ptr(), n),
+                        (t.peer_index("pid"), 0, 0, both.data_ptr() + n, n),
+                    ]
+                ),
+                timeout=30,
+            )
             assert np.array_equal(both.numpy(), np.concatenate([pattern(n, 0), pattern(n, 0)]))
             assert victim.pid not in read_pids and pub.pid in read_pids
     finally:
@@ -736,7 +747,9 @@ def test_proof_region_is_in_the_descriptor_but_not_a_data_region(loop: UcxTransp
     assert loop.num_regions == 1  # the proof is not counted among registrations
 
 
-def test_bad_descriptors_raise_transport_error_at_connect(loop: UcxTransport, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_descriptors_raise_transport_error_at_connect(
+    loop: UcxTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
     x = torch.arange(4096, dtype=torch.uint8)
     loop.register_tensor(x)
     good = loop.descriptor()
@@ -755,7 +768,10 @@ def test_bad_descriptors_raise_transport_error_at_connect(loop: UcxTransport, mo
         "memory type": _with_region0(good, memory_type="gpu"),
         "region not a dict": {**good, "regions": [b"x"]},
         "regions not a list": {**good, "regions": {"a": 1}},
-        "address too long": {**good, "worker_address": addr * (transport_base.MAX_WORKER_ADDRESS_BYTES // len(addr) + 1)},
+        "address too long": {
+            **good,
+            "worker_address": addr * (transport_base.MAX_WORKER_ADDRESS_BYTES // len(addr) + 1),
+        },
         "empty address": {**good, "worker_address": b""},
         "address not bytes": {**good, "worker_address": 4096},
         "address version": {**good, "worker_address": bytes([0x0E]) + addr[1:]},  # UCX would abort on it
@@ -819,7 +835,7 @@ def test_register_range_exposes_only_that_range(loop: UcxTransport) -> None:
     p = loop.peer_index("me")
     y = torch.zeros(3 * page, dtype=torch.uint8)
     loop.get(ops_for([(p, r, 0, y.data_ptr(), 3 * page)]))
-    assert torch.equal(y, x.view(torch.uint8)[2 * page: 5 * page])
+    assert torch.equal(y, x.view(torch.uint8)[2 * page : 5 * page])
     with pytest.raises(TransportError, match="out of bounds"):
         loop.get(ops_for([(p, r, 3 * page - 8, y.data_ptr(), 16)]))
 

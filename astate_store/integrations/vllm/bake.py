@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -223,7 +224,7 @@ class _Swap:
         self.kernel: dict[str, dict[str, Any]] = {}  # staged module -> its parameters as the engine runs them
         self.fresh: dict[str, dict[str, torch.Tensor]] = {}  # staged module -> pre-processing placeholders
 
-    def __enter__(self) -> "_Swap":
+    def __enter__(self) -> _Swap:
         seen: set[int] = set()
         for mname, module in self.model.named_modules():
             if mname in self.staged:

@@ -25,8 +25,9 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -37,7 +38,6 @@ from vllm.distributed.weight_transfer.base import (
 
 import astate_store
 from astate_store.errors import AStateError, LayoutError, WaitTimeout
-
 from astate_store.integrations.vllm.bake import Baked, bake
 from astate_store.integrations.vllm.paths import decide, pre_processing_metadata
 from astate_store.integrations.vllm.staged import StagedModule
@@ -169,7 +169,7 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
             "astate: step %d (%d staged modules) in %.3fs", got, len(plan.staged), time.perf_counter() - t0
         )
 
-    def _prepare(self, info: AstateUpdateInfo, timeout: float) -> tuple[int, "_Plan", dict[str, Any]]:
+    def _prepare(self, info: AstateUpdateInfo, timeout: float) -> tuple[int, _Plan, dict[str, Any]]:
         if isinstance(info, _BadInfo):
             raise info.error
         if self.store is None:

@@ -15,7 +15,7 @@ weight). Evidence used, most specific first:
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -18,14 +18,14 @@ runs the repack, and the engine's checksums then equal a fresh engine's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from astate_store import Shard
 from astate_store.errors import LayoutError
-
 from astate_store.integrations.vllm.bake import Piece
 
 __all__ = ["StagedModule"]

@@ -23,8 +23,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
@@ -60,7 +61,7 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
     @classmethod
     def trainer_init(
         cls, init_info: AstateTrainerInitInfo, *, client: Any, source: Any = None
-    ) -> "AstateTrainerEngine":
+    ) -> AstateTrainerEngine:
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
         store = astate_store.connect(

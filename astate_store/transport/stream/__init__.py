@@ -54,9 +54,30 @@ from astate_store.transport.stream.wire import (
     parse_address,
 )
 
-__all__ = ["StreamServer", "StreamReader", "Served", "Job", "new_key", "enabled", "parse_address", "move_all",
-           "move_rows", "jobs_for", "KEY_BYTES", "split_job", "lanes_wanted", "default_lanes", "REQUEST",
-           "RESPONSE", "LANE", "KEY_DT", "ROW_DT", "OK", "REFUSED", "MAX_CONNECTIONS"]
+__all__ = [
+    "StreamServer",
+    "StreamReader",
+    "Served",
+    "Job",
+    "new_key",
+    "enabled",
+    "parse_address",
+    "move_all",
+    "move_rows",
+    "jobs_for",
+    "KEY_BYTES",
+    "split_job",
+    "lanes_wanted",
+    "default_lanes",
+    "REQUEST",
+    "RESPONSE",
+    "LANE",
+    "KEY_DT",
+    "ROW_DT",
+    "OK",
+    "REFUSED",
+    "MAX_CONNECTIONS",
+]
 
 
 def enabled() -> bool:

@@ -22,9 +22,10 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -160,7 +161,7 @@ class StreamReader:
         if not conns:
             return False
         parts = split_job(job, len(conns))
-        for sock, _ in conns[len(parts):]:
+        for sock, _ in conns[len(parts) :]:
             self._give_back(job.address, sock)
         if len(parts) == 1:
             done = [self._part(parts[0], *conns[0], deadline)]
@@ -208,13 +209,16 @@ class StreamReader:
                 self._requests(sock, job, False, deadline)
         except _PeerRefused as exc:
             self._give_back(job.address, sock)
-            raise _error(TransportError, f"peer {job.peer!r} ({job.address}) refused a streamed read", str(exc)) \
-                from None
+            raise _error(
+                TransportError, f"peer {job.peer!r} ({job.address}) refused a streamed read", str(exc)
+            ) from None
         except OSError as exc:
             sock.close()
             if exc.errno != errno.EFAULT:
                 raise self._unreachable(job, exc) from exc
-            log.info("streamed read from %s: a destination is not host memory (EFAULT); UCX reads it", job.address)
+            log.info(
+                "streamed read from %s: a destination is not host memory (EFAULT); UCX reads it", job.address
+            )
             return False
         except (ValueError, OverflowError) as exc:  # a malformed response
             sock.close()
@@ -224,16 +228,22 @@ class StreamReader:
 
     @staticmethod
     def _unreachable(job: Job, exc: BaseException) -> TransportError:
-        what = "timed out" if isinstance(exc, (socket.timeout, TimeoutError)) else \
-                (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
+        what = (
+            "timed out"
+            if isinstance(exc, (socket.timeout, TimeoutError))
+            else (exc.strerror or str(exc))
+            if isinstance(exc, OSError)
+            else str(exc)
+        )
         return _error(PeerUnreachable, f"streamed read from peer {job.peer!r} ({job.address})", what)
 
     def _requests(self, sock: socket.socket, job: Job, pooled: bool, deadline: float | None) -> None:
         for lo in range(0, len(job.rows), MAX_ROWS):
             self._request(sock, job, lo, min(len(job.rows), lo + MAX_ROWS), pooled and lo == 0, deadline)
 
-    def _request(self, sock: socket.socket, job: Job, lo: int, hi: int, may_be_stale: bool,
-                 deadline: float | None) -> None:
+    def _request(
+        self, sock: socket.socket, job: Job, lo: int, hi: int, may_be_stale: bool, deadline: float | None
+    ) -> None:
         rows = job.rows[lo:hi]
         keys = job.keys[np.isin(job.keys["region"], np.unique(rows["region"]))]
         try:
@@ -256,7 +266,9 @@ class StreamReader:
             raise ConnectionError(f"response status {status} with {n} bytes, {want} asked")
         move_rows(sock, job.local[lo:hi], rows["length"], send=False, deadline=deadline)
 
-    def _take(self, job: Job, deadline: float | None, optional: bool = False) -> tuple[socket.socket | None, bool]:
+    def _take(
+        self, job: Job, deadline: float | None, optional: bool = False
+    ) -> tuple[socket.socket | None, bool]:
         """A pooled connection (True) or a fresh one (False); None: not reachable now (``optional``:
         a fresh one that fails is not remembered as down)."""
         stale: list[socket.socket] = []
@@ -296,8 +308,11 @@ class StreamReader:
             sock.sendall(REQUEST_HEAD.pack(LANE if optional else REQUEST, len(keys), 0) + keys.tobytes())
             got = RESPONSE_HEAD.unpack(recv_exact(sock, RESPONSE_HEAD.size))
             if got != (RESPONSE, OK, 0):
-                raise ConnectionError("not this descriptor's stream server" if got[:2] == (RESPONSE, REFUSED)
-                                      else "not a stream server")
+                raise ConnectionError(
+                    "not this descriptor's stream server"
+                    if got[:2] == (RESPONSE, REFUSED)
+                    else "not a stream server"
+                )
         except (OSError, ConnectionError, struct.error) as exc:
             if sock is not None:
                 sock.close()
@@ -404,8 +419,14 @@ def _error(cls: type[TransportError], message: str, reason: str) -> TransportErr
     return err
 
 
-def jobs_for(streams: Mapping[int, tuple[Hashable, str, np.ndarray]], pidx: np.ndarray,
-             region: np.ndarray, offset: np.ndarray, length: np.ndarray, local: np.ndarray) -> list[Job]:
+def jobs_for(
+    streams: Mapping[int, tuple[Hashable, str, np.ndarray]],
+    pidx: np.ndarray,
+    region: np.ndarray,
+    offset: np.ndarray,
+    length: np.ndarray,
+    local: np.ndarray,
+) -> list[Job]:
     """Group plan rows by peer into jobs. ``streams[peer_index]`` = (peer key, stream address,
     KEY_DT keys of its regions); every peer of ``pidx`` must be in it."""
     jobs = []

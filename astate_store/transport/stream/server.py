@@ -19,8 +19,9 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -99,7 +100,7 @@ class StreamServer:
         while not self._closed.is_set():
             try:
                 conn, _ = self._ls.accept()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -133,7 +134,12 @@ class StreamServer:
         if len(head) != REQUEST_HEAD.size:
             raise ConnectionError("truncated request header")
         magic, n_keys, n_rows = REQUEST_HEAD.unpack(head)
-        if magic not in (REQUEST, LANE) or n_keys > MAX_KEYS or n_rows > MAX_ROWS or (magic == LANE and n_rows):
+        if (
+            magic not in (REQUEST, LANE)
+            or n_keys > MAX_KEYS
+            or n_rows > MAX_ROWS
+            or (magic == LANE and n_rows)
+        ):
             # out of step with the peer (not our protocol, or absurd counts): drop the connection
             self._count(refused=1)
             raise ConnectionError(f"bad request header (magic {magic!r}, {n_keys} keys, {n_rows} rows)")
@@ -170,7 +176,11 @@ class StreamServer:
     def _evict_idle(self) -> bool:
         """(Lock held.) Close the longest-idle connection idle for ``_EVICT_IDLE_S``; False: none is."""
         now = time.monotonic()
-        idle = [(since, c) for c, since in self._conns.items() if since is not None and now - since >= _EVICT_IDLE_S]
+        idle = [
+            (since, c)
+            for c, since in self._conns.items()
+            if since is not None and now - since >= _EVICT_IDLE_S
+        ]
         if not idle:
             return False
         victim = min(idle, key=lambda x: x[0])[1]
@@ -186,7 +196,9 @@ class StreamServer:
             self.refused += refused
             self.served_bytes += served
 
-    def _check(self, keys: np.ndarray, rows: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], int, list[Any]]:
+    def _check(
+        self, keys: np.ndarray, rows: np.ndarray
+    ) -> tuple[tuple[np.ndarray, np.ndarray], int, list[Any]]:
         """The send rows (addresses, lengths) of a whole request, or _Refused naming the first problem."""
         served: dict[int, Served] = {}
         for region, key in zip(keys["region"].tolist(), keys["key"].tolist()):
@@ -200,18 +212,25 @@ class StreamServer:
         region, off, length = rows["region"], rows["offset"], rows["length"]
         known = np.array(sorted(served), dtype=np.uint32)
         pos = np.searchsorted(known, region)
-        bad = (pos >= len(known)) | (known[np.minimum(pos, len(known) - 1)] != region) if len(known) else \
-            np.ones(len(rows), dtype=bool)
+        bad = (
+            (pos >= len(known)) | (known[np.minimum(pos, len(known) - 1)] != region)
+            if len(known)
+            else np.ones(len(rows), dtype=bool)
+        )
         if bad.any():
-            raise _Refused(f"row {int(np.argmax(bad))}: region {int(region[np.argmax(bad)])} has no key in the request")
+            raise _Refused(
+                f"row {int(np.argmax(bad))}: region {int(region[np.argmax(bad)])} has no key in the request"
+            )
         size = np.array([served[int(r)].size for r in known], dtype=np.uint64)[pos]
         base = np.array([served[int(r)].address for r in known], dtype=np.uint64)[pos]
         with np.errstate(over="ignore"):
             bad = (length == 0) | (off > size) | (length > size - off)
         if bad.any():
             i = int(np.argmax(bad))
-            raise _Refused(f"row {i}: [{int(off[i])}, +{int(length[i])}) is empty or outside region "
-                           f"{int(region[i])} ({int(size[i])} bytes)")
+            raise _Refused(
+                f"row {i}: [{int(off[i])}, +{int(length[i])}) is empty or outside region "
+                f"{int(region[i])} ({int(size[i])} bytes)"
+            )
         total = int(length.sum(dtype=np.uint64))
         return (base + off, length), total, [s.keepalive for s in served.values()]
 

@@ -24,7 +24,7 @@ import secrets
 import socket
 import struct
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -32,9 +32,28 @@ from astate_store.errors import TransportError
 from astate_store.transport.binding import native
 from astate_store.transport.config import env_on
 
-__all__ = ["REQUEST", "RESPONSE", "LANE", "OK", "REFUSED", "KEY_BYTES", "REQUEST_HEAD", "RESPONSE_HEAD",
-           "KEY_DT", "ROW_DT", "MAX_ROWS", "MAX_KEYS", "IDLE_S", "STALL_S", "new_key", "parse_address",
-           "move_all", "move_rows", "arm", "recv_exact"]
+__all__ = [
+    "REQUEST",
+    "RESPONSE",
+    "LANE",
+    "OK",
+    "REFUSED",
+    "KEY_BYTES",
+    "REQUEST_HEAD",
+    "RESPONSE_HEAD",
+    "KEY_DT",
+    "ROW_DT",
+    "MAX_ROWS",
+    "MAX_KEYS",
+    "IDLE_S",
+    "STALL_S",
+    "new_key",
+    "parse_address",
+    "move_all",
+    "move_rows",
+    "arm",
+    "recv_exact",
+]
 
 REQUEST, RESPONSE, LANE = b"ASTSRQ01", b"ASTSRS01", b"ASTSLN01"
 OK, REFUSED = 0, 1
@@ -71,7 +90,9 @@ def parse_address(addr: object) -> tuple[str, int]:
         ip = ipaddress.ip_address(host)
         p = int(port)
     except ValueError:
-        raise TransportError(f"malformed transport descriptor: stream address {addr!r} is not 'ip:port'") from None
+        raise TransportError(
+            f"malformed transport descriptor: stream address {addr!r} is not 'ip:port'"
+        ) from None
     if not sep or not 0 < p < 65536 or ip.is_multicast or ip.is_unspecified:
         raise TransportError(f"malformed transport descriptor: stream address {addr!r} is not 'ip:port'")
     return str(ip), p
@@ -99,13 +120,13 @@ def _slices(a: np.ndarray, n: np.ndarray) -> list[memoryview]:
     if hi - lo >= 1 << 62:
         return [_view(o, k) for o, k in zip(a.tolist(), n.tolist())]
     view = _view(lo, hi - lo)
-    return [view[o:o + k] for o, k in zip((a - np.uint64(lo)).tolist(), n.tolist())]
+    return [view[o : o + k] for o, k in zip((a - np.uint64(lo)).tolist(), n.tolist())]
 
 
 def move_all(call: Callable[[list[memoryview]], int], bufs: list[memoryview]) -> None:
     """Run ``call`` (sendmsg / recvmsg_into) over ``bufs`` until every byte moved, ``_IOV`` at a time."""
     for i in range(0, len(bufs), _IOV):
-        batch = bufs[i:i + _IOV]
+        batch = bufs[i : i + _IOV]
         while batch:
             n = call(batch)
             if n <= 0:
@@ -117,8 +138,9 @@ def move_all(call: Callable[[list[memoryview]], int], bufs: list[memoryview]) ->
                 batch = [batch[0][n:], *batch[1:]]
 
 
-def move_rows(sock: socket.socket, addr: np.ndarray, length: np.ndarray, send: bool,
-              deadline: float | None = None) -> None:
+def move_rows(
+    sock: socket.socket, addr: np.ndarray, length: np.ndarray, send: bool, deadline: float | None = None
+) -> None:
     """Send from (``send``) or receive into the rows ``(addr, length)``, in order, until every byte
     moved: the native loop (GIL released, no Python per call), or, with ``ASTATE_STREAM_NATIVE=0``,
     ``move_all`` over views. Waits at most ``STALL_S`` for a byte and never past ``deadline``
@@ -139,8 +161,9 @@ def move_rows(sock: socket.socket, addr: np.ndarray, length: np.ndarray, send: b
     left = _until(deadline)
     rows = np.empty((len(a), 2), dtype=np.uint64)
     rows[:, 0], rows[:, 1] = a, n
-    native().sock_rows(sock.fileno(), rows, send, timeout=-1.0 if left is None else left, stall=STALL_S,
-                       lowat=_RCVLOWAT)
+    native().sock_rows(
+        sock.fileno(), rows, send, timeout=-1.0 if left is None else left, stall=STALL_S, lowat=_RCVLOWAT
+    )
 
 
 def _until(deadline: float | None) -> float | None:

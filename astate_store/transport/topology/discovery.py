@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Union
+from typing import Union
 
 __all__ = [
     "NumaNode",
@@ -58,7 +59,7 @@ class NumaNode:
 class GpuInfo:
     pci_address: str  # "0000:3b:00.0", lower case
     vendor: str  # "nvidia" or "amd"
-    numa_node: Optional[int]  # None when sysfs says -1 or nothing
+    numa_node: int | None  # None when sysfs says -1 or nothing
     ordinal: int  # index among GPUs of the same vendor, in PCI bus id order
 
 
@@ -66,9 +67,9 @@ class GpuInfo:
 class RdmaPort:
     device: str  # "mlx5_0"
     port: int  # 1
-    numa_node: Optional[int]
+    numa_node: int | None
     active: bool  # ports/N/state contains ACTIVE
-    link_layer: Optional[str] = None  # "InfiniBand" / "Ethernet" when sysfs says
+    link_layer: str | None = None  # "InfiniBand" / "Ethernet" when sysfs says
 
     @property
     def ucx_name(self) -> str:
@@ -79,8 +80,8 @@ class RdmaPort:
 @dataclass(frozen=True)
 class NetInterface:
     name: str  # "eth0"; UCX's TCP transport names the interface
-    numa_node: Optional[int]
-    operstate: Optional[str] = None  # "up", "down", "unknown"; None when unreadable
+    numa_node: int | None
+    operstate: str | None = None  # "up", "down", "unknown"; None when unreadable
 
     @property
     def up(self) -> bool:
@@ -104,16 +105,16 @@ class Topology:
     def node_ids(self) -> tuple[int, ...]:
         return tuple(n.id for n in self.nodes)
 
-    def _resolve(self, node: Optional[int]) -> Optional[int]:
+    def _resolve(self, node: int | None) -> int | None:
         """A device's node; unknown means 'the only node' on a one-node host."""
         if node is None and len(self.nodes) == 1:
             return self.nodes[0].id
         return node
 
-    def node_of_cpu(self, cpu: int) -> Optional[int]:
+    def node_of_cpu(self, cpu: int) -> int | None:
         return self._cpu_to_node.get(cpu)
 
-    def cpus_of(self, node: Optional[int]) -> tuple[int, ...]:
+    def cpus_of(self, node: int | None) -> tuple[int, ...]:
         for n in self.nodes:
             if n.id == node:
                 return n.cpus
@@ -124,12 +125,12 @@ class Topology:
         nvidia = tuple(g for g in self.gpus if g.vendor == "nvidia")
         return nvidia if nvidia else tuple(g for g in self.gpus if g.vendor == "amd")
 
-    def gpu(self, ordinal: int) -> Optional[GpuInfo]:
+    def gpu(self, ordinal: int) -> GpuInfo | None:
         """The GPU with this physical ordinal (PCI bus id order), or None."""
         gpus = self.cuda_gpus()
         return gpus[ordinal] if 0 <= ordinal < len(gpus) else None
 
-    def gpu_by_pci(self, address: str) -> Optional[GpuInfo]:
+    def gpu_by_pci(self, address: str) -> GpuInfo | None:
         """The GPU at a PCI address; the function number is ignored (GPUs are function 0)."""
         key = _pci_key(address)
         if key is None:
@@ -140,12 +141,12 @@ class Topology:
                 return g
         return None
 
-    def node_of_gpu(self, ordinal: int) -> Optional[int]:
+    def node_of_gpu(self, ordinal: int) -> int | None:
         """NUMA node of the GPU with this physical ordinal; None when unknown or absent."""
         g = self.gpu(ordinal)
         return None if g is None else self._resolve(g.numa_node)
 
-    def nics_near(self, node: Optional[int]) -> tuple[str, ...]:
+    def nics_near(self, node: int | None) -> tuple[str, ...]:
         """UCX device names local to ``node``, best first.
 
         Active RDMA ports on the node if there are any, else the node's ethernet
@@ -162,14 +163,14 @@ class Topology:
 # --------------------------------------------------------------------------- sysfs
 
 
-def _read(path: Path) -> Optional[str]:
+def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()
     except (OSError, UnicodeDecodeError, ValueError):
         return None
 
 
-def _read_int(path: Path, base: int = 10) -> Optional[int]:
+def _read_int(path: Path, base: int = 10) -> int | None:
     text = _read(path)
     if text is None:
         return None
@@ -179,7 +180,7 @@ def _read_int(path: Path, base: int = 10) -> Optional[int]:
         return None
 
 
-def _read_numa(path: Path) -> Optional[int]:
+def _read_numa(path: Path) -> int | None:
     value = _read_int(path)
     return None if value is None or value < 0 else value
 
@@ -224,7 +225,7 @@ def parse_cpulist(text: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
-def _read_cpulist(path: Path) -> Optional[tuple[int, ...]]:
+def _read_cpulist(path: Path) -> tuple[int, ...] | None:
     text = _read(path)
     if text is None:
         return None
@@ -254,7 +255,7 @@ def _read_nodes(root: Path) -> tuple[NumaNode, ...]:
     return (NumaNode(0, cpus),)
 
 
-def _pci_key(address: str) -> Optional[tuple[int, int, int, int]]:
+def _pci_key(address: str) -> tuple[int, int, int, int] | None:
     m = re.fullmatch(r"(?:([0-9a-fA-F]+):)?([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)", address.strip())
     if m is None:
         return None
@@ -263,7 +264,7 @@ def _pci_key(address: str) -> Optional[tuple[int, int, int, int]]:
 
 
 def _read_gpus(root: Path) -> tuple[GpuInfo, ...]:
-    found: list[tuple[tuple[int, int, int, int], str, str, Optional[int]]] = []
+    found: list[tuple[tuple[int, int, int, int], str, str, int | None]] = []
     for d in _listdir(root / "bus/pci/devices"):
         key = _pci_key(d.name)
         vendor = _read_int(d / "vendor", 16)
@@ -283,7 +284,7 @@ def _read_gpus(root: Path) -> tuple[GpuInfo, ...]:
     return tuple(gpus)
 
 
-def _device_numa(dev_dir: Path) -> Optional[int]:
+def _device_numa(dev_dir: Path) -> int | None:
     """``<dev>/device/numa_node``, or its parent's (a virtio device sits under its PCI function)."""
     node = _read_numa(dev_dir / "device" / "numa_node")
     if node is not None:
@@ -328,7 +329,6 @@ def read_topology(sysfs_root: PathLike = "/sys") -> Topology:
         rdma_ports=_read_rdma(root),
         net_interfaces=_read_net(root),
     )
-
 
 
 def format_cpulist(cpus: Iterable[int]) -> str:

@@ -19,7 +19,7 @@ import os
 import platform
 import sys
 import threading
-from typing import Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -32,7 +32,7 @@ __all__ = ["pin_current_thread", "pinned", "alloc_on_node", "node_of_address"]
 # --------------------------------------------------------------------------- threads
 
 
-def pin_current_thread(cpus: Iterable[int]) -> Optional[frozenset[int]]:
+def pin_current_thread(cpus: Iterable[int]) -> frozenset[int] | None:
     """Pin the calling thread to ``cpus``; return its previous CPU set, or None if nothing changed.
 
     On Linux ``sched_setaffinity(0, ...)`` acts on the calling thread only. Empty ``cpus``,
@@ -57,7 +57,7 @@ def pin_current_thread(cpus: Iterable[int]) -> Optional[frozenset[int]]:
 
 
 @contextlib.contextmanager
-def pinned(cpus: Iterable[int]) -> Iterator[Optional[frozenset[int]]]:
+def pinned(cpus: Iterable[int]) -> Iterator[frozenset[int] | None]:
     """Pin the calling thread to ``cpus`` for the block, then restore; yields the previous set."""
     previous = pin_current_thread(cpus)
     try:
@@ -107,11 +107,20 @@ class _NumaCalls:
                 continue
             mb.restype = ctypes.c_long
             mb.argtypes = [
-                ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_uint
+                ctypes.c_void_p,
+                ctypes.c_ulong,
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_ulong,
+                ctypes.c_uint,
             ]
             gm.restype = ctypes.c_long
             gm.argtypes = [
-                ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong
+                ctypes.POINTER(ctypes.c_int),
+                ctypes.c_void_p,
+                ctypes.c_ulong,
+                ctypes.c_void_p,
+                ctypes.c_ulong,
             ]
             self.mbind, self.get_mempolicy = mb, gm
             return
@@ -128,20 +137,29 @@ class _NumaCalls:
 
         def mbind(addr, length, mode, mask, maxnode, flags):  # type: ignore[no-untyped-def]
             return syscall(
-                ctypes.c_long(nr_mbind), ctypes.c_void_p(addr), ctypes.c_ulong(length), ctypes.c_int(mode),
-                mask, ctypes.c_ulong(maxnode), ctypes.c_uint(flags),
+                ctypes.c_long(nr_mbind),
+                ctypes.c_void_p(addr),
+                ctypes.c_ulong(length),
+                ctypes.c_int(mode),
+                mask,
+                ctypes.c_ulong(maxnode),
+                ctypes.c_uint(flags),
             )
 
         def get_mempolicy(mode_ptr, mask, maxnode, addr, flags):  # type: ignore[no-untyped-def]
             return syscall(
-                ctypes.c_long(nr_getmp), mode_ptr, mask, ctypes.c_ulong(maxnode), ctypes.c_void_p(addr),
+                ctypes.c_long(nr_getmp),
+                mode_ptr,
+                mask,
+                ctypes.c_ulong(maxnode),
+                ctypes.c_void_p(addr),
                 ctypes.c_ulong(flags),
             )
 
         self.mbind, self.get_mempolicy = mbind, get_mempolicy
 
 
-_numa_calls: Optional[_NumaCalls] = None
+_numa_calls: _NumaCalls | None = None
 _numa_lock = threading.Lock()
 
 
@@ -153,7 +171,7 @@ def _calls() -> _NumaCalls:
         return _numa_calls
 
 
-def _mbind(addr: int, length: int, node: int, strict: bool) -> Optional[str]:
+def _mbind(addr: int, length: int, node: int, strict: bool) -> str | None:
     """Bind [addr, addr+length) to ``node``; None on success, else why not."""
     calls = _calls()
     if calls.mbind is None:
@@ -169,7 +187,7 @@ def _mbind(addr: int, length: int, node: int, strict: bool) -> Optional[str]:
     return None
 
 
-def node_of_address(address: int) -> Optional[int]:
+def node_of_address(address: int) -> int | None:
     """NUMA node of the (already touched) page holding ``address``; None if unknown."""
     calls = _calls()
     if calls.get_mempolicy is None:
@@ -190,7 +208,7 @@ def _touch(t: torch.Tensor, page: int) -> None:
 
 def alloc_on_node(
     nbytes: int,
-    node: Optional[int],
+    node: int | None,
     *,
     strict: bool = False,
     shared: bool = False,
@@ -244,7 +262,7 @@ def alloc_on_node(
     return t
 
 
-def _fresh_mapping(length: int, shared: bool) -> Optional[mmap.mmap]:
+def _fresh_mapping(length: int, shared: bool) -> mmap.mmap | None:
     """A page-aligned, untouched mapping of ``length`` bytes; None when none can be made.
 
     The one place topology reaches into the transport's memory: ``shared`` asks
@@ -281,7 +299,7 @@ def _first_touch_on(whole: torch.Tensor, node: int, page: int, sysfs_root: PathL
         cpus = ()
     if not cpus:
         return False
-    result: list[Optional[BaseException]] = [None]
+    result: list[BaseException | None] = [None]
     ok = [False]
 
     def toucher() -> None:

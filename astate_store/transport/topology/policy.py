@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping, MutableMapping, Optional, Union
+from typing import Union
 
 import torch
 
@@ -51,17 +52,17 @@ class AffinityConfig:
     """
 
     enabled: bool = True
-    numa_node: Optional[int] = None
-    net_devices: Optional[str] = None
+    numa_node: int | None = None
+    net_devices: str | None = None
 
     @classmethod
-    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "AffinityConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> AffinityConfig:
         """``ASTATE_AFFINITY`` (``off``/``0``/``false``/``no`` disable), ``ASTATE_NUMA_NODE``
         (an integer; empty or ``auto`` means derive), and a user-set ``UCX_NET_DEVICES``
         (non-empty), which is then kept as is. Bad values are logged and ignored."""
         env = os.environ if env is None else env
         enabled = env.get("ASTATE_AFFINITY", "").strip().lower() not in _OFF_VALUES
-        numa_node: Optional[int] = None
+        numa_node: int | None = None
         raw = env.get("ASTATE_NUMA_NODE", "").strip()
         if raw and raw.lower() != "auto":
             try:
@@ -77,13 +78,13 @@ class AffinityConfig:
 
 @dataclass(frozen=True)
 class AffinityChoice:
-    numa_node: Optional[int]  # None: unknown / no preference
+    numa_node: int | None  # None: unknown / no preference
     cpus: tuple[int, ...]  # CPUs to pin to (node's CPUs within the allowed set); () = don't pin
-    net_devices: Optional[str]  # UCX_NET_DEVICES value; None = let UCX pick
+    net_devices: str | None  # UCX_NET_DEVICES value; None = let UCX pick
     reason: str
 
 
-def _cuda_pci_address(index: int) -> Optional[str]:
+def _cuda_pci_address(index: int) -> str | None:
     """The PCI address torch reports for CUDA device ``index``, only if CUDA is already up."""
     try:
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -99,7 +100,7 @@ def _cuda_pci_address(index: int) -> Optional[str]:
         return None
 
 
-def _visible_to_physical(index: int, env: Mapping[str, str]) -> Optional[int]:
+def _visible_to_physical(index: int, env: Mapping[str, str]) -> int | None:
     """Map a process-visible CUDA ordinal through CUDA_VISIBLE_DEVICES; None if unmappable."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
@@ -110,7 +111,7 @@ def _visible_to_physical(index: int, env: Mapping[str, str]) -> Optional[int]:
     return int(entries[index]) if 0 <= index < len(entries) else None
 
 
-def _gpu_for_device(topology: Topology, index: int, env: Mapping[str, str]) -> tuple[Optional[GpuInfo], str]:
+def _gpu_for_device(topology: Topology, index: int, env: Mapping[str, str]) -> tuple[GpuInfo | None, str]:
     address = _cuda_pci_address(index)
     if address is not None:
         g = topology.gpu_by_pci(address)
@@ -129,10 +130,10 @@ def _gpu_for_device(topology: Topology, index: int, env: Mapping[str, str]) -> t
 def choose(
     topology: Topology,
     device: DeviceLike,
-    config: Optional[AffinityConfig] = None,
+    config: AffinityConfig | None = None,
     *,
-    allowed_cpus: Optional[Iterable[int]] = None,
-    env: Optional[Mapping[str, str]] = None,
+    allowed_cpus: Iterable[int] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> AffinityChoice:
     """Pick the NUMA node, CPUs and UCX network devices for buffers on ``device``.
 
@@ -173,7 +174,7 @@ def choose(
     return choice
 
 
-def _allowed(topology: Topology, allowed_cpus: Optional[Iterable[int]]) -> frozenset[int]:
+def _allowed(topology: Topology, allowed_cpus: Iterable[int] | None) -> frozenset[int]:
     """The caller's CPUs, else this thread's affinity, else every CPU the topology knows."""
     if allowed_cpus is not None:
         return frozenset(allowed_cpus)
@@ -189,7 +190,7 @@ def _choose_node(
     config: AffinityConfig,
     allowed: frozenset[int],
     env: Mapping[str, str],
-) -> tuple[Optional[int], str]:
+) -> tuple[int | None, str]:
     """The node for ``device`` and why: the configured one if this host has it, else derived."""
     if config.numa_node is not None and config.numa_node in topology.node_ids:
         return config.numa_node, f"numa node {config.numa_node} forced by config"
@@ -207,9 +208,7 @@ def _choose_node(
     return node, prefix + why
 
 
-def _node_of_cuda(
-    topology: Topology, dev: torch.device, env: Mapping[str, str]
-) -> tuple[Optional[int], str]:
+def _node_of_cuda(topology: Topology, dev: torch.device, env: Mapping[str, str]) -> tuple[int | None, str]:
     """The NUMA node of the GPU behind a CUDA device (None when not found or unknown)."""
     index = dev.index if dev.index is not None else _current_cuda_index()
     gpu, why = _gpu_for_device(topology, index, env)
@@ -219,7 +218,7 @@ def _node_of_cuda(
     return node, why + (f", numa node {node}" if node is not None else ", numa node unknown")
 
 
-def _node_of_cpus(topology: Topology, allowed: frozenset[int]) -> tuple[Optional[int], str]:
+def _node_of_cpus(topology: Topology, allowed: frozenset[int]) -> tuple[int | None, str]:
     """Host buffers: the node of the allowed CPUs when they all lie on one node."""
     nodes = {topology.node_of_cpu(c) for c in allowed}
     if len(nodes) == 1 and None not in nodes:
@@ -228,9 +227,7 @@ def _node_of_cpus(topology: Topology, allowed: frozenset[int]) -> tuple[Optional
     return None, "host buffers; allowed cpus span several numa nodes"
 
 
-def _choose_net(
-    topology: Topology, node: Optional[int], config: AffinityConfig
-) -> tuple[Optional[str], str]:
+def _choose_net(topology: Topology, node: int | None, config: AffinityConfig) -> tuple[str | None, str]:
     """The ``UCX_NET_DEVICES`` value (None: UCX picks) and the reason's suffix."""
     if config.net_devices:
         return config.net_devices, f"; UCX_NET_DEVICES={config.net_devices} (user-set)"
@@ -243,15 +240,13 @@ def _choose_net(
 
 
 def affinity_for(
-    device: DeviceLike,
-    config: Optional[AffinityConfig] = None,
-    sysfs_root: PathLike = "/sys",
+    device: DeviceLike, config: AffinityConfig | None = None, sysfs_root: PathLike = "/sys"
 ) -> AffinityChoice:
     """``choose(read_topology(sysfs_root), device, config)``."""
     return choose(read_topology(sysfs_root), device, config)
 
 
-def _as_device(device: DeviceLike) -> Optional[torch.device]:
+def _as_device(device: DeviceLike) -> torch.device | None:
     if device is None:
         return None
     try:
@@ -270,7 +265,7 @@ def _current_cuda_index() -> int:
     return 0
 
 
-def apply_env(choice: AffinityChoice, env: Optional[MutableMapping[str, str]] = None) -> bool:
+def apply_env(choice: AffinityChoice, env: MutableMapping[str, str] | None = None) -> bool:
     """Set ``UCX_NET_DEVICES`` from the choice unless the user already set it (non-empty).
 
     Call before UCX reads its configuration (context creation). Returns True if it set it.
