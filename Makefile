@@ -26,10 +26,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
 
-# One formatter and linter (configured in pyproject.toml); CI runs it before the tests.
+# One formatter and linter (configured in pyproject.toml) and the docs' relative links; CI runs it
+# before the tests.
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/python .ci/check_links.py
 
 # Every benchmark once, one after another (the machine is shared), then one table of every figure
 # against its target: benchmarks/results/report.md (benchmarks/report.py). Not part of `make test`.
