@@ -44,7 +44,8 @@ import torch  # noqa: E402
 
 log = logging.getLogger("rl_loop")
 
-KINDS = ("plain", "fused")
+KINDS = ("plain", "fused")  # the default rollouts (HF models in this process tree)
+ALL_KINDS = KINDS + ("vllm",)  # "vllm": a real vLLM engine fed by the ``astate`` weight-transfer backend
 
 
 @dataclass(frozen=True)
@@ -74,15 +75,31 @@ class LoopOptions:
     session: str = field(default="")  # the trainer group's session id (a fresh one per run)
 
     def __post_init__(self) -> None:
-        bad = [k for k in self.rollouts if k not in KINDS]
+        bad = [k for k in self.rollouts if k not in ALL_KINDS]
         if bad or not self.rollouts:
-            raise ValueError(f"rollouts must be kinds among {KINDS}, got {self.rollouts!r}")
+            raise ValueError(f"rollouts must be kinds among {ALL_KINDS}, got {self.rollouts!r}")
+        if "vllm" in self.rollouts and len(self.rollouts) > 1:
+            raise ValueError("the vllm rollout runs alone (it takes bf16 weights of a Qwen2; the others a "
+                             f"float32 Llama), got {self.rollouts!r}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
 
     @property
     def acks(self) -> str:
         return self.namespace + "-acks"
+
+    @property
+    def published_dtype(self) -> torch.dtype | None:
+        """What the trainer publishes: its float32 weights as they are, or a bf16 copy for a vLLM engine
+        (on CPU vLLM prepacks float32 linear weights into oneDNN, out of reach of an in-place update;
+        bf16 runs ``F.linear`` on the parameters themselves). The master weights stay float32."""
+        return torch.bfloat16 if "vllm" in self.rollouts else None
+
+    @property
+    def arch(self) -> str:
+        """The model: a Llama, or a Qwen2 when a vLLM engine is among the rollouts (a model vLLM's
+        backend is tested with; the plain rollout runs either)."""
+        return "qwen2" if "vllm" in self.rollouts else "llama"
 
 
 
@@ -94,14 +111,15 @@ class StepReport:
     reward: float
     put_ms: float
     sync_ms: dict[str, float]  # rollout label -> its get_into time
-    equal: dict[str, bool]  # rollout label -> logits bitwise equal to the trainer's
+    equal: dict[str, bool]  # rollout label -> logits (vllm: weights) bitwise equal to the trainer's
     moved: bool  # the trainer's logits changed since the previous step (the check is not vacuous)
 
     def line(self) -> str:
         moved = "" if self.moved else " (WEIGHTS DID NOT MOVE)"
         parts = [f"step {self.step}: reward {self.reward:.3f}{moved}", f"put {self.put_ms:7.1f} ms"]
         for label, ms in self.sync_ms.items():
-            verdict = "logits bitwise equal" if self.equal[label] else "LOGITS DIFFER"
+            what = "weights" if label.endswith("-vllm") else "logits"
+            verdict = f"{what} bitwise equal" if self.equal[label] else f"{what.upper()} DIFFER"
             parts.append(f"{label}: sync {ms:7.1f} ms, {verdict}")
         return " | ".join(parts)
 
@@ -114,20 +132,23 @@ def rollout_label(index: int, kind: str) -> str:
 
 
 def llama_config(o: LoopOptions) -> Any:
-    from transformers import LlamaConfig
+    """The model's config: a Llama, or a Qwen2 (q/k/v biases) when ``o.arch`` says so."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    return LlamaConfig(hidden_size=o.hidden, intermediate_size=o.intermediate, num_hidden_layers=o.layers,
-                       num_attention_heads=o.heads, num_key_value_heads=o.kv_heads, vocab_size=o.vocab,
-                       max_position_embeddings=o.prompt_len + o.sample_len + 16, tie_word_embeddings=o.tied,
-                       bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    cls = Qwen2Config if o.arch == "qwen2" else LlamaConfig
+    return cls(hidden_size=o.hidden, intermediate_size=o.intermediate, num_hidden_layers=o.layers,
+               num_attention_heads=o.heads, num_key_value_heads=o.kv_heads, vocab_size=o.vocab,
+               max_position_embeddings=o.prompt_len + o.sample_len + 16, tie_word_embeddings=o.tied,
+               bos_token_id=None, eos_token_id=None, pad_token_id=0)
 
 
 def make_model(o: LoopOptions, seed: int) -> Any:
-    """A float32 Llama with random weights drawn from ``seed``; eval mode (it has no dropout anyway)."""
-    from transformers import LlamaForCausalLM
+    """A float32 Llama (or Qwen2) with random weights drawn from ``seed``; eval mode (no dropout anyway)."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(o)).eval()
+    cls = Qwen2ForCausalLM if o.arch == "qwen2" else LlamaForCausalLM
+    return cls(llama_config(o)).eval()
 
 
 def fixed_prompt(o: LoopOptions) -> torch.Tensor:
@@ -142,7 +163,10 @@ def logits_on(model: Any, prompt: torch.Tensor) -> torch.Tensor:
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     # Bit patterns, not values: -0.0 == 0.0 and NaN != NaN would hide differences.
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 def _quiet_worker() -> None:
@@ -207,16 +231,29 @@ def policy_gradient_step(model: Any, opt: torch.optim.Optimizer, o: LoopOptions,
 def _ack_buffers(o: LoopOptions) -> dict[str, torch.Tensor]:
     shape = (1, o.prompt_len, o.vocab)
     bufs: dict[str, torch.Tensor] = {}
+    hf = make_model(o, o.seed).state_dict() if "vllm" in o.rollouts else {}
     for i, kind in enumerate(o.rollouts):
         label = rollout_label(i, kind)
-        bufs[f"{label}.logits"] = torch.empty(shape, dtype=torch.float32)
+        if kind == "vllm":  # the engine's weights under their HF names, as it holds them
+            for name, t in hf.items():
+                bufs[f"{label}.w.{name}"] = torch.empty_like(t, dtype=o.published_dtype)
+        else:
+            bufs[f"{label}.logits"] = torch.empty(shape, dtype=torch.float32)
         bufs[f"{label}.sync_s"] = torch.empty(1, dtype=torch.float64)
     return bufs
 
 
-def _verify(acks: Any, o: LoopOptions, step: int, ref: torch.Tensor, bufs: dict[str, torch.Tensor]
-            ) -> tuple[dict[str, float], dict[str, bool]]:
-    """Trainer rank 0: pull every rollout's logits of ``step`` and compare them with its own."""
+def _published(model: Any, o: LoopOptions) -> dict[str, Any]:
+    """The state dict the trainer puts: FSDP2's DTensors, cast (still sharded) if ``o`` says so."""
+    sd = model.state_dict()
+    dt = o.published_dtype
+    return sd if dt is None else {n: t.detach().to(dt) for n, t in sd.items()}
+
+
+def _verify(acks: Any, o: LoopOptions, step: int, ref: torch.Tensor, bufs: dict[str, torch.Tensor],
+            full: dict[str, torch.Tensor]) -> tuple[dict[str, float], dict[str, bool]]:
+    """Trainer rank 0: pull every rollout's logits of ``step`` and compare them with its own (a vLLM
+    rollout's weights with ``full``, the trainer's unsharded state dict)."""
     got = acks.get_into(bufs, step=step, timeout=o.timeout)
     if got != step:
         raise RuntimeError(f"acks of step {step} expected, got step {got}: a rollout skipped a step")
@@ -224,7 +261,10 @@ def _verify(acks: Any, o: LoopOptions, step: int, ref: torch.Tensor, bufs: dict[
     for i, kind in enumerate(o.rollouts):
         label = rollout_label(i, kind)
         sync[label] = float(bufs[f"{label}.sync_s"][0]) * 1e3
-        equal[label] = bitwise_equal(bufs[f"{label}.logits"], ref)
+        if kind == "vllm":
+            equal[label] = all(bitwise_equal(bufs[f"{label}.w.{n}"], t) for n, t in full.items())
+        else:
+            equal[label] = bitwise_equal(bufs[f"{label}.logits"], ref)
     return sync, equal
 
 
@@ -256,11 +296,14 @@ def train(rank: int, world: int, o: LoopOptions, *, echo: bool = True,
             reward = torch.tensor([policy_gradient_step(model, opt, o, step, rank)])
             dist.all_reduce(reward)  # the group's mean reward, for the report
             t0 = time.perf_counter()
-            store.put(step, model.state_dict())
+            store.put(step, _published(model, o))
             put_ms = (time.perf_counter() - t0) * 1e3
             ref = logits_on(model, prompt)  # the FSDP2 forward: a collective, on every rank
+            # The unsharded weights (all-gathers, on every rank), to compare with the vLLM engine's.
+            full = ({n: t.full_tensor() for n, t in _published(model, o).items()} if "vllm" in o.rollouts
+                    else {})
             if acks is not None:
-                sync, equal = _verify(acks, o, step, ref, bufs)
+                sync, equal = _verify(acks, o, step, ref, bufs, full)
                 reports.append(StepReport(step, float(reward) / world, put_ms, sync, equal,
                                           not bitwise_equal(ref, prev)))
                 if echo:
@@ -401,6 +444,79 @@ def rollout(index: int, kind: str, o: LoopOptions, *, echo: bool = False) -> lis
     return times
 
 
+def _engine_weights(llm: Any) -> dict[str, torch.Tensor]:
+    """The vLLM engine's parameters (its own names: fused ``qkv_proj``, padded vocab rows), read on
+    its worker and shipped back as bytes."""
+
+    def read(worker: Any) -> dict[str, tuple[str, list[int], bytes]]:  # runs in the engine's worker
+        model = worker.model_runner.get_model()
+        return {n: (str(p.dtype).removeprefix("torch."), list(p.shape),
+                    p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                for n, p in model.named_parameters()}
+
+    (got,) = llm.llm_engine.collective_rpc(read)  # TP=1: one worker
+    return {n: torch.frombuffer(bytearray(b), dtype=getattr(torch, dt)).view(shape) if b
+            else torch.empty(shape, dtype=getattr(torch, dt)) for n, (dt, shape, b) in got.items()}
+
+
+def vllm_rollout(index: int, o: LoopOptions, *, echo: bool = False) -> list[float]:
+    """A real vLLM engine (TP=1, CPU) fed through the ``astate`` weight-transfer backend.
+
+    1. save a Qwen2 with other random weights than the trainer's (``save_pretrained``) and start
+       ``LLM(model_dir, weight_transfer_config={"backend": "astate"})`` on it;
+    2. ``init_weight_transfer_engine`` once, on the trainer's namespace;
+    3. each step: ``start_weight_update``, ``update_weights({"step": s})``, ``finish_weight_update``,
+       then greedy generation; the engine's parameters, mapped back to HF names by the ``qwen2``
+       preset's views (no copy), go to trainer rank 0 through the acks, which compares them bit for
+       bit with its own unsharded weights.
+    """
+    import tempfile
+
+    import astate_store
+    from astate_store.integrations import presets
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: the KV cache of a tiny model
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with _engine_weights' reader
+    from vllm import LLM, SamplingParams
+
+    _quiet_worker()
+    label, prompt = rollout_label(index, "vllm"), fixed_prompt(o)[0].tolist()
+    times: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="rl-vllm-") as model_dir:
+        make_model(o, o.seed + 3000).to(torch.bfloat16).save_pretrained(model_dir, safe_serialization=True)
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
+                  max_model_len=o.prompt_len + o.sample_len + 16, max_num_seqs=1,
+                  weight_transfer_config={"backend": "astate"})
+        log.info("rollout %d: vLLM engine up", index)
+        greedy = SamplingParams(temperature=0.0, max_tokens=o.sample_len, detokenize=False, ignore_eos=True)
+        try:
+            llm.init_weight_transfer_engine({"init_info": {"namespace": o.namespace, "etcd": o.etcd,
+                                                           "timeout": o.timeout}})
+            with astate_store.connect(o.acks, etcd=o.etcd, rank=index, world_size=len(o.rollouts),
+                                      session_id=o.session + "-acks" if o.session else None) as acks:
+                for step in range(1, o.steps + 1):
+                    t0 = time.perf_counter()
+                    llm.start_weight_update()
+                    llm.update_weights({"update_info": {"step": step}})
+                    llm.finish_weight_update(weight_version=str(step))
+                    times.append(time.perf_counter() - t0)
+                    out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+                    hf = presets.views("qwen2", _engine_weights(llm), llama_config(o))
+                    ack = {f"{label}.w.{n}": (v.tensor if hasattr(v, "tensor") else v).contiguous()
+                           for n, v in hf.items()}
+                    ack[f"{label}.sync_s"] = torch.tensor([times[-1]], dtype=torch.float64)
+                    acks.put(step, ack)
+                    if echo:
+                        print(f"{label} step {step}: sync {times[-1] * 1e3:.1f} ms, generated "
+                              f"{list(out[0].outputs[0].token_ids)}", flush=True)
+                acks.drain(o.timeout)  # trainer rank 0 has read our last ack (or left)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    log.info("rollout %d: closed", index)
+    return times
+
+
 # ---- launchers ------------------------------------------------------------------------------
 
 
@@ -419,7 +535,10 @@ def _trainer_proc(rank: int, world: int, o: LoopOptions, out: Any) -> None:
 
 
 def _rollout_proc(index: int, kind: str, o: LoopOptions) -> None:
-    rollout(index, kind, o)
+    if kind == "vllm":
+        vllm_rollout(index, o)
+    else:
+        rollout(index, kind, o)
 
 
 def summary(reports: Sequence[StepReport], o: LoopOptions) -> tuple[bool, str]:
@@ -428,7 +547,9 @@ def summary(reports: Sequence[StepReport], o: LoopOptions) -> tuple[bool, str]:
                                            for r in reports)
     kinds = ", ".join(o.rollouts)
     if good:
-        return True, (f"ok: {o.steps} steps, rollouts ({kinds}) logits bitwise equal to the FSDP2 trainer's "
+        what = "weights (vllm) and logits" if "vllm" in o.rollouts and len(o.rollouts) > 1 else (
+            "weights" if "vllm" in o.rollouts else "logits")
+        return True, (f"ok: {o.steps} steps, rollouts ({kinds}) {what} bitwise equal to the FSDP2 trainer's "
                       f"at every step")
     return False, f"FAILED: {sum(all(r.equal.values()) for r in reports)}/{o.steps} steps matched ({kinds})"
 
@@ -493,8 +614,10 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="etcd host:port (default $ASTATE_ETCD; --role all starts an embedded one if empty)")
     ap.add_argument("--namespace", default="rl-policy")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rollouts", default=",".join(KINDS), help="the rollouts' kinds, in index order")
-    ap.add_argument("--kind", choices=KINDS, help="--role rollout: this rollout's kind")
+    ap.add_argument("--rollouts", default=",".join(KINDS),
+                    help="the rollouts' kinds, in index order, among " + ", ".join(ALL_KINDS))
+    ap.add_argument("--rollout", dest="rollouts", help="alias of --rollouts (e.g. --rollout vllm)")
+    ap.add_argument("--kind", choices=ALL_KINDS, help="--role rollout: this rollout's kind")
     ap.add_argument("--index", type=int, default=0, help="--role rollout: its index in --rollouts")
     ap.add_argument("--session", default="", help="--role trainer: the group's session id (a new one per run)")
     ap.add_argument("--tied", action="store_true", help="tie lm_head to the embedding")
@@ -506,6 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = _args(argv)
     o = LoopOptions(etcd=a.etcd, namespace=a.namespace, steps=a.steps, rollouts=tuple(a.rollouts.split(",")),
                     session=a.session, timeout=a.timeout, tied=a.tied)
+    if "vllm" in o.rollouts:  # head_dim 32: a size vLLM's CPU attention takes
+        o = dataclasses.replace(o, heads=2, kv_heads=1)
     if a.role == "trainer":  # under torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT come from it
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise SystemExit("--role trainer runs one rank under torchrun (RANK / WORLD_SIZE are not set)")
@@ -517,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.role == "rollout":
         kind = a.kind or o.rollouts[a.index]
-        times = rollout(a.index, kind, o, echo=True)
+        times = vllm_rollout(a.index, o, echo=True) if kind == "vllm" else rollout(a.index, kind, o, echo=True)
         print(f"ok: {rollout_label(a.index, kind)} pulled {len(times)} steps", flush=True)
         return 0
     return _main_all(o)
