@@ -642,7 +642,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.role == "rollout":
         kind = a.kind or o.rollouts[a.index]
-        times = vllm_rollout(a.index, o, echo=True) if kind == "vllm" else rollout(a.index, kind, o, echo=True)
+        if kind == "vllm":
+            times = vllm_rollout(a.index, o, echo=True)
+        else:
+            times = rollout(a.index, kind, o, echo=True)
         print(f"ok: {rollout_label(a.index, kind)} pulled {len(times)} steps", flush=True)
         return 0
     return _main_all(o)
