@@ -10,6 +10,8 @@
   ``gate_up_proj`` = [gate | up]); the HF names are views into those (``astate_store.integrations.presets``), so the
   bytes land in the fused tensors with no conversion copy. Its forward runs the HF layers on views of the
   fused tensors (no copy either way).
+- Rollout "vllm" (``--rollout vllm``, alone; ``examples/rl_vllm.py``): a real vLLM engine fed through the
+  ``astate`` weight-transfer backend (a Qwen2, bf16); it sends back its weights, compared bit for bit.
 - Verification, each step: every rollout sends its logits on a fixed prompt back through the store (the
   ``<namespace>-acks`` namespace, one rank per rollout); trainer rank 0 compares them bit for bit with the
   logits its own FSDP2 model computes on the same prompt. The trainer waits for the acks before the next
@@ -90,15 +92,12 @@ class LoopOptions:
 
     @property
     def published_dtype(self) -> torch.dtype | None:
-        """What the trainer publishes: its float32 weights as they are, or a bf16 copy for a vLLM engine
-        (on CPU vLLM prepacks float32 linear weights into oneDNN, out of reach of an in-place update;
-        bf16 runs ``F.linear`` on the parameters themselves). The master weights stay float32."""
+        """The float32 weights as they are, or a bf16 copy for vLLM (examples/rl_vllm.py says why)."""
         return torch.bfloat16 if "vllm" in self.rollouts else None
 
     @property
     def arch(self) -> str:
-        """The model: a Llama, or a Qwen2 when a vLLM engine is among the rollouts (a model vLLM's
-        backend is tested with; the plain rollout runs either)."""
+        """A Llama, or a Qwen2 for a vLLM engine (a model the backend is tested with)."""
         return "qwen2" if "vllm" in self.rollouts else "llama"
 
 
@@ -444,77 +443,14 @@ def rollout(index: int, kind: str, o: LoopOptions, *, echo: bool = False) -> lis
     return times
 
 
-def _engine_weights(llm: Any) -> dict[str, torch.Tensor]:
-    """The vLLM engine's parameters (its own names: fused ``qkv_proj``, padded vocab rows), read on
-    its worker and shipped back as bytes."""
-
-    def read(worker: Any) -> dict[str, tuple[str, list[int], bytes]]:  # runs in the engine's worker
-        model = worker.model_runner.get_model()
-        return {n: (str(p.dtype).removeprefix("torch."), list(p.shape),
-                    p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-                for n, p in model.named_parameters()}
-
-    (got,) = llm.llm_engine.collective_rpc(read)  # TP=1: one worker
-    return {n: torch.frombuffer(bytearray(b), dtype=getattr(torch, dt)).view(shape) if b
-            else torch.empty(shape, dtype=getattr(torch, dt)) for n, (dt, shape, b) in got.items()}
-
-
 def vllm_rollout(index: int, o: LoopOptions, *, echo: bool = False) -> list[float]:
-    """A real vLLM engine (TP=1, CPU) fed through the ``astate`` weight-transfer backend.
+    """The vLLM rollout (``examples/rl_vllm.py``): a real engine fed by the ``astate`` backend."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:  # run as a script: make ``examples`` importable
+        sys.path.insert(0, repo)
+    from examples import rl_vllm
 
-    1. save a Qwen2 with other random weights than the trainer's (``save_pretrained``) and start
-       ``LLM(model_dir, weight_transfer_config={"backend": "astate"})`` on it;
-    2. ``init_weight_transfer_engine`` once, on the trainer's namespace;
-    3. each step: ``start_weight_update``, ``update_weights({"step": s})``, ``finish_weight_update``,
-       then greedy generation; the engine's parameters, mapped back to HF names by the ``qwen2``
-       preset's views (no copy), go to trainer rank 0 through the acks, which compares them bit for
-       bit with its own unsharded weights.
-    """
-    import tempfile
-
-    import astate_store
-    from astate_store.integrations import presets
-
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: the KV cache of a tiny model
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with _engine_weights' reader
-    from vllm import LLM, SamplingParams
-
-    _quiet_worker()
-    label, prompt = rollout_label(index, "vllm"), fixed_prompt(o)[0].tolist()
-    times: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="rl-vllm-") as model_dir:
-        make_model(o, o.seed + 3000).to(torch.bfloat16).save_pretrained(model_dir, safe_serialization=True)
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
-                  max_model_len=o.prompt_len + o.sample_len + 16, max_num_seqs=1,
-                  weight_transfer_config={"backend": "astate"})
-        log.info("rollout %d: vLLM engine up", index)
-        greedy = SamplingParams(temperature=0.0, max_tokens=o.sample_len, detokenize=False, ignore_eos=True)
-        try:
-            llm.init_weight_transfer_engine({"init_info": {"namespace": o.namespace, "etcd": o.etcd,
-                                                           "timeout": o.timeout}})
-            with astate_store.connect(o.acks, etcd=o.etcd, rank=index, world_size=len(o.rollouts),
-                                      session_id=o.session + "-acks" if o.session else None) as acks:
-                for step in range(1, o.steps + 1):
-                    t0 = time.perf_counter()
-                    llm.start_weight_update()
-                    llm.update_weights({"update_info": {"step": step}})
-                    llm.finish_weight_update(weight_version=str(step))
-                    times.append(time.perf_counter() - t0)
-                    out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
-                    hf = presets.views("qwen2", _engine_weights(llm), llama_config(o))
-                    ack = {f"{label}.w.{n}": (v.tensor if hasattr(v, "tensor") else v).contiguous()
-                           for n, v in hf.items()}
-                    ack[f"{label}.sync_s"] = torch.tensor([times[-1]], dtype=torch.float64)
-                    acks.put(step, ack)
-                    if echo:
-                        print(f"{label} step {step}: sync {times[-1] * 1e3:.1f} ms, generated "
-                              f"{list(out[0].outputs[0].token_ids)}", flush=True)
-                acks.drain(o.timeout)  # trainer rank 0 has read our last ack (or left)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-    log.info("rollout %d: closed", index)
-    return times
+    return rl_vllm.vllm_rollout(index, o, echo=echo)
 
 
 # ---- launchers ------------------------------------------------------------------------------
@@ -547,8 +483,7 @@ def summary(reports: Sequence[StepReport], o: LoopOptions) -> tuple[bool, str]:
                                            for r in reports)
     kinds = ", ".join(o.rollouts)
     if good:
-        what = "weights (vllm) and logits" if "vllm" in o.rollouts and len(o.rollouts) > 1 else (
-            "weights" if "vllm" in o.rollouts else "logits")
+        what = "weights" if "vllm" in o.rollouts else "logits"  # the vllm rollout runs alone
         return True, (f"ok: {o.steps} steps, rollouts ({kinds}) {what} bitwise equal to the FSDP2 trainer's "
                       f"at every step")
     return False, f"FAILED: {sum(all(r.equal.values()) for r in reports)}/{o.steps} steps matched ({kinds})"
@@ -621,16 +556,17 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--index", type=int, default=0, help="--role rollout: its index in --rollouts")
     ap.add_argument("--session", default="", help="--role trainer: the group's session id (a new one per run)")
     ap.add_argument("--tied", action="store_true", help="tie lm_head to the embedding")
-    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds a side waits for the other (default 120; 600 with vllm: its engine start)")
     return ap.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = _args(argv)
     o = LoopOptions(etcd=a.etcd, namespace=a.namespace, steps=a.steps, rollouts=tuple(a.rollouts.split(",")),
-                    session=a.session, timeout=a.timeout, tied=a.tied)
+                    session=a.session, timeout=a.timeout or 120.0, tied=a.tied)
     if "vllm" in o.rollouts:  # head_dim 32: a size vLLM's CPU attention takes
-        o = dataclasses.replace(o, heads=2, kv_heads=1)
+        o = dataclasses.replace(o, heads=2, kv_heads=1, timeout=a.timeout or 600.0)
     if a.role == "trainer":  # under torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT come from it
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise SystemExit("--role trainer runs one rank under torchrun (RANK / WORLD_SIZE are not set)")

@@ -23,10 +23,10 @@ STEPS = 2
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_loop.py"
 
 
-def test_rl_loop_fsdp2_trainer_feeds_a_vllm_engine_exact_weights_every_step(etcd: Any, namespace: str) -> None:
+def test_rl_loop_fsdp2_trainer_feeds_a_vllm_engine_exact_weights(etcd: Any, namespace: str) -> None:
     # A subprocess: vLLM spawns its engine core, which re-imports the launching script's main module.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLE.parents[1]), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(EXAMPLE.parents[1]), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     run = subprocess.run([sys.executable, str(EXAMPLE), "--rollout", "vllm", "--etcd", etcd.endpoint,
                           "--namespace", namespace, "--steps", str(STEPS), "--timeout", "600"],
                          capture_output=True, text=True, env=env, timeout=840)
