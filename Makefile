@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 demo: $(STAMP)
 	$(BIN)/python -m astate_store.cli.demo
 
-# Two workers: most tests wait on processes, etcd and sockets, so two cores run two at once.
+# Two workers: most tests wait on processes, etcd and sockets, so two cores run two at once. Whole
+# files per worker (loadfile): a module's real vLLM engine (a module fixture) starts once, on one
+# worker (xdist's loadgroup does not group under pytest 9 here: measured, its tests split).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 # One formatter and linter (configured in pyproject.toml) and the docs' relative links; CI runs it
 # before the tests.

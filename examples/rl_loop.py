@@ -8,9 +8,11 @@
   place, then it ``generate``s.
 - Rollout "fused": the parameters held the way vLLM holds them (``qkv_proj`` = [q | k | v],
   ``gate_up_proj`` = [gate | up]); the HF names are views into those
-  (``astate_store.integrations.presets``), so the bytes land in the fused tensors with no conversion copy.
-  Its forward runs the HF layers on views of the
+  (``astate_store.integrations.presets``), so the bytes land in the fused tensors with no conversion
+  copy. Its forward runs the HF layers on views of the
   fused tensors (no copy either way).
+- Rollout "vllm" (``--rollout vllm``, alone; ``examples/rl_vllm.py``): a real vLLM engine fed through the
+  ``astate`` weight-transfer backend (a Qwen2, bf16); it sends back its weights, compared bit for bit.
 - Verification, each step: every rollout sends its logits on a fixed prompt back through the store (the
   ``<namespace>-acks`` namespace, one rank per rollout); trainer rank 0 compares them bit for bit with the
   logits its own FSDP2 model computes on the same prompt. The trainer waits for the acks before the next
@@ -46,7 +48,8 @@ import torch  # noqa: E402
 
 log = logging.getLogger("rl_loop")
 
-KINDS = ("plain", "fused")
+KINDS = ("plain", "fused")  # the default rollouts (HF models in this process tree)
+ALL_KINDS = KINDS + ("vllm",)  # "vllm": a real vLLM engine fed by the ``astate`` weight-transfer backend
 
 
 @dataclass(frozen=True)
@@ -76,15 +79,30 @@ class LoopOptions:
     session: str = field(default="")  # the trainer group's session id (a fresh one per run)
 
     def __post_init__(self) -> None:
-        bad = [k for k in self.rollouts if k not in KINDS]
+        bad = [k for k in self.rollouts if k not in ALL_KINDS]
         if bad or not self.rollouts:
-            raise ValueError(f"rollouts must be kinds among {KINDS}, got {self.rollouts!r}")
+            raise ValueError(f"rollouts must be kinds among {ALL_KINDS}, got {self.rollouts!r}")
+        if "vllm" in self.rollouts and len(self.rollouts) > 1:
+            raise ValueError(
+                "the vllm rollout runs alone (it takes bf16 weights of a Qwen2; the others a "
+                f"float32 Llama), got {self.rollouts!r}"
+            )
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
 
     @property
     def acks(self) -> str:
         return self.namespace + "-acks"
+
+    @property
+    def published_dtype(self) -> torch.dtype | None:
+        """The float32 weights as they are, or a bf16 copy for vLLM (examples/rl_vllm.py says why)."""
+        return torch.bfloat16 if "vllm" in self.rollouts else None
+
+    @property
+    def arch(self) -> str:
+        """A Llama, or a Qwen2 for a vLLM engine (a model the backend is tested with)."""
+        return "qwen2" if "vllm" in self.rollouts else "llama"
 
 
 @dataclass(frozen=True)
@@ -95,14 +113,15 @@ class StepReport:
     reward: float
     put_ms: float
     sync_ms: dict[str, float]  # rollout label -> its get_into time
-    equal: dict[str, bool]  # rollout label -> logits bitwise equal to the trainer's
+    equal: dict[str, bool]  # rollout label -> logits (vllm: weights) bitwise equal to the trainer's
     moved: bool  # the trainer's logits changed since the previous step (the check is not vacuous)
 
     def line(self) -> str:
         moved = "" if self.moved else " (WEIGHTS DID NOT MOVE)"
         parts = [f"step {self.step}: reward {self.reward:.3f}{moved}", f"put {self.put_ms:7.1f} ms"]
         for label, ms in self.sync_ms.items():
-            verdict = "logits bitwise equal" if self.equal[label] else "LOGITS DIFFER"
+            what = "weights" if label.endswith("-vllm") else "logits"
+            verdict = f"{what} bitwise equal" if self.equal[label] else f"{what.upper()} DIFFER"
             parts.append(f"{label}: sync {ms:7.1f} ms, {verdict}")
         return " | ".join(parts)
 
@@ -115,9 +134,11 @@ def rollout_label(index: int, kind: str) -> str:
 
 
 def llama_config(o: LoopOptions) -> Any:
-    from transformers import LlamaConfig
+    """The model's config: a Llama, or a Qwen2 (q/k/v biases) when ``o.arch`` says so."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    return LlamaConfig(
+    cls = Qwen2Config if o.arch == "qwen2" else LlamaConfig
+    return cls(
         hidden_size=o.hidden,
         intermediate_size=o.intermediate,
         num_hidden_layers=o.layers,
@@ -133,11 +154,12 @@ def llama_config(o: LoopOptions) -> Any:
 
 
 def make_model(o: LoopOptions, seed: int) -> Any:
-    """A float32 Llama with random weights drawn from ``seed``; eval mode (it has no dropout anyway)."""
-    from transformers import LlamaForCausalLM
+    """A float32 Llama (or Qwen2) with random weights drawn from ``seed``; eval mode (no dropout anyway)."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(o)).eval()
+    cls = Qwen2ForCausalLM if o.arch == "qwen2" else LlamaForCausalLM
+    return cls(llama_config(o)).eval()
 
 
 def fixed_prompt(o: LoopOptions) -> torch.Tensor:
@@ -152,7 +174,10 @@ def logits_on(model: Any, prompt: torch.Tensor) -> torch.Tensor:
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     # Bit patterns, not values: -0.0 == 0.0 and NaN != NaN would hide differences.
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 def _quiet_worker() -> None:
@@ -219,17 +244,35 @@ def policy_gradient_step(
 def _ack_buffers(o: LoopOptions) -> dict[str, torch.Tensor]:
     shape = (1, o.prompt_len, o.vocab)
     bufs: dict[str, torch.Tensor] = {}
+    hf = make_model(o, o.seed).state_dict() if "vllm" in o.rollouts else {}
     for i, kind in enumerate(o.rollouts):
         label = rollout_label(i, kind)
-        bufs[f"{label}.logits"] = torch.empty(shape, dtype=torch.float32)
+        if kind == "vllm":  # the engine's weights under their HF names, as it holds them
+            for name, t in hf.items():
+                bufs[f"{label}.w.{name}"] = torch.empty_like(t, dtype=o.published_dtype)
+        else:
+            bufs[f"{label}.logits"] = torch.empty(shape, dtype=torch.float32)
         bufs[f"{label}.sync_s"] = torch.empty(1, dtype=torch.float64)
     return bufs
 
 
+def _published(model: Any, o: LoopOptions) -> dict[str, Any]:
+    """The state dict the trainer puts: FSDP2's DTensors, cast (still sharded) if ``o`` says so."""
+    sd = model.state_dict()
+    dt = o.published_dtype
+    return sd if dt is None else {n: t.detach().to(dt) for n, t in sd.items()}
+
+
 def _verify(
-    acks: Any, o: LoopOptions, step: int, ref: torch.Tensor, bufs: dict[str, torch.Tensor]
+    acks: Any,
+    o: LoopOptions,
+    step: int,
+    ref: torch.Tensor,
+    bufs: dict[str, torch.Tensor],
+    full: dict[str, torch.Tensor],
 ) -> tuple[dict[str, float], dict[str, bool]]:
-    """Trainer rank 0: pull every rollout's logits of ``step`` and compare them with its own."""
+    """Trainer rank 0: pull every rollout's logits of ``step`` and compare them with its own (a vLLM
+    rollout's weights with ``full``, the trainer's unsharded state dict)."""
     got = acks.get_into(bufs, step=step, timeout=o.timeout)
     if got != step:
         raise RuntimeError(f"acks of step {step} expected, got step {got}: a rollout skipped a step")
@@ -237,7 +280,10 @@ def _verify(
     for i, kind in enumerate(o.rollouts):
         label = rollout_label(i, kind)
         sync[label] = float(bufs[f"{label}.sync_s"][0]) * 1e3
-        equal[label] = bitwise_equal(bufs[f"{label}.logits"], ref)
+        if kind == "vllm":
+            equal[label] = all(bitwise_equal(bufs[f"{label}.w.{n}"], t) for n, t in full.items())
+        else:
+            equal[label] = bitwise_equal(bufs[f"{label}.logits"], ref)
     return sync, equal
 
 
@@ -276,11 +322,15 @@ def train(
             reward = torch.tensor([policy_gradient_step(model, opt, o, step, rank)])
             dist.all_reduce(reward)  # the group's mean reward, for the report
             t0 = time.perf_counter()
-            store.put(step, model.state_dict())
+            store.put(step, _published(model, o))
             put_ms = (time.perf_counter() - t0) * 1e3
             ref = logits_on(model, prompt)  # the FSDP2 forward: a collective, on every rank
+            # The unsharded weights (all-gathers, on every rank), to compare with the vLLM engine's.
+            full = (
+                {n: t.full_tensor() for n, t in _published(model, o).items()} if "vllm" in o.rollouts else {}
+            )
             if acks is not None:
-                sync, equal = _verify(acks, o, step, ref, bufs)
+                sync, equal = _verify(acks, o, step, ref, bufs, full)
                 reports.append(
                     StepReport(step, float(reward) / world, put_ms, sync, equal, not bitwise_equal(ref, prev))
                 )
@@ -311,9 +361,8 @@ class FusedLlama:
 
     ``params`` is that engine-side state dict, allocated from the preset's engine shapes; the store
     fills it through the HF-named views :func:`astate_store.integrations.presets.views` makes. The
-    forward runs HF's layers with their q/k/v/gate/up weights replaced by views into the fused tensors (no
-    copy),
-    so what is computed is exactly what landed in the fused memory.
+    forward runs HF's layers with their q/k/v/gate/up weights replaced by views into the fused
+    tensors (no copy), so what is computed is exactly what landed in the fused memory.
     """
 
     def __init__(self, o: LoopOptions, seed: int):
@@ -447,6 +496,16 @@ def rollout(index: int, kind: str, o: LoopOptions, *, echo: bool = False) -> lis
     return times
 
 
+def vllm_rollout(index: int, o: LoopOptions, *, echo: bool = False) -> list[float]:
+    """The vLLM rollout (``examples/rl_vllm.py``): a real engine fed by the ``astate`` backend."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:  # run as a script: make ``examples`` importable
+        sys.path.insert(0, repo)
+    from examples import rl_vllm
+
+    return rl_vllm.vllm_rollout(index, o, echo=echo)
+
+
 # ---- launchers ------------------------------------------------------------------------------
 
 
@@ -465,7 +524,10 @@ def _trainer_proc(rank: int, world: int, o: LoopOptions, out: Any) -> None:
 
 
 def _rollout_proc(index: int, kind: str, o: LoopOptions) -> None:
-    rollout(index, kind, o)
+    if kind == "vllm":
+        vllm_rollout(index, o)
+    else:
+        rollout(index, kind, o)
 
 
 def summary(reports: Sequence[StepReport], o: LoopOptions) -> tuple[bool, str]:
@@ -475,8 +537,9 @@ def summary(reports: Sequence[StepReport], o: LoopOptions) -> tuple[bool, str]:
     )
     kinds = ", ".join(o.rollouts)
     if good:
+        what = "weights" if "vllm" in o.rollouts else "logits"  # the vllm rollout runs alone
         return True, (
-            f"ok: {o.steps} steps, rollouts ({kinds}) logits bitwise equal to the FSDP2 trainer's "
+            f"ok: {o.steps} steps, rollouts ({kinds}) {what} bitwise equal to the FSDP2 trainer's "
             f"at every step"
         )
     return False, f"FAILED: {sum(all(r.equal.values()) for r in reports)}/{o.steps} steps matched ({kinds})"
@@ -555,14 +618,24 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--namespace", default="rl-policy")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rollouts", default=",".join(KINDS), help="the rollouts' kinds, in index order")
-    ap.add_argument("--kind", choices=KINDS, help="--role rollout: this rollout's kind")
+    ap.add_argument(
+        "--rollouts",
+        default=",".join(KINDS),
+        help="the rollouts' kinds, in index order, among " + ", ".join(ALL_KINDS),
+    )
+    ap.add_argument("--rollout", dest="rollouts", help="alias of --rollouts (e.g. --rollout vllm)")
+    ap.add_argument("--kind", choices=ALL_KINDS, help="--role rollout: this rollout's kind")
     ap.add_argument("--index", type=int, default=0, help="--role rollout: its index in --rollouts")
     ap.add_argument(
         "--session", default="", help="--role trainer: the group's session id (a new one per run)"
     )
     ap.add_argument("--tied", action="store_true", help="tie lm_head to the embedding")
-    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a side waits for the other (default 120; 600 with vllm: its engine start)",
+    )
     return ap.parse_args(argv)
 
 
@@ -574,9 +647,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=a.steps,
         rollouts=tuple(a.rollouts.split(",")),
         session=a.session,
-        timeout=a.timeout,
+        timeout=a.timeout or 120.0,
         tied=a.tied,
     )
+    if "vllm" in o.rollouts:  # head_dim 32: a size vLLM's CPU attention takes
+        o = dataclasses.replace(o, heads=2, kv_heads=1, timeout=a.timeout or 600.0)
     if a.role == "trainer":  # under torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT come from it
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise SystemExit("--role trainer runs one rank under torchrun (RANK / WORLD_SIZE are not set)")
@@ -588,7 +663,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.role == "rollout":
         kind = a.kind or o.rollouts[a.index]
-        times = rollout(a.index, kind, o, echo=True)
+        if kind == "vllm":
+            times = vllm_rollout(a.index, o, echo=True)
+        else:
+            times = rollout(a.index, kind, o, echo=True)
         print(f"ok: {rollout_label(a.index, kind)} pulled {len(times)} steps", flush=True)
         return 0
     return _main_all(o)
