@@ -59,42 +59,43 @@ class CertPaths:
     client_key: str
 
 
-def make_test_certs(
-    directory: str | os.PathLike[str], *, days: int = 30, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
-) -> CertPaths:
-    """Write a fresh CA, a server certificate for ``hosts`` and a client certificate (ECDSA P-256)
-    into ``directory`` (created, mode 0700; keys mode 0600)."""
+def _cert_name(cn: str) -> Any:
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "astate-store test"),
+            x509.NameAttribute(NameOID.COMMON_NAME, cn),
+        ]
+    )
+
+
+def _write_key(path: Path, key: Any) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    data = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _write_cert(path: Path, cert: Any) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _make_ca(start: datetime.datetime, end: datetime.datetime) -> tuple[Any, Any, Any]:
+    """A self-signed CA: returns (certificate, key, name)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name(
-            [
-                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "astate-store test"),
-                x509.NameAttribute(NameOID.COMMON_NAME, cn),
-            ]
-        )
-
-    def write_key(path: Path, key: Any) -> None:
-        data = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-
-    def write_cert(path: Path, cert: Any) -> None:
-        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = name("astate-store test CA")
+    ca_name = _cert_name("astate-store test CA")
     ca = (
         x509.CertificateBuilder()
         .subject_name(ca_name)
@@ -121,40 +122,72 @@ def make_test_certs(
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    return ca, ca_key, ca_name
 
-    def leaf(cn: str, usages: list[Any], sans: list[Any]) -> tuple[Any, Any]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(name(cn))
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(start)
-            .not_valid_after(end)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    key_encipherment=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    content_commitment=False,
-                    data_encipherment=False,
-                    key_agreement=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-            )
+
+def _make_leaf(
+    cn: str,
+    usages: list[Any],
+    sans: list[Any],
+    *,
+    ca_key: Any,
+    ca_name: Any,
+    start: datetime.datetime,
+    end: datetime.datetime,
+) -> tuple[Any, Any]:
+    """A certificate for ``cn`` signed by the CA: returns (certificate, key)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_cert_name(cn))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_encipherment=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                content_commitment=False,
+                data_encipherment=False,
+                key_agreement=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
         )
-        if sans:
-            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        return b.sign(ca_key, hashes.SHA256()), key
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+    )
+    if sans:
+        b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return b.sign(ca_key, hashes.SHA256()), key
+
+
+def make_test_certs(
+    directory: str | os.PathLike[str], *, days: int = 30, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
+) -> CertPaths:
+    """Write a fresh CA, a server certificate for ``hosts`` and a client certificate (ECDSA P-256)
+    into ``directory`` (created, mode 0700; keys mode 0600)."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca, ca_key, ca_name = _make_ca(start, end)
+    signer = {"ca_key": ca_key, "ca_name": ca_name, "start": start, "end": end}
 
     sans: list[Any] = []
     for h in hosts:
@@ -163,10 +196,10 @@ def make_test_certs(
         except ValueError:
             sans.append(x509.DNSName(h))
     # The server certificate also serves etcd's peer port, where a member is a client too.
-    server, server_key = leaf(
-        "astate-etcd", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], sans
+    server, server_key = _make_leaf(
+        "astate-etcd", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], sans, **signer
     )
-    client, client_key = leaf("astate-client", [ExtendedKeyUsageOID.CLIENT_AUTH], [])
+    client, client_key = _make_leaf("astate-client", [ExtendedKeyUsageOID.CLIENT_AUTH], [], **signer)
     paths = CertPaths(
         str(d),
         str(d / "ca.pem"),
@@ -176,12 +209,12 @@ def make_test_certs(
         str(d / "client.pem"),
         str(d / "client.key"),
     )
-    write_cert(Path(paths.ca), ca)
-    write_key(Path(paths.ca_key), ca_key)
-    write_cert(Path(paths.server_cert), server)
-    write_key(Path(paths.server_key), server_key)
-    write_cert(Path(paths.client_cert), client)
-    write_key(Path(paths.client_key), client_key)
+    _write_cert(Path(paths.ca), ca)
+    _write_key(Path(paths.ca_key), ca_key)
+    _write_cert(Path(paths.server_cert), server)
+    _write_key(Path(paths.server_key), server_key)
+    _write_cert(Path(paths.client_cert), client)
+    _write_key(Path(paths.client_key), client_key)
     return paths
 
 
@@ -268,6 +301,54 @@ def enable_auth(admin_config: EtcdConfig, root_password: str) -> None:
     _with_admin(admin_config, go)
 
 
+def _grant_role(c: EtcdClient, role: str, perms: list[tuple[Any, str]]) -> None:
+    """Create ``role`` (if missing) and grant it each (permission type, key prefix) of ``perms``."""
+    _auth_rpc(
+        c, f"add role {role}", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=role), ok_if=("already exists",)
+    )
+    for kind, key in perms:
+        perm = auth_pb2.Permission(permType=kind, key=key.encode(), range_end=range_end(key))
+        _auth_rpc(
+            c,
+            f"grant {key} to role {role}",
+            "RoleGrantPermission",
+            etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm),
+        )
+
+
+def _set_user_role(c: EtcdClient, user: str, password: str, role: str, other: str) -> None:
+    """Create ``user`` (or set its password), grant it ``role`` and revoke ``other``."""
+    if (
+        _auth_rpc(
+            c,
+            f"add user {user}",
+            "UserAdd",
+            etcdrpc.AuthUserAddRequest(name=user, password=password),
+            ok_if=("already exists",),
+        )
+        is None
+    ):
+        _auth_rpc(
+            c,
+            f"set {user}'s password",
+            "UserChangePassword",
+            etcdrpc.AuthUserChangePasswordRequest(name=user, password=password),
+        )
+    _auth_rpc(
+        c,
+        f"grant role {role} to {user}",
+        "UserGrantRole",
+        etcdrpc.AuthUserGrantRoleRequest(user=user, role=role),
+    )
+    _auth_rpc(
+        c,
+        f"revoke role {other} from {user}",
+        "UserRevokeRole",
+        etcdrpc.AuthUserRevokeRoleRequest(name=user, role=other),
+        ok_if=("not granted", "not found"),
+    )
+
+
 def grant_namespace(
     admin_config: EtcdConfig, namespace: str, user: str, password: str, *, read_only: bool = False
 ) -> str:
@@ -309,46 +390,8 @@ def grant_namespace(
         perms = [(auth_pb2.Permission.READWRITE, prefix)]
 
     def go(c: EtcdClient) -> None:
-        _auth_rpc(
-            c, f"add role {role}", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=role), ok_if=("already exists",)
-        )
-        for kind, key in perms:
-            perm = auth_pb2.Permission(permType=kind, key=key.encode(), range_end=range_end(key))
-            _auth_rpc(
-                c,
-                f"grant {key} to role {role}",
-                "RoleGrantPermission",
-                etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm),
-            )
-        if (
-            _auth_rpc(
-                c,
-                f"add user {user}",
-                "UserAdd",
-                etcdrpc.AuthUserAddRequest(name=user, password=password),
-                ok_if=("already exists",),
-            )
-            is None
-        ):
-            _auth_rpc(
-                c,
-                f"set {user}'s password",
-                "UserChangePassword",
-                etcdrpc.AuthUserChangePasswordRequest(name=user, password=password),
-            )
-        _auth_rpc(
-            c,
-            f"grant role {role} to {user}",
-            "UserGrantRole",
-            etcdrpc.AuthUserGrantRoleRequest(user=user, role=role),
-        )
-        _auth_rpc(
-            c,
-            f"revoke role {other} from {user}",
-            "UserRevokeRole",
-            etcdrpc.AuthUserRevokeRoleRequest(name=user, role=other),
-            ok_if=("not granted", "not found"),
-        )
+        _grant_role(c, role, perms)
+        _set_user_role(c, user, password, role, other)
 
     _with_admin(admin_config, go)
     return role
