@@ -5,7 +5,8 @@ A ``Store`` holds one namespace's roles and delegates to them (docs/architecture
     put:      publisher (layout -> snapshot slot / in place / streamed -> catalog)
     get_into: consumer (catalog -> sources -> plan -> transport -> buffers), conversion
     serve:    serving (re-serving pulled buffers as a source)
-    checkpoint / restore / recover: recovery
+    checkpoint / restore / recover: recovery (its façade part: recovery.StoreRecovery)
+    stats, staging, meta, latest, wait, keys: store_state.StoreState (read-only)
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from astate_store import metrics
@@ -25,17 +25,15 @@ from astate_store.etcd.supervisor import shared_endpoint
 from astate_store.get import kv
 from astate_store.get.consumer import Consumer
 from astate_store.get.conversion import Converter
-from astate_store.metrics import Stats
 from astate_store.model.layout import TensorLike, check_step
 from astate_store.model.progress import Progress
 from astate_store.model.state_dict import NonTensors, StateDictConverter, normalize
-from astate_store.model.usermeta import decode_meta, encode_meta
+from astate_store.model.usermeta import encode_meta
 from astate_store.put.publisher import Publisher
 from astate_store.put.registry import Registry
 from astate_store.put.serving import Serving
 from astate_store.recovery import Recovery, StoreRecovery
-from astate_store.transport import Transport
-from astate_store.transport.topology import AffinityChoice
+from astate_store.store_state import StagingInfo, StoreState, check_wait
 
 if TYPE_CHECKING:
     import torch
@@ -113,18 +111,7 @@ def connect(
     )
 
 
-@dataclass(frozen=True)
-class StagingInfo:
-    """Staging memory a store holds: the snapshot pool (``snapshot_slots`` versions of this
-    rank's tensors, on ``device``) and the consumer's conversion staging."""
-
-    snapshot_bytes: int
-    snapshot_slots: int
-    device: str | None
-    conversion_bytes: int
-
-
-class Store(StoreRecovery):
+class Store(StoreState, StoreRecovery):
     """A namespace's versioned tensors: publish with :meth:`put`, pull with :meth:`get_into`.
 
     Args:
@@ -226,79 +213,6 @@ class Store(StoreRecovery):
             world_size,
             self.catalog.endpoint,
         )
-
-    # ---- state ---------------------------------------------------------------------------
-
-    @property
-    def transport(self) -> Transport:
-        return self._ctx.transport
-
-    @property
-    def stats(self) -> Stats:
-        """This store's figures now, as a frozen :class:`~astate_store.Stats`: cumulative counters
-        (pulls, bytes, torn retries, failovers, plans, puts, bad records, etcd requests and
-        retries), gauges (staging, registrations, latest and delivered step) and ``last_pull``
-        (the last ``get_into``'s step, bytes, reads and seconds per phase). The same figures as
-        ``/metrics`` (docs/metrics.md)."""
-        return self._ctx.stats.snapshot()
-
-    @property
-    def affinity(self) -> AffinityChoice | None:
-        """The NUMA/NIC choice made when the transport was created (None before)."""
-        return self._ctx.affinity
-
-    @property
-    def consumer_id(self) -> str:
-        """This store's id as a consumer (its ``readers/`` and ``consumers/`` keys)."""
-        return self._ctx.reader_id
-
-    @property
-    def staging(self) -> StagingInfo:
-        nbytes, slots, device = self._publisher.staging
-        return StagingInfo(nbytes, slots, device, self._converter.staging_bytes)
-
-    def meta(
-        self, step: int | None = None, *, rank: int | None = None, uri: str | None = None
-    ) -> dict[str, Any]:
-        """The small dict publisher rank ``rank`` (default: this store's rank) gave as
-        ``put(step, ..., meta=...)``; ``{}`` when it gave none.
-
-        Args:
-            step: the version (None: the newest committed one, or with ``uri`` the newest
-                checkpoint there).
-            uri: read it from the checkpoint at ``uri`` instead of the catalog. Without it, a step
-                the catalog no longer holds is read from the checkpoint :meth:`restore` (or
-                :meth:`recover`) filled the buffers from.
-
-        Raises:
-            VersionNotFound: the step is not committed (nor restored here).
-            CheckpointNotFound, CheckpointCorrupted: reading it from a checkpoint failed.
-            CatalogCorrupted: its record in etcd is bad.
-        """
-        if step is not None:
-            step = check_step(step, LayoutError)
-        r = self.rank if rank is None else rank
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise LayoutError(f"meta(rank={rank!r}): a rank is an int >= 0")
-        data = self._recovery.meta(step, r, uri)
-        return {} if data is None else decode_meta(data, f"meta of step {step} rank {r}")
-
-    def latest(self) -> int | None:
-        """The newest committed step, or None before the first commit.
-
-        Raises:
-            CatalogUnavailable: etcd unreachable within the retry budget.
-        """
-        return self.catalog.versions.latest()
-
-    def wait(self, step: int | None = None, timeout: float | None = None) -> int:
-        """Block until a version >= ``step`` is committed (any when None); returns the newest step.
-
-        Raises:
-            WaitTimeout: none within ``timeout`` seconds.
-        """
-        step, timeout = _check_wait(step, timeout, "wait")
-        return self.catalog.versions.wait_for(step, timeout=timeout)
 
     # ---- publishing ----------------------------------------------------------------------
 
@@ -403,7 +317,7 @@ class Store(StoreRecovery):
             PeerUnreachable: a publisher died or did not answer within ``read_timeout``.
             TornReadError: the version kept being retired under the reader (too many retries).
         """
-        step, timeout = _check_wait(step, timeout, "get_into")
+        step, timeout = check_wait(step, timeout, "get_into")
         buffers = self._get_sd.convert(buffers, non_tensors)
         if self._serving.active:
             self._serving.withdraw()  # these buffers may be among the re-served ones: withdraw before writing
@@ -424,18 +338,6 @@ class Store(StoreRecovery):
     def unserve(self) -> int:
         """Withdraw every re-served step; returns readers that had not finished within the wait."""
         return self._serving.withdraw()
-
-    def keys(self, step: int | None = None) -> dict[str, kv.KeyInfo]:
-        """What committed version ``step`` holds (the newest when None; ``{}`` before the first
-        commit): name -> :class:`~astate_store.get.kv.KeyInfo` (``global_shape``, ``dtype``,
-        ``nbytes``), read from the version's manifests — so it works after its writer is gone.
-
-        Raises:
-            VersionNotFound: ``step`` is not committed (or retention dropped it).
-        """
-        if step is not None:
-            step = check_step(step, LayoutError)
-        return kv.keys(self.catalog, step)
 
     def get(
         self,
@@ -460,7 +362,7 @@ class Store(StoreRecovery):
             LayoutError: names the version does not publish (all named), or bad arguments.
             WaitTimeout, PeerUnreachable, TornReadError: as :meth:`get_into`.
         """
-        step, timeout = _check_wait(step, timeout, "get")
+        step, timeout = check_wait(step, timeout, "get")
         return kv.get(
             self.catalog,
             lambda bufs, s, t, p: self.get_into(bufs, step=s, timeout=t, progress=p),
@@ -485,7 +387,7 @@ class Store(StoreRecovery):
         Raises:
             LayoutError: ``timeout`` is not a number of seconds >= 0.
         """
-        _step, t = _check_wait(None, timeout, "drain")
+        _step, t = check_wait(None, timeout, "drain")
         if t is None:
             raise LayoutError("drain(timeout=...) needs a number of seconds >= 0, got None")
         return self._publisher.drain(t)
@@ -504,7 +406,7 @@ class Store(StoreRecovery):
         if self._closed:
             return
         if drain:
-            _step, t = _check_wait(None, timeout, "close")
+            _step, t = check_wait(None, timeout, "close")
             try:
                 self._publisher.drain(self._ctx.options.retire_timeout if t is None else t)
             except Exception as exc:  # closing goes on: an unreachable etcd must not keep a rank alive
@@ -537,24 +439,6 @@ class Store(StoreRecovery):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_wait(step: object, timeout: object, what: str) -> tuple[int | None, float | None]:
-    """A call's ``step`` (None or a step number) and ``timeout`` (None or seconds >= 0), checked
-    before anything is waited on.
-
-    Raises:
-        LayoutError: naming the call and the bad argument.
-    """
-    if step is not None:
-        step = check_step(step, LayoutError)
-    if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-            raise LayoutError(
-                f"{what}(timeout=...) must be None or a number of seconds >= 0, got {timeout!r}"
-            )
-        timeout = float(timeout)
-    return step, timeout  # type: ignore[return-value]
 
 
 def _torchrun_session() -> str | None:

@@ -20,12 +20,13 @@ import torch
 
 from astate_store.catalog.records import pad20
 from astate_store.context import StoreContext, sync_device
-from astate_store.errors import CheckpointError, LayoutError, WaitTimeout
+from astate_store.errors import CheckpointError, LayoutError
 from astate_store.model import codec
 from astate_store.model.layout import ShardRecord, TensorLike, torch_dtype
 from astate_store.model.validated import ValidatedTensors
 from astate_store.model.validation import Entry, validate_tensors, with_aliases
 from astate_store.plan.prepack import Copy, servable
+from astate_store.put.drain import drain, wait_pulled
 from astate_store.put.registry import Registry
 from astate_store.put.staging import SnapshotPool, StagingCapExceeded
 
@@ -245,7 +246,7 @@ class Publisher:
         """A snapshot larger than the staging cap: publish the tensors in place and return only
         once every live consumer has pulled this step (then retire it), so the caller may still
         change its tensors as soon as ``put`` returns; no staging memory is used."""
-        cat, timeout = self.ctx.catalog, self.ctx.options.retire_timeout
+        cat = self.ctx.catalog
         log.warning(
             "rank %d: %s; streaming step %d from the tensors themselves (put waits for consumers)",
             self.ctx.rank,
@@ -254,17 +255,7 @@ class Publisher:
         )
         consumers = cat.consumers.ids() - {self.ctx.reader_id}
         committed = cat.versions.put_piece(step, self._in_place(entries), 0, meta)
-        late = cat.readers.wait_delivered(step, consumers, timeout=timeout)
-        if late:
-            log.warning(
-                "rank %d: %d consumers did not pull step %d within %.0fs",
-                self.ctx.rank,
-                len(late),
-                step,
-                timeout,
-            )
-        cat.readers.retire(step, timeout=timeout)
-        self.ctx.stats.streamed_puts += 1
+        wait_pulled(self.ctx, step, consumers)
         return committed
 
     # ---- in place -------------------------------------------------------------------------
@@ -303,47 +294,8 @@ class Publisher:
     # ---- drain ----------------------------------------------------------------------------
 
     def drain(self, timeout: float) -> int:
-        """Before this rank exits: wait, bounded by ``timeout``, until every live consumer of the
-        namespace has finished reading the newest version this rank put, or has left. Returns
-        how many had done neither (0 when this rank never put).
-
-        1. Wait for the step this rank put last to commit (the other ranks' pieces), or a newer one.
-        2. Wait until each consumer with a consumer record — those that have not started that
-           read yet included; this store's own consumer left out — has a good read of it on
-           record, or its record is gone (closed; or dead, once its lease ends).
-        """
-        cat, step = self.ctx.catalog, self.last_step
-        if step is None:
-            return 0
-        deadline = time.monotonic() + timeout
-        try:
-            newest = cat.versions.wait_for(step, timeout=timeout)
-        except WaitTimeout:
-            left = cat.consumers.ids() - {self.ctx.reader_id}
-            log.warning(
-                "rank %d: drain: step %d did not commit within %.1fs (other ranks' pieces missing); "
-                "%d consumers could not read it",
-                self.ctx.rank,
-                step,
-                timeout,
-                len(left),
-            )
-            return len(left)
-        left = cat.readers.wait_drained(
-            newest, max(0.0, deadline - time.monotonic()), exclude={self.ctx.reader_id}
-        )
-        if left:
-            log.warning(
-                "rank %d: drain: %d consumers had not read step %d within %.1fs: %s",
-                self.ctx.rank,
-                len(left),
-                newest,
-                timeout,
-                ", ".join(sorted(left)[:4]) + (", ..." if len(left) > 4 else ""),
-            )
-        else:
-            log.info("rank %d: drained: every live consumer read step %d", self.ctx.rank, newest)
-        return len(left)
+        """Before this rank exits: ``drain.drain`` (consumers finish reading) of the last step put."""
+        return drain(self.ctx, self.last_step, timeout)
 
     # ---- retire and held state ------------------------------------------------------------
 

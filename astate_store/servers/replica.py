@@ -221,7 +221,7 @@ class ReplicaServer:
     def _close(self) -> None:
         self._cancel_watch()
         for ns in list(self._ns.values()):
-            self._evict(ns, "the server stops")
+            _evict(ns, "the server stops")
         self._client.close()
         self._hub.close()
         log.info("replica server %s: stopped", self.server_id)
@@ -330,7 +330,7 @@ class ReplicaServer:
 
     def _refresh(self, ns: _Namespace) -> None:
         if ns.latest is None:
-            self._evict(ns, "its versions are gone")
+            _evict(ns, "its versions are gone")
             return
         step = ns.latest
         try:
@@ -418,7 +418,7 @@ class ReplicaServer:
         if ns.refused != step:
             log.warning("replica server: not holding %s step %d: %s", ns.name, step, why)
         ns.refused = step
-        self._evict(ns, "its newest version is not held")
+        _evict(ns, "its newest version is not held")
         return None
 
     def _make_room(self, ns: _Namespace, need: int) -> None:
@@ -435,7 +435,7 @@ class ReplicaServer:
         for other in others:
             if self._fits(need) or other.revision > ns.revision:
                 return
-            self._evict(other, f"room for {ns.name} (least recently committed first)")
+            _evict(other, f"room for {ns.name} (least recently committed first)")
 
     def _new_slot(self, ns: _Namespace, sig: tuple[Any, ...], info: dict[str, KeyInfo], need: int) -> _Slot:
         store = self._store(ns)
@@ -457,24 +457,25 @@ class ReplicaServer:
         ns.slots.append(slot)
         return slot
 
-    def _evict(self, ns: _Namespace, why: str) -> None:
-        """Withdraw a namespace's offer, free its buffers and close its store."""
-        for s in ns.slots:
-            if s.offered:
-                try:
-                    s.serving.withdraw()
-                except AStateError as exc:  # its lease ends with the store: readers then fail over
-                    log.warning("replica server: withdrawing %s failed: %s", ns.name, exc)
-        had = ns.held_step
-        ns.slots = []
-        if ns.store is not None:
+
+def _evict(ns: _Namespace, why: str) -> None:
+    """Withdraw a namespace's offer, free its buffers and close its store."""
+    for s in ns.slots:
+        if s.offered:
             try:
-                ns.store.close()
-            except AStateError as exc:
-                log.warning("replica server: closing %s failed: %s", ns.name, exc)
-            ns.store = None
-        if had is not None:
-            log.info("replica server: no longer holds %s (step %d): %s", ns.name, had, why)
+                s.serving.withdraw()
+            except AStateError as exc:  # its lease ends with the store: readers then fail over
+                log.warning("replica server: withdrawing %s failed: %s", ns.name, exc)
+    had = ns.held_step
+    ns.slots = []
+    if ns.store is not None:
+        try:
+            ns.store.close()
+        except AStateError as exc:
+            log.warning("replica server: closing %s failed: %s", ns.name, exc)
+        ns.store = None
+    if had is not None:
+        log.info("replica server: no longer holds %s (step %d): %s", ns.name, had, why)
 
 
 def _round(n: int) -> int:

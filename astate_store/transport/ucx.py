@@ -108,6 +108,32 @@ def _mtype(tensor: Any) -> str:
     return "cuda" if dev == "cuda" else ("host" if dev == "cpu" else "unknown")
 
 
+def _stream_rows(
+    reader: StreamReader, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, timeout: float | None
+) -> Rows | None:
+    """Stream (through ``reader``) the rows of tcp peers' host regions into host memory; the rows
+    left for UCX."""
+    mask = lt.host_only(t.stream[rows.flat], rows.local, rows.length)
+    if not mask.any():
+        return rows
+    sel = np.flatnonzero(mask)
+    flat, pidx = rows.flat[sel], rows.pidx[sel]
+    jobs = jobs_for(
+        t.streams,
+        pidx,
+        flat - t.reg_off[pidx],
+        rows.remote[sel] - t.base[flat],
+        rows.length[sel],
+        rows.local[sel],
+    )
+    left = reader.read(jobs, timeout)
+    keep = np.ones(len(rows), dtype=bool)
+    keep[sel] = False
+    for j in left:  # not reachable over the stream: UCX reads them
+        keep[sel[j.rows_index]] = True
+    return rows.take(keep) if keep.any() else None
+
+
 class UcxTransport(Transport):
     """UCX one-sided transport (modes: module docstring): a coordinator over its roles (``regions``,
     ``peers``, ``rows``, ``same_host``, ``ucx_get``) that owns the worker and their one lock.
@@ -420,36 +446,12 @@ class UcxTransport(Transport):
                 return
         if self.stream and t.streams and os.getpid() == self._me.pid:
             deadline = None if timeout is None else time.monotonic() + timeout
-            rows = self._stream_rows(t, lt, rows, timeout)
+            rows = _stream_rows(self._stream_reader, t, lt, rows, timeout)
             if rows is None:
                 return
             if deadline is not None:  # one timeout for the whole get
                 timeout = max(0.0, deadline - time.monotonic())
         self._ucx_reader.read(t, lt, rows, timeout=timeout, window=self.window)
-
-    def _stream_rows(
-        self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, timeout: float | None
-    ) -> Rows | None:
-        """Stream the rows of tcp peers' host regions into host memory; the rows left for UCX."""
-        mask = lt.host_only(t.stream[rows.flat], rows.local, rows.length)
-        if not mask.any():
-            return rows
-        sel = np.flatnonzero(mask)
-        flat, pidx = rows.flat[sel], rows.pidx[sel]
-        jobs = jobs_for(
-            t.streams,
-            pidx,
-            flat - t.reg_off[pidx],
-            rows.remote[sel] - t.base[flat],
-            rows.length[sel],
-            rows.local[sel],
-        )
-        left = self._stream_reader.read(jobs, timeout)
-        keep = np.ones(len(rows), dtype=bool)
-        keep[sel] = False
-        for j in left:  # not reachable over the stream: UCX reads them
-            keep[sel[j.rows_index]] = True
-        return rows.take(keep) if keep.any() else None
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
