@@ -3,7 +3,9 @@
 A ~0.5B-parameter Qwen2 (Qwen2.5-0.5B's shape: 24 layers, hidden 896, tied embeddings) is made from a
 config with random bf16 weights and loaded by one vLLM engine (TP=1). Each round the trainer holds new
 weights (the same tensors each time, so every path can be verified against one reference), the
-engine's weights are zeroed (``reset_weights``), and the new weights are delivered:
+engine is first moved off them (untimed: the negated tensors delivered through our backend, since
+``reset_weights`` cannot reach a weight that only a prepacked GEMM holds), and the new weights are
+delivered:
 
 - ``ours``: ``store.put(step, tensors)`` then the four phases with the ``astate`` backend (in place);
 - ``reload``: the trainer writes safetensors (``save_file``), the engine reloads them
@@ -11,8 +13,10 @@ engine's weights are zeroed (``reset_weights``), and the new weights are deliver
 - ``gather``: the full tensors go to the engine's ``load_weights`` through ``collective_rpc`` (the
   path verl, TRL and OpenRLHF take without NCCL).
 
-After each, vLLM's own ``compute_weight_checksums`` must equal the engine's after loading from disk
-(``verified``). Prints one JSON line and appends it to benchmarks/results/vllm_sync.jsonl.
+After each, what the engine computes with (``served_weights``: a prepacked GEMM's weight read back
+through the GEMM) must hash to the same digests as after loading from disk, and must not before
+(``verified``). A path that raises is reported with its error (``errors``). Prints one JSON line and
+appends it to benchmarks/results/vllm_sync.jsonl.
 
     .venv/bin/python benchmarks/vllm_sync.py [--rounds 2] [--small]
 """
@@ -89,6 +93,19 @@ def feed_load_weights(worker: Any, blob: bytes) -> None:
     worker.model_runner.get_model().load_weights(iter(tensors.items()))
 
 
+def served_digest(worker: Any) -> dict[str, str]:
+    """On the worker: a digest of every weight it computes with (integrations/vllm/served.py)."""
+    import hashlib
+
+    from astate_store.integrations.vllm.served import served_weights
+
+    model = worker.model_runner.get_model()
+    return {
+        n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n, t in served_weights(model).items()
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
@@ -115,13 +132,23 @@ def main() -> None:
         weight_transfer_config={"backend": "astate"},
     )
     rpc = llm.llm_engine.collective_rpc
-    ref = rpc("compute_weight_checksums")
+    ref = rpc(served_digest)
+    negated = {n: -t for n, t in tensors.items()}
     ns = "bench-" + uuid.uuid4().hex[:8]
     store = astate_store.connect(ns, etcd=etcd.endpoint)
     llm.init_weight_transfer_engine({"init_info": {"namespace": ns, "etcd": etcd.endpoint}})
     times: dict[str, list[float]] = {"ours": [], "reload": [], "gather": []}
     verified = True
+    errors: dict[str, str] = {}
     step = 0
+
+    def scramble() -> None:  # untimed: the engine off the reference weights, on every path alike
+        nonlocal step
+        step += 1
+        store.put(step, negated)
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"step": step}})
+        llm.finish_weight_update(weight_version=str(step))
 
     def ours() -> None:
         nonlocal step
@@ -149,14 +176,20 @@ def main() -> None:
     ours()  # the first update bakes (once per published set); rounds below are steady state
     for r in range(args.rounds):
         for name, fn in (("ours", ours), ("reload", reload), ("gather", gather)):
-            rpc("reset_weights")
+            scramble()
+            off = rpc(served_digest) != ref
             t = time.perf_counter()
-            fn()
+            try:
+                fn()
+            except Exception as e:  # a path that fails is reported; the others still run
+                errors[name] = f"{type(e).__name__}: {e}"[:300]
+                print(f"round {r} {name}: failed: {errors[name]}", flush=True)
+                continue
             times[name].append(time.perf_counter() - t)
-            ok = rpc("compute_weight_checksums") == ref
+            ok = off and rpc(served_digest) == ref
             verified &= ok
             print(f"round {r} {name}: {times[name][-1]:.3f}s verified={ok}", flush=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) if v else float("nan") for k, v in times.items()}
     line = {
         "bench": "vllm_sync",
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -172,6 +205,8 @@ def main() -> None:
         "ratio_reload": round(med["reload"] / med["ours"], 2),
         "ratio_gather": round(med["gather"] / med["ours"], 2),
         "verified": verified,
+        "errors": errors,
+        "cpu_avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
         "vllm": __import__("vllm").__version__,
     }
     print(json.dumps(line))

@@ -18,14 +18,17 @@ def _engine_weights(llm: Any) -> dict[str, torch.Tensor]:
     its worker and shipped back as bytes."""
 
     def read(worker: Any) -> dict[str, tuple[str, list[int], bytes]]:  # runs in the engine's worker
-        model = worker.model_runner.get_model()
+        # what the worker computes with: a weight that only a prepacked GEMM holds (AVX-512 CPUs) is
+        # read back through that GEMM
+        from astate_store.integrations.vllm.served import served_weights
+
         return {
             n: (
                 str(p.dtype).removeprefix("torch."),
                 list(p.shape),
-                p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes(),
+                p.contiguous().view(-1).view(torch.uint8).numpy().tobytes(),
             )
-            for n, p in model.named_parameters()
+            for n, p in served_weights(worker.model_runner.get_model()).items()
         }
 
     (got,) = llm.llm_engine.collective_rpc(read)  # TP=1: one worker

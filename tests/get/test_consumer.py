@@ -81,7 +81,9 @@ def test_a_read_torn_by_the_publisher_is_discarded_and_retried(store_factory: Fa
     bufs = _bufs()
     got = cons.get_into(bufs, step=1, timeout=30, progress=progress)
     assert fired, "the progress callback never saw the first attempt complete"
-    assert got == 3 and _holds(bufs, 3)
+    # The retry reads the newest version the consumer has seen: 3, or 2 when the watch has not yet
+    # brought 3 (2 sits in the other slot, intact). Never 1, never a mix.
+    assert got in (2, 3) and _holds(bufs, got)
     assert cons.stats.torn_retries == 1
 
 

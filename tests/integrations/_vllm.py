@@ -152,6 +152,18 @@ def _describe(view: Any, params: dict[str, Any]) -> tuple:
     return ("?", 0, tuple(t.shape), tuple(t.stride()))
 
 
+def _loader_params(model: Any, plan: Any) -> dict[str, Any]:
+    """The model's parameters in the loaders' format: a staged module's (its live ones may be repacked,
+    or empty where a prepacked GEMM keeps the weight) as zeros of its pre-processing shape."""
+    params = dict(model.named_parameters())
+    for s in plan.staged:
+        for pname, meta in s.metadata.items():
+            params[f"{s.name}.{pname}" if s.name else pname] = torch.zeros(
+                tuple(meta.shape), dtype=meta.dtype
+            )
+    return params
+
+
 def preset_against_bake(worker: Any, preset: str) -> dict[str, Any]:
     """Runs on each worker (collective_rpc): the preset's views next to what the bake learned from the
     loaders, both as {HF name: sorted [(parameter, offset, sizes, strides, HF offsets)]}."""
@@ -161,7 +173,7 @@ def preset_against_bake(worker: Any, preset: str) -> dict[str, Any]:
 
     model = worker.model_runner.get_model()
     engine = worker.weight_transfer_engine
-    params = dict(model.named_parameters())
+    params = _loader_params(model, engine._plan)
     tp = get_tp_group()
     ep = bool(worker.vllm_config.parallel_config.enable_expert_parallel)
     views = presets.views(
@@ -201,3 +213,38 @@ def TensorSource(tensors: dict[str, torch.Tensor]) -> Any:
             return iter(tensors.items())
 
     return _Source()
+
+
+def served_mismatches(worker: Any, preset: str, path: str, scale: float) -> list[str]:
+    """Runs on each worker (collective_rpc): the HF tensors of ``path`` (times ``scale``) whose slice on
+    this worker differs from what the worker computes with (``served_weights``: a prepacked GEMM's
+    weight read through the GEMM), mapped by the preset."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from astate_store.integrations import presets
+    from astate_store.integrations.vllm.served import served_weights
+
+    tp = get_tp_group()
+    hf = hf_tensors(Path(path))
+    views = presets.views(
+        preset,
+        served_weights(worker.model_runner.get_model()),
+        worker.model_config.hf_config,
+        tp_rank=tp.rank_in_group,
+        tp_size=tp.world_size,
+    )
+    bad = []
+    for name, v in views.items():
+        for shard in v if isinstance(v, list) else [v]:
+            got = shard.tensor if hasattr(shard, "tensor") else shard
+            offsets = tuple(shard.offsets) if hasattr(shard, "offsets") else (0,) * got.dim()
+            want = (hf[name] * scale)[tuple(slice(o, o + n) for o, n in zip(offsets, got.shape))]
+            if not torch.equal(got, want):
+                bad.append(name)
+    return sorted(set(bad))
+
+
+def served(llm: Any, path: Path, *, scale: float = 1.0, preset: str = "qwen2") -> list[str]:
+    """Every worker's :func:`served_mismatches` (empty: the engine computes with exactly these tensors)."""
+    parts = llm.llm_engine.collective_rpc(served_mismatches, args=(preset, str(path), scale))
+    return sorted({n for part in parts for n in part})

