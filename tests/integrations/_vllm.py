@@ -226,14 +226,19 @@ def served_mismatches(worker: Any, preset: str, path: str, scale: float) -> list
 
     tp = get_tp_group()
     hf = hf_tensors(Path(path))
+    served = served_weights(worker.model_runner.get_model())
+    bad = []
+    if worker.model_config.hf_config.tie_word_embeddings and "lm_head.weight" in served:
+        # tied: the logits GEMM (lm_head's own prepacked copy, on AVX-512) must hold the embedding
+        if not torch.equal(served.pop("lm_head.weight"), served["model.embed_tokens.weight"]):
+            bad.append("lm_head.weight")
     views = presets.views(
         preset,
-        served_weights(worker.model_runner.get_model()),
+        served,
         worker.model_config.hf_config,
         tp_rank=tp.rank_in_group,
         tp_size=tp.world_size,
     )
-    bad = []
     for name, v in views.items():
         for shard in v if isinstance(v, list) else [v]:
             got = shard.tensor if hasattr(shard, "tensor") else shard

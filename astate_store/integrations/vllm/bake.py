@@ -228,6 +228,8 @@ class _Swap:
         seen: set[int] = set()
         for mname, module in self.model.named_modules():
             if mname in self.staged:
+                # its parameters are the staging's; a module tied to them (lm_head) is not swapped
+                seen.update(id(p) for p in module._parameters.values() if p is not None)
                 self._stage(mname, module, self.staged[mname])
                 continue
             for pname, p in module._parameters.items():

@@ -39,8 +39,8 @@ from vllm.distributed.weight_transfer.base import (
 import astate_store
 from astate_store.errors import AStateError, LayoutError, WaitTimeout
 from astate_store.integrations.vllm.bake import Baked, bake
-from astate_store.integrations.vllm.paths import decide, pre_processing_metadata
-from astate_store.integrations.vllm.staged import StagedModule
+from astate_store.integrations.vllm.paths import decide, pre_processing_metadata, tied_followers
+from astate_store.integrations.vllm.staged import StagedModule, refresh
 
 __all__ = ["AstateInitInfo", "AstateUpdateInfo", "AstateWeightTransferEngine", "UpdateError"]
 
@@ -85,7 +85,8 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         super().__init__(config, vllm_config, device, model)
         self.store: astate_store.Store | None = None
         self.timeout = 60.0
-        self.paths: dict[str, str] = {}
+        self.paths: dict[str, str] = {}  # staged module -> why
+        self.followers: dict[str, str] = {}  # staged module tied to another's parameters -> that module
         self._plan: _Plan | None = None
         self.last_step: int | None = None
         self.last_seconds: dict[str, float] = {}
@@ -124,6 +125,7 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         # a consumer: rank / world size are publisher settings, not this worker's vLLM rank
         self.store = astate_store.connect(init_info.namespace, etcd=init_info.etcd, rank=0, world_size=1)
         self.paths = decide(self.model)
+        self.followers = tied_followers(self.model, self.paths)
         self._plan = None
         log.info("astate: namespace %s; staged modules: %s", init_info.namespace, self.paths or "none")
 
@@ -160,6 +162,8 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
             t2 = time.perf_counter()
             for s in plan.staged:
                 s.commit(self.model_config)
+            for name in self.followers:  # tied to a module just committed (or written in place)
+                refresh(self.model.get_submodule(name), self.model_config)
         finally:
             for s in plan.staged:
                 s.drop()
@@ -211,7 +215,11 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         fingerprint = tuple(sorted((n, s) for n, (s, _) in keys.items()))
         if self._plan is not None and self._plan.fingerprint == fingerprint:
             return self._plan
-        metadata = {name: pre_processing_metadata(self.model.get_submodule(name)) for name in self.paths}
+        metadata = {
+            name: pre_processing_metadata(self.model.get_submodule(name))
+            for name in self.paths
+            if name not in self.followers
+        }
         missing = [n for n, m in metadata.items() if not m]
         if missing:
             raise LayoutError(
@@ -227,7 +235,7 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
             )
         staged = [
             StagedModule(n, self.model.get_submodule(n), metadata[n], baked.staged[n], self.paths[n])
-            for n in self.paths
+            for n in metadata
         ]
         self._plan = _Plan(fingerprint, baked, staged)
         return self._plan

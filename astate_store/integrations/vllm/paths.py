@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["IN_PLACE_METHODS", "decide", "pre_processing_metadata"]
+__all__ = ["IN_PLACE_METHODS", "decide", "pre_processing_metadata", "prepacked_gemm", "tied_followers"]
 
 # quant methods whose process_weights_after_loading leaves the weights as loaded (apart from the CPU
 # GEMM dispatch, checked separately)
@@ -35,7 +35,8 @@ def pre_processing_metadata(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(info.restore_metadata[0]) if info is not None else {}
 
 
-def _prepacked_gemm(module: torch.nn.Module) -> bool:
+def prepacked_gemm(module: torch.nn.Module) -> bool:
+    """On CPU: the module's GEMM was dispatched to a kernel that keeps its own copy of the weight."""
     fn = getattr(module, "cpu_linear", None)
     code = getattr(fn, "__code__", None)
     return code is not None and any(n in code.co_names for n in _PREPACKED_GEMMS)
@@ -46,7 +47,7 @@ def _reason(module: torch.nn.Module, meta: Mapping[str, torch.Tensor]) -> str | 
     method = getattr(module, "quant_method", None)
     if method is not None and type(method).__name__ not in IN_PLACE_METHODS:
         return f"{type(method).__name__} post-processes its weights"
-    if _prepacked_gemm(module):
+    if prepacked_gemm(module):
         return "its GEMM runs on a prepacked copy of the weight"
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
 
@@ -73,3 +74,22 @@ def decide(model: torch.nn.Module) -> dict[str, str]:
         if why is not None:
             staged[name] = why
     return staged
+
+
+def tied_followers(model: torch.nn.Module, staged: Mapping[str, str]) -> dict[str, str]:
+    """Staged module -> the module that owns its parameters, for staged modules whose every parameter
+    is another module's (tied: ``lm_head`` sharing ``embed_tokens.weight``). vLLM's loaders write the
+    owner only, so a follower is not pulled: after the owner's commit its post-processing runs again
+    on the shared, updated parameter (its prepacked GEMM rebuilt from it)."""
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                owner.setdefault(id(p), name)
+    out = {}
+    for name in staged:
+        params = [p for p in model.get_submodule(name)._parameters.values() if p is not None]
+        owners = {owner[id(p)] for p in params}
+        if params and name not in owners and len(owners) == 1:
+            out[name] = owners.pop()
+    return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from astate_store.integrations.vllm.paths import pre_processing_metadata
+from astate_store.integrations.vllm.paths import pre_processing_metadata, prepacked_gemm
 
 __all__ = ["served_weights"]
 
@@ -41,8 +41,10 @@ def served_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 continue
             name = f"{mname}.{pname}" if mname else pname
             m = meta.get(pname)
-            if p.numel() > 0 and (m is None or tuple(p.shape) == tuple(m.shape)):
-                out[name] = p.detach()
-            elif pname == "weight" and m is not None and m.dim() == 2 and hasattr(module, "cpu_linear"):
+            if pname == "weight" and m is not None and m.dim() == 2 and prepacked_gemm(module):
+                # what the GEMM computes with: for an embedding that keeps its parameter (its lookup
+                # table), the copy its logits GEMM uses (a tied lm_head's) is the one that can go stale
                 out[name] = _through_gemm(module, tuple(m.shape), m.dtype)
+            elif p.numel() > 0 and (m is None or tuple(p.shape) == tuple(m.shape)):
+                out[name] = p.detach()
     return out

@@ -28,7 +28,7 @@ from astate_store import Shard
 from astate_store.errors import LayoutError
 from astate_store.integrations.vllm.bake import Piece
 
-__all__ = ["StagedModule"]
+__all__ = ["StagedModule", "refresh"]
 
 log = logging.getLogger("astate_store.integrations.vllm")
 
@@ -94,6 +94,12 @@ class StagedModule:
                     None if old is None else tuple(old.shape),
                 )
         self.drop()
+
+
+def refresh(module: torch.nn.Module, model_config: Any) -> None:
+    """Post-process a module again on its live parameters (a tied follower, whose owner was just
+    updated): what a first load does after the loaders wrote them, e.g. its prepacked GEMM rebuilt."""
+    _post_process(module, model_config)
 
 
 def _post_process(module: torch.nn.Module, model_config: Any) -> None:
