@@ -233,11 +233,7 @@ def served_mismatches(worker: Any, preset: str, path: str, scale: float) -> list
         if not torch.equal(served.pop("lm_head.weight"), served["model.embed_tokens.weight"]):
             bad.append("lm_head.weight")
     views = presets.views(
-        preset,
-        served,
-        worker.model_config.hf_config,
-        tp_rank=tp.rank_in_group,
-        tp_size=tp.world_size,
+        preset, served, worker.model_config.hf_config, tp_rank=tp.rank_in_group, tp_size=tp.world_size
     )
     for name, v in views.items():
         for shard in v if isinstance(v, list) else [v]:
