@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from astate_store.transport.config import env_on
+from astate_store.transport.vmas import MapsReader
 
 __all__ = ["PeerMapping", "enabled", "fd_of", "map_peer_region", "preallocate", "shared_mapping"]
 
@@ -174,28 +175,25 @@ def _pidfd_getfd(pidfd: int, target: int) -> int:
 def _file_offset(pid: int, base: int, size: int, st: os.stat_result) -> int | str:
     """File offset of ``base`` if ``/proc/<pid>/maps`` maps the file ``st`` over all of
     ``[base, +size)`` at consecutive offsets; else why not."""
-    want_dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    dev = (os.major(st.st_dev), os.minor(st.st_dev))
     end, pos, first = base + size, base, None
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                if hi <= pos or lo > pos:
-                    continue
-                if parts[3] != want_dev or int(parts[4]) != st.st_ino:
+        with MapsReader(pid) as maps:
+            while first is None or pos < end:
+                v = maps.at(pos)
+                if v is None:
+                    return f"0x{pos:x} is not mapped"
+                if v.dev != dev or v.inode != st.st_ino:
                     return f"0x{pos:x} is not mapped from that file"
-                off = int(parts[2], 16) + (pos - lo)
+                off = v.offset + (pos - v.start)
                 if first is None:
                     first = off
                 elif off != first + (pos - base):
                     return "the file is not mapped contiguously over the region"
-                pos = hi
-                if pos >= end:
-                    return first
+                pos = v.end
     except (OSError, ValueError, IndexError) as exc:
         return f"cannot read its memory map ({exc})"
-    return f"0x{pos:x} is not mapped"
+    return first
 
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14

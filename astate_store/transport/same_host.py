@@ -56,6 +56,7 @@ from astate_store.transport.binding import copy_rows, native, typed_error
 from astate_store.transport.peers import Peer, PeerSnapshot, PeerTable
 from astate_store.transport.regions import LocalSnapshot
 from astate_store.transport.rows import Rows
+from astate_store.transport.vmas import MapsReader
 
 __all__ = ["Proof", "ProcessIdentity", "SameHostReader", "node_id"]
 
@@ -156,18 +157,11 @@ def _anonymous_at(pid: int, address: int) -> bool:
     does). Rules out bytes anyone could predict at a known address of another process,
     such as a shared library's constant data when address randomization is off."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                lo, _, hi = parts[0].partition("-")
-                if int(lo, 16) <= address < int(hi, 16):
-                    path = parts[5].strip() if len(parts) > 5 else ""
-                    return (
-                        parts[1].startswith("rw") and parts[1].endswith("p") and parts[4] == "0" and not path
-                    )
+        with MapsReader(pid) as maps:
+            v = maps.at(address)
     except (OSError, ValueError, IndexError):
-        pass
-    return False
+        return False
+    return v is not None and v.readable and v.writable and v.private and v.inode == 0 and not v.name
 
 
 def _cut_rows(cp: np.ndarray, cap: int) -> np.ndarray:
