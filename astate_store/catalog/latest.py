@@ -21,7 +21,8 @@ log = logging.getLogger("astate_store.catalog")
 
 
 class LatestWatch:
-    """The newest committed step, kept current by a watch on ``latest``. Re-established (with
+    """The newest committed step, kept current by a watch on ``latest``, started at the second
+    wait (the first is one read: a store that reads once never watches). Re-established (with
     one read) when the watch stream breaks, and re-read after a quiet wait of 5 s in case a
     watch is stuck without saying so. A value that is not a counter is skipped (counted in
     ``skips``) on the watch; :meth:`wait` raises ``CatalogCorrupted`` when a read finds one."""
@@ -34,6 +35,9 @@ class LatestWatch:
         self._value: int | None = None
         self._watch: Any = None
         self._alive = False
+        # waits answered by a plain read, before any watch: a store that reads once and closes (an
+        # agent session resuming) never opens a watch; the second wait starts it
+        self._unwatched = 0
         self.blocked_at: deque[int | None] = deque(maxlen=16)
 
     def _on_event(self, resp: Any) -> None:
@@ -52,14 +56,19 @@ class LatestWatch:
                         self._value = v
             self._cond.notify_all()
 
-    def _refresh(self) -> None:
-        """Read ``latest`` and (re)start the watch right after the revision read."""
+    def _read(self) -> int:
+        """Read ``latest`` (no watch); returns the revision read at."""
         resp = self.client.call("get latest", lambda: self.client.raw.get_response(self.key))
         value = counter_value(self.key, resp.kvs[0].value) if resp.kvs else None
-        rev = int(resp.header.revision)
         with self._cond:
             if value is not None and (self._value is None or value > self._value):
                 self._value = value
+        return int(resp.header.revision)
+
+    def _refresh(self) -> None:
+        """Read ``latest`` and (re)start the watch right after the revision read."""
+        rev = self._read()
+        with self._cond:
             if not self._alive:
                 old, self._watch = self._watch, None
                 if old is not None:
@@ -78,6 +87,13 @@ class LatestWatch:
     def wait(self, min_step: int | None, timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if not self._alive and self._unwatched == 0:
+                self._unwatched += 1
+                self._read()
+                with self._cond:
+                    v = self._value
+                    if v is not None and (min_step is None or v >= min_step):
+                        return v
             if not self._alive:
                 self._refresh()
             with self._cond:

@@ -32,6 +32,7 @@ log = logging.getLogger("astate_store.catalog")
 
 # Blob range reads per transaction: a response stays well inside the client's receive limit.
 _BLOBS_PER_TXN = 16
+_EPOCHS_KEPT = 64  # committing epochs of the steps read lately (read_meta's shortcut)
 
 
 class VersionReads:
@@ -49,6 +50,9 @@ class VersionReads:
         self._manifests: dict[str, Manifest] = {}
         # (replica manifest id, publisher manifest ids) -> why the replica does not fit the version, or ""
         self._fits: dict[tuple[str, tuple[str, ...]], str] = {}
+        # step -> its committing epoch, for the versions read lately (a commit record never changes):
+        # read_meta then reads the meta record alone, one round trip instead of two
+        self._epochs: dict[int, int] = {}
 
     def read_version(self, step: int) -> Version:
         """Commit and pieces of a committed step, in one round trip (no reader registration).
@@ -58,7 +62,11 @@ class VersionReads:
             CatalogCorrupted: its commit record, or a piece of the committing session, is bad.
         """
         kvs, _ = self.client.get_prefix_rev(self.client.key("versions", pad20(step)) + "/")
-        return version_from_kvs(self.client.namespace, step, kvs, self.skips)
+        version = version_from_kvs(self.client.namespace, step, kvs, self.skips)
+        if len(self._epochs) >= _EPOCHS_KEPT:
+            self._epochs.clear()  # bounded; plain dict operations, safe across the store's threads
+        self._epochs[step] = version.epoch
+        return version
 
     def read_meta(self, step: int, rank: int) -> bytes | None:
         """The meta bytes rank ``rank`` put with committed ``step`` (None: it gave none). Only the
@@ -69,17 +77,28 @@ class VersionReads:
             CatalogCorrupted: its commit or meta record is bad (skipped, counted and logged too).
         """
         c, step = self.client, check_step(step, CatalogError)
+        epoch = self._epochs.get(step)
+        if epoch is not None:  # the commit read lately: its meta record alone
+            got = self._meta_record(step, epoch, rank)
+            if got is not None:
+                return got
+            # no record: no meta given, or the version dropped meanwhile; the commit tells which
         ckey = c.key("versions", pad20(step), "commit")
         raw, _m = c.call("get commit", lambda: c.raw.get(ckey))
         if raw is None:
             raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed")
         commit = self._checked(ckey, lambda: codec.decode("commit", raw))
-        mkey = c.key("meta", pad20(step), pad20(commit["epoch"]), pad20(rank))
+        return self._meta_record(step, commit["epoch"], rank)
+
+    def _meta_record(self, step: int, epoch: int, rank: int) -> bytes | None:
+        """The meta bytes of (step, epoch, rank), checked against their key; None: no record."""
+        c = self.client
+        mkey = c.key("meta", pad20(step), pad20(epoch), pad20(rank))
         value, _m = c.call("get meta", lambda: c.raw.get(mkey))
         if value is None:
             return None
         rec = self._checked(mkey, lambda: codec.decode("meta", value))
-        if (rec["step"], rec["epoch"], rec["rank"]) != (step, commit["epoch"], rank):
+        if (rec["step"], rec["epoch"], rec["rank"]) != (step, epoch, rank):
             self.skips(
                 mkey, f"meta of step {rec['step']} epoch {rec['epoch']} rank {rec['rank']} under this key"
             )

@@ -428,3 +428,21 @@ def test_etcd_refusals_are_raised_at_once_as_what_they_are(catalog_factory) -> N
     with pytest.raises(CatalogRejected, match="refused put too-big: (RESOURCE_EXHAUSTED|INVALID_ARGUMENT)"):
         cat.client.call("put too-big", lambda: cat.client.raw.put(key, b"x" * (2 << 20)))
     assert cat.client.rpcs == rpcs + 1  # refused once, never retried as if etcd were down
+
+
+def test_a_single_wait_is_one_read_and_the_second_opens_the_watch(catalog_factory) -> None:
+    # A store that reads once (an agent session resuming) never opens a watch on latest; a
+    # store that keeps reading gets one at its second wait, and steady waits then cost nothing.
+    pub, cons = catalog_factory(), catalog_factory()
+    lid = _publisher(pub, 0, 1)
+    pub.versions.put_piece(1, lid)
+    watch = cons.versions._latest
+    rpcs = cons.client.rpcs
+    assert cons.versions.wait_for(1, timeout=30) == 1
+    assert cons.client.rpcs == rpcs + 1 and not watch._alive
+    assert cons.versions.wait_for(1, timeout=30) == 1
+    assert watch._alive
+    rpcs = cons.client.rpcs
+    pub.versions.put_piece(2, lid)
+    assert cons.versions.wait_for(2, timeout=30) == 2  # the watch brings it
+    assert cons.client.rpcs == rpcs

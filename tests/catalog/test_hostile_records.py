@@ -642,6 +642,7 @@ def test_bad_latest_is_a_typed_error(fresh: World) -> None:
     w = fresh
     w.put(1)
     w.pull(1)
+    w.pull(1)  # the second wait opens the consumer's watch on latest (the first is one read)
     key = w.key("latest")
     skipped = w.cons.stats.bad_records
     w.raw.put(key, b"not a counter")

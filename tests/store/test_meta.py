@@ -101,3 +101,24 @@ def test_a_garbage_meta_record_is_a_typed_error_and_harms_nothing_else(etcd, nam
         with Store(namespace, endpoint=etcd.endpoint, transport="shm") as reader:
             buf = torch.zeros(4)
             assert reader.get_into({"x": buf}, timeout=30) == 1 and torch.equal(buf, torch.arange(4.0))
+
+
+def test_meta_after_reading_the_version_is_one_request_of_the_committing_epoch(etcd, namespace):
+    with Store(namespace, endpoint=etcd.endpoint, transport="shm") as store:
+        store.put(1, {"x": torch.arange(4.0)}, meta={"a": 1})
+        raw, key = store.catalog.client.raw, store.catalog.client.key
+        epoch = store.catalog.session.epoch
+        # a leftover of another (fenced) epoch under the same step must never be the answer
+        raw.put(
+            key("meta", pad20(1), pad20(epoch + 1), pad20(0)),
+            codec.encode("meta", {"step": 1, "epoch": epoch + 1, "rank": 0, "data": b"\x81\xa1a\x02"}),
+        )
+        with Store(namespace, endpoint=etcd.endpoint, transport="shm") as reader:
+            assert reader.meta(1) == {"a": 1}  # cold: the commit, then its epoch's record
+            assert set(reader.keys(1)) == {"x"}  # reads the version: its epoch is remembered
+            before = reader.catalog.client.rpcs
+            assert reader.meta(1) == {"a": 1}
+            assert reader.catalog.client.rpcs == before + 1
+            assert reader.meta(1, rank=4) == {}  # no record: the commit is read to tell why
+            with pytest.raises(VersionNotFound):
+                reader.meta(9)
