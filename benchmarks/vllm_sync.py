@@ -150,21 +150,19 @@ def main() -> None:
     errors: dict[str, str] = {}
     step = 0
 
-    def scramble() -> None:  # untimed: the engine off the reference weights, on every path alike
+    def deliver(what: dict[str, torch.Tensor]) -> None:  # put the next step, then the four phases
         nonlocal step
         step += 1
-        store.put(step, negated)
+        store.put(step, what)
         llm.start_weight_update()
         llm.update_weights({"update_info": {"step": step}})
         llm.finish_weight_update(weight_version=str(step))
 
+    def scramble() -> None:  # untimed: the engine off the reference weights, on every path alike
+        deliver(negated)
+
     def ours() -> None:
-        nonlocal step
-        step += 1
-        store.put(step, tensors)
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"step": step}})
-        llm.finish_weight_update(weight_version=str(step))
+        deliver(tensors)
 
     def reload() -> None:
         from safetensors.torch import save_file
