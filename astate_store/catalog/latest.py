@@ -35,9 +35,9 @@ class LatestWatch:
         self._value: int | None = None
         self._watch: Any = None
         self._alive = False
-        # waits answered by a plain read, before any watch: a store that reads once and closes (an
-        # agent session resuming) never opens a watch; the second wait starts it
-        self._unwatched = 0
+        # the first wait is a plain read: a store that reads once and closes (an agent session
+        # resuming) never opens a watch; the second wait starts it
+        self._read_once = False
         self.blocked_at: deque[int | None] = deque(maxlen=16)
 
     def _on_event(self, resp: Any) -> None:
@@ -87,8 +87,8 @@ class LatestWatch:
     def wait(self, min_step: int | None, timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if not self._alive and self._unwatched == 0:
-                self._unwatched += 1
+            if not self._alive and not self._read_once:
+                self._read_once = True
                 self._read()
                 with self._cond:
                     v = self._value

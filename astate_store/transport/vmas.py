@@ -101,10 +101,8 @@ class MapsReader:
         except OSError as exc:
             if exc.errno == errno.ENOENT:  # no mapping covers it
                 return None
-            if exc.errno == errno.ENAMETOOLONG:  # a longer path: not anonymous, name cut
-                q.vma_name_size = 0
-                fcntl.ioctl(self._fd, _PROCMAP_QUERY, q)
-                return self._vma(q, "?" * _NAME_MAX)
+            if exc.errno == errno.ENAMETOOLONG:  # a path past the buffer: the text has it whole
+                return self._scan(address)
             raise
         return self._vma(q, name.value.decode(errors="replace") if q.vma_name_size else "")
 
