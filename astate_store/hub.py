@@ -36,6 +36,7 @@ from astate_store.catalog import Catalog
 from astate_store.catalog.background import Runner
 from astate_store.catalog.client import EtcdClient
 from astate_store.catalog.config import EtcdConfig
+from astate_store.catalog.record_drops import RecordDrops
 from astate_store.errors import CatalogError, TransportError
 from astate_store.etcd.supervisor import shared_endpoint
 from astate_store.transport import Transport, UcxTransport
@@ -47,7 +48,6 @@ log = logging.getLogger("astate_store.sessions")
 
 # Keyword arguments of Store that the hub fixes for all its stores (they are shared parts).
 _SHARED_OPTIONS = ("lease_ttl", "transport", "window")
-_TXN_OPS = 100  # deletes per transaction (etcd allows 128 operations)
 
 
 # ---- etcd: one connection, one lease ---------------------------------------------------------------
@@ -126,16 +126,10 @@ class _NamespaceClient(EtcdClient):
         Errors are logged: the records then go when the hub's lease does."""
         if not leases:
             return
-        from pyetcd import transactions as tx
-
-        pre = self.prefix
         try:
-            resp = self.call("list own records", lambda: self.raw.get_prefix_response(pre, keys_only=True))
-            keys = [kv.key.decode() for kv in resp.kvs if int(kv.lease) in leases]
-            for i in range(0, len(keys), _TXN_OPS):
-                part = keys[i : i + _TXN_OPS]
-                self.txn("delete own records", [], [tx.Delete(k) for k in part])
-        except (CatalogError, UnicodeDecodeError) as exc:
+            # Closes that overlap share the round trips (``RecordDrops``: a group commit).
+            self._hub._drops.drop(self.prefix, frozenset(leases))
+        except CatalogError as exc:
             log.warning(
                 "namespace %s: could not delete its records on the shared lease (%s); they go when "
                 "the hub closes or dies",
@@ -289,6 +283,9 @@ class NamespaceTransport(Transport):
     def disconnect(self, peer: Hashable) -> None:
         self._worker.disconnect(self._key(peer))
 
+    def exited(self, descriptor: Mapping[str, Any]) -> bool:
+        return self._worker.exited(descriptor)
+
     def peer_index(self, peer: Hashable) -> int:
         return self._worker.peer_index(self._key(peer))
 
@@ -378,6 +375,7 @@ class SessionHub:
             self.config, "_hub", lease_ttl=lease_ttl, op_timeout=op_timeout, retry_deadline=retry_deadline
         )
         """The one etcd connection (its key prefix is unused: each store has a namespace view)."""
+        self._drops = RecordDrops(self.client)  # closing stores' shared-lease records, batched
         self._runner = Runner("astate-retention-hub")
         self._transport = _SharedTransport()
         self._lock = threading.Lock()

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from astate_store import metrics
-from astate_store.catalog import Catalog
+from astate_store.catalog import Catalog, Version
 from astate_store.catalog.config import EtcdConfig
 from astate_store.context import StoreContext, StoreOptions, TransportFactory
 from astate_store.errors import LayoutError
@@ -364,13 +364,7 @@ class Store(StoreState, StoreRecovery):
         """
         step, timeout = check_wait(step, timeout, "get")
         return kv.get(
-            self.catalog,
-            lambda bufs, s, t, p: self.get_into(bufs, step=s, timeout=t, progress=p),
-            names,
-            step=step,
-            timeout=timeout,
-            device=device,
-            progress=progress,
+            self.catalog, _GetReads(self), names, step=step, timeout=timeout, device=device, progress=progress
         )
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -446,3 +440,25 @@ def _torchrun_session() -> str | None:
     if run:
         return f"{run}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return None
+
+
+class _GetReads:
+    """What ``kv.get`` pulls with: the store's consumer, withdrawing the store's re-served offer
+    before a pull as ``get_into`` does."""
+
+    def __init__(self, store: Store):
+        self._store, self._consumer = store, store._consumer
+        self.begin, self.end = self._consumer.begin, self._consumer.end
+
+    def get_into(
+        self,
+        buffers: Mapping[str, Any],
+        step: int,
+        timeout: float | None,
+        progress: Progress | None,
+        *,
+        begun: Version,
+    ) -> int:
+        if self._store._serving.active:
+            self._store._serving.withdraw()
+        return self._consumer.get_into(buffers, step, timeout, progress, begun=begun)

@@ -12,7 +12,10 @@ Keys: sessions, steps, threads, open_seconds (opening every session), put_second
 put_seconds_p99 (one put), puts_seconds (all puts, wall), total_seconds (open + puts),
 put_rpcs_mean (etcd requests per put), writer_threads (threads in the writer after its puts),
 recover_sessions, server_hold_seconds (last put -> the server holds them all), recover_seconds
-(SIGKILL -> every session read back and checked), recovered_ok, host_cpus.
+(SIGKILL -> every session read back and checked: a reader process started, connected, read),
+recovered_ok, recover_read_seconds (the reads alone), recover_rpcs_per_session (etcd requests of
+one session's open, get and meta), recover_failovers (source sets that failed), reader_cpu_seconds
+(the reader's CPU over the reads), host_cpus.
 Results are appended to ``benchmarks/results/sessions.jsonl``.
 """
 
@@ -105,8 +108,14 @@ def writer(args: argparse.Namespace) -> None:
 
 
 def reader(args: argparse.Namespace) -> None:
-    """Get every one of the first ``recover_sessions`` sessions; one JSON line: how many were right."""
+    """Get every one of the first ``recover_sessions`` sessions; one JSON line: how many were right,
+    etcd requests per session (open, get, meta; not close), failovers, and the reader's own CPU
+    seconds and start-up (interpreter, imports, hub) seconds."""
+    started = time.process_time()
     hub = SessionHub(etcd=args.etcd, read_timeout=args.read_timeout)
+    ready_cpu, t0 = time.process_time(), time.perf_counter()
+    rpcs: list[int] = []
+    failovers: list[int] = []
 
     def restore(i: int) -> bool:
         # a resuming agent: its session's newest state, whole, checked against what was put
@@ -114,18 +123,35 @@ def reader(args: argparse.Namespace) -> None:
         try:
             step, got = s.get(timeout=args.read_timeout)
             want, meta = session_state(i, args.steps)
-            return (
+            ok = (
                 step == args.steps
                 and all(torch.equal(got[k], v) for k, v in want.items())
                 and s.meta(step) == meta
             )
+            st = s.stats
+            rpcs.append(st.etcd_rpcs)
+            failovers.append(st.failovers)
+            return ok
         finally:
             s.close()
 
     with ThreadPoolExecutor(max(1, args.threads)) as pool:
         good = list(pool.map(restore, range(args.recover_sessions)))
     hub.close()
-    print(json.dumps({"ok": sum(good), "bad": [i for i, g in enumerate(good) if not g][:10]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "ok": sum(good),
+                "bad": [i for i, g in enumerate(good) if not g][:10],
+                "rpcs_per_session": round(sum(rpcs) / max(1, len(rpcs)), 2),
+                "failovers": sum(failovers),
+                "read_seconds": round(time.perf_counter() - t0, 3),
+                "cpu_seconds": round(time.process_time() - ready_cpu, 3),
+                "startup_cpu_seconds": round(ready_cpu - started, 3),
+            }
+        ),
+        flush=True,
+    )
 
 
 def _server_holds(client: Any, prefix: str, step: int) -> int:
@@ -295,6 +321,10 @@ def main() -> None:
             "recover_seconds": round(recover_s, 3),
             "recovered_ok": got["ok"],
             "recover_bad": got["bad"],
+            "recover_read_seconds": got["read_seconds"],  # the reads alone (the reader started and connected)
+            "recover_rpcs_per_session": got["rpcs_per_session"],
+            "recover_failovers": got["failovers"],
+            "reader_cpu_seconds": got["cpu_seconds"],
             "server_direct": args.server_direct,
             "host_cpus": os.cpu_count(),
         }

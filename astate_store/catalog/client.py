@@ -442,6 +442,11 @@ class EtcdClient:
         req = self.raw._build_get_range_request(key, range_end(key) if prefix else None, count_only=True)
         return etcdrpc.RequestOp(request_range=req)
 
+    def keys_op(self, prefix: str) -> Any:
+        """A ``RequestOp`` listing the keys under ``prefix`` with their leases; no values."""
+        req = self.raw._build_get_range_request(prefix, range_end(prefix), keys_only=True)
+        return etcdrpc.RequestOp(request_range=req)
+
     def revoke(self, lease_id: int) -> None:
         """Revoke one lease now (its records vanish at once) and stop keeping it alive."""
         for ka in [k for k in self._keepalives if k.lease_id == lease_id]:

@@ -53,35 +53,55 @@ class Consumers:
                 item["dtype"] = dt
             wire.append(item)
         rec = codec.encode("consumer", {"reader_id": reader_id, "packs": wire})
+        with self._lock:
+            if self._mine.get(reader_id) == (self.client.reader_lease(), rec):
+                return  # the record there says this already (a first pull re-asks for what it registered)
         self._put(reader_id, rec)
 
     def _put(self, reader_id: str, rec: bytes) -> None:
         lease = self.client.reader_lease()
         key = self.prefix + reader_id
         self.client.call("register consumer", lambda: self.client.raw.put(key, rec, lease=lease))
-        with self._lock:
-            self._mine[reader_id] = (lease, rec)
+        self.wrote(reader_id, lease, rec)
 
     def ensure_registered(self, reader_id: str) -> bool:
         """Register ``reader_id`` (no pre-pack requests) if it never was, and register it again,
         with the requests it last sent, when the reader lease it was registered on is gone (the
         client re-created it: the record vanished with the old one). True when it wrote the record.
         A steady call makes no etcd request."""
+        todo = self.pending(reader_id)
+        if todo is None:
+            return False
+        key, rec, lease = todo
+        self.client.call("register consumer", lambda: self.client.raw.put(key, rec, lease=lease))
+        self.wrote(reader_id, lease, rec)
+        return True
+
+    def pending(self, reader_id: str) -> tuple[str, bytes, int] | None:
+        """(key, record, lease) that :meth:`ensure_registered` would write, for a caller that
+        writes it in a transaction of its own (then :meth:`wrote`); None when registered."""
         lease = self.client.reader_lease()
         with self._lock:
             mine = self._mine.get(reader_id)
         if mine is not None and mine[0] == lease:
-            return False
+            return None
         if mine is None:
-            self.register(reader_id, [])
-        else:
-            log.info(
-                "namespace %s: consumer %s registers again (its lease was re-created)",
-                self.client.namespace,
-                reader_id,
+            return (
+                self.prefix + reader_id,
+                codec.encode("consumer", {"reader_id": reader_id, "packs": []}),
+                lease,
             )
-            self._put(reader_id, mine[1])
-        return True
+        log.info(
+            "namespace %s: consumer %s registers again (its lease was re-created)",
+            self.client.namespace,
+            reader_id,
+        )
+        return self.prefix + reader_id, mine[1], lease
+
+    def wrote(self, reader_id: str, lease: int, rec: bytes) -> None:
+        """The record of ``reader_id`` was written on ``lease``."""
+        with self._lock:
+            self._mine[reader_id] = (lease, rec)
 
     def _on_event(self, resp: Any) -> None:
         with self._lock:

@@ -75,24 +75,29 @@ class Readers:
             "reader", {"step": step, "reader_id": reader_id, "host": socket.gethostname(), "pid": os.getpid()}
         )
         members = c.key("members") + "/"
+        # A consumer not registered yet (a one-shot read) registers in the same transaction.
+        reg = self.consumers.pending(reader_id)
         resp = c.txn_raw(
             f"begin read {step}",
             [tx.Version(vkey + "/commit") > 0, tx.Version(retired, range_end(retired)) == 0],
             [
-                tx.Put(c.key("readers", pad20(step), reader_id), reader, lease=c.reader_lease()),
                 tx.Get(vkey + "/", range_end(vkey + "/")),
                 # Which publisher ranks are alive, at the same revision: their member records hang on
                 # the leases their layouts hang on. One range of one small record per live rank.
                 tx.Get(members, range_end(members)),
+                tx.Put(c.key("readers", pad20(step), reader_id), reader, lease=c.reader_lease()),
+                *([] if reg is None else [tx.Put(reg[0], reg[1], lease=reg[2])]),
             ],
         )
         if not resp.succeeded:
             raise VersionNotFound(f"namespace {c.namespace!r}: step {step} is not committed or was retired")
+        if reg is not None:
+            self.consumers.wrote(reader_id, reg[2], reg[1])
         self._open[(step, reader_id)] = int(resp.header.revision)
         try:
-            kvs = [(kv.value, kv) for kv in resp.responses[1].response_range.kvs]
+            kvs = [(kv.value, kv) for kv in resp.responses[0].response_range.kvs]
             version = version_from_kvs(c.namespace, step, kvs, self.skips)
-            live = self._live_members(members, resp.responses[2].response_range.kvs)
+            live = self._live_members(members, resp.responses[1].response_range.kvs)
             gone = frozenset(r for r, p in version.pieces.items() if (p.epoch, p.rank) not in live)
             return replace(version, missing=gone) if gone else version
         except BaseException:

@@ -63,10 +63,14 @@ class VersionReads:
         """
         kvs, _ = self.client.get_prefix_rev(self.client.key("versions", pad20(step)) + "/")
         version = version_from_kvs(self.client.namespace, step, kvs, self.skips)
+        self._remember(version)
+        return version
+
+    def _remember(self, version: Version) -> None:
+        """Keep the committing epoch of a version read (``read_meta``'s shortcut)."""
         if len(self._epochs) >= _EPOCHS_KEPT:
             self._epochs.clear()  # bounded; plain dict operations, safe across the store's threads
-        self._epochs[step] = version.epoch
-        return version
+        self._epochs[version.step] = version.epoch
 
     def read_meta(self, step: int, rank: int) -> bytes | None:
         """The meta bytes rank ``rank`` put with committed ``step`` (None: it gave none). Only the
@@ -150,9 +154,13 @@ class VersionReads:
             )
         return {r: self._manifests[p.manifest_id] for r, p in version.pieces.items()}
 
-    def _fetch_manifests(self, want: Mapping[str, str]) -> None:
+    def _fetch_manifests(self, want: Mapping[str, str], also: Sequence[str] = ()) -> dict[str, bytes | None]:
+        """Read and cache the manifests of ``want`` (id -> key) not cached yet, with the blobs at
+        ``also`` in the same transactions; returns those (key -> bytes, None when bad or absent)."""
         todo = {mid: key for mid, key in want.items() if mid not in self._manifests}
-        for key, data in self._read_blobs(list(todo.values())).items():
+        blobs = self._read_blobs([*todo.values(), *also]) if todo or also else {}
+        for key in todo.values():
+            data = blobs.get(key)
             mid = key.rsplit("/", 1)[1]
             if data is not None:
                 self._decode(
@@ -161,6 +169,7 @@ class VersionReads:
                         mid, manifest_from_record(codec.decode("manifest", data), mid)
                     ),
                 )
+        return blobs
 
     def _decode(self, key: str, fn: Callable[[], None]) -> None:
         try:
@@ -175,6 +184,7 @@ class VersionReads:
         that died, whose records are bad, or whose tensors are not the version's, is left out.
         Ranks ``version.missing`` already names (``begin_read`` found their member record gone)
         stay missing even when their layout is cached: a source whose lease ended is not dialled."""
+        self._remember(version)  # read by begin_read: its meta is one request away too
         k = self.client.key
         manifests = {p.manifest_id: k("manifests", p.manifest_id) for p in version.pieces.values()}
         manifests.update(
@@ -183,7 +193,6 @@ class VersionReads:
                 for m, rp in version.replicas.items()
             }
         )
-        self._fetch_manifests(manifests)
         pkeys = {
             r: k("layouts", pad20(p.epoch), pad20(p.rank), p.layout_id) for r, p in version.pieces.items()
         }
@@ -195,7 +204,12 @@ class VersionReads:
         for m, rp in version.replicas.items():
             if rkeys[m] not in self._layouts:
                 want[rkeys[m]] = (rp.manifest_id, 0, 0)
-        for key, data in self._read_blobs(list(want)).items():
+        # Manifests and layouts in the same transactions (their keys are all in the version's
+        # records): a first read of a version is one round trip, not two. Manifests decode first:
+        # a layout is checked against its manifest.
+        blobs = self._fetch_manifests(manifests, also=list(want))
+        for key in want:
+            data = blobs.get(key)
             mid, epoch, rank = want[key]
             if data is not None and mid in self._manifests:
                 self._decode(key, lambda: self._cache_layout(key, data, self._manifests[mid], epoch, rank))

@@ -226,7 +226,10 @@ class Batches:
             same = [e for e in items if e.dtype == g.layouts[e.name].dtype]
             convert = [e for e in items if e.dtype != g.layouts[e.name].dtype]
             cp, same_recs = None, dest_records(same)
-            if same:
+            whole = self._whole_copies(g, base, same) if gid != PUBLISHERS else None
+            if whole is not None:
+                batches.append(whole)
+            elif same:
                 cp = self._plan(g, same_recs)
                 batches.append(self._rows(g, base, cp.reads, same))
             for e in convert:
@@ -244,6 +247,28 @@ class Batches:
         reads = len(ops) + sum(len(c[0]) for conv in conversions for c in conv.chunks)
         nbytes = int(ops[:, 4].sum()) + sum(conversion_nbytes(conv) for conv in conversions)
         return Work(ops, conversions, self.links.sources_read(groups, ops, conversions), nbytes, reads)
+
+    def _whole_copies(self, g: SourceGroup, base: Mapping[int, int], dests: list[Entry]) -> np.ndarray | None:
+        """The rows of whole contiguous buffers from a re-serving group holding each of their
+        tensors as one whole contiguous copy (a replica server's): one read per buffer, which is
+        the plan; the planner's fixed cost (~1 ms) was most of a small session's first pull.
+        None for anything else (then the planner plans, and names what does not fit)."""
+        if not dests or not _whole_contiguous(dests):
+            return None
+        rows = np.empty((len(dests), 5), dtype=np.int64)
+        peers: dict[int, int] = {}
+        for i, e in enumerate(dests):
+            lay = g.layouts.get(e.name)
+            if lay is None or len(lay.shards) != 1 or lay.global_shape != e.global_shape:
+                return None
+            s = lay.shards[0]
+            if s.box.sizes != lay.global_shape or not s.contiguous or s.dtype != e.dtype or not s.nbytes:
+                return None
+            if s.rank not in peers:
+                peers[s.rank] = self.ctx.transport.peer_index(g.sources[s.rank][0])
+            rows[i] = (peers[s.rank], s.region, s.byte_offset + base[s.rank], e.tensor.data_ptr(), s.nbytes)
+        self.ctx.stats.plans += 1
+        return rows
 
     def _build_columns(self, version: Version, dests: list[Entry]) -> Work | None:
         """The first pull of whole-tensor host buffers from publishers whose shards tile each

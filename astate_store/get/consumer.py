@@ -59,7 +59,6 @@ class Consumer:
         self.delivered_step: int | None = None  # the step self.buffers.entries hold
         self.links = Links(ctx)
         self.batches = Batches(ctx, converter, self.links, self.buffers)
-        self._registered = False
         self._last: Work | None = None  # the batch the last good attempt ran
 
     def close(self) -> None:
@@ -78,21 +77,54 @@ class Consumer:
         step: int | None,
         timeout: float | None,
         progress: Progress | None = None,
+        *,
+        begun: Version | None = None,
     ) -> int:
-        """Pull the newest committed version >= ``step`` into the buffers; see ``Store.get_into``."""
-        with GCPaused():  # a first pull builds objects per tensor (see ``_read``)
-            dests = self.buffers.validate(buffers)
-        self.ctx.ensure_transport(dests[0].tensor.device)
-        self._register()
-        return self._timed(dests, step, timeout, progress)
+        """Pull the newest committed version >= ``step`` into the buffers; see ``Store.get_into``.
+        ``begun``: a read the caller began with :meth:`begin` (``Store.get`` lists the tensors
+        from it): the first attempt reads that version, without asking for the newest step or
+        registering again (a one-shot read is then 4 etcd requests: latest, begin, blobs, end).
+        It is ended here whatever happens."""
+        try:
+            with GCPaused():  # a first pull builds objects per tensor (see ``_read``)
+                dests = self.buffers.validate(buffers)
+            self.ctx.ensure_transport(dests[0].tensor.device)
+        except BaseException:
+            if begun is not None:
+                self.end(begun.step)
+            raise
+        if begun is None:
+            # Registered before the wait: a publisher draining counts a consumer waiting for its
+            # next version. A begun read registered in begin_read's transaction.
+            self.ctx.catalog.consumers.ensure_registered(self.ctx.reader_id)
+        return self._timed(dests, step, timeout, progress, begun)
+
+    def begin(self, step: int) -> Version:
+        """Register as a reader of committed ``step`` and read it (``Readers.begin_read``, which
+        registers this consumer too), for a ``get_into(begun=...)`` of it; :meth:`end` if none
+        follows.
+
+        Raises:
+            VersionNotFound: not committed, retired or dropped.
+        """
+        return self.ctx.catalog.readers.begin_read(step, self.ctx.reader_id)
+
+    def end(self, step: int) -> None:
+        """End a read begun with :meth:`begin` that no pull follows."""
+        self.ctx.catalog.readers.end_read(step, self.ctx.reader_id)
 
     def _timed(
-        self, dests: list[Entry], step: int | None, timeout: float | None, progress: Progress | None
+        self,
+        dests: list[Entry],
+        step: int | None,
+        timeout: float | None,
+        progress: Progress | None,
+        begun: Version | None,
     ) -> int:
         """The pull, counted once (not per tensor) in the store's figures: outcome, bytes, phases."""
         t, start = PullTimes(progress), _now()
         try:
-            s = self._pull_newest(dests, step, timeout, t)
+            s = self._pull_newest(dests, step, timeout, t, begun)
         except BaseException as exc:
             self.ctx.stats.pull_failed(_outcome(exc))
             raise
@@ -119,16 +151,21 @@ class Consumer:
             )
         return s
 
-    def _pull_newest(self, dests: list[Entry], step: int | None, timeout: float | None, t: PullTimes) -> int:
+    def _pull_newest(
+        self, dests: list[Entry], step: int | None, timeout: float | None, t: PullTimes, begun: Version | None
+    ) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         want, torn = step, 0
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             t0 = _now()
-            s = self.ctx.catalog.versions.wait_for(want, timeout=remaining)
+            if begun is not None:
+                s = begun.step  # the caller's begun read: no wait, no begin_read
+            else:
+                s = self.ctx.catalog.versions.wait_for(want, timeout=remaining)
             t.wait += _now() - t0
             self.ctx.stats.saw_step(s)
-            got = self._read(s, dests, t)
+            got, begun = self._read(s, dests, t, begun), None
             if got:
                 self.delivered_step = s
                 return s
@@ -151,15 +188,7 @@ class Consumer:
                     "than it can be read"
                 )
 
-    def _register(self) -> None:
-        """Register as a consumer (publishers that stream oversized snapshots wait for known
-        consumers), and register again — with the pre-pack requests last sent — when the reader
-        lease the record hung on was lost and re-created (the record went with the old lease).
-        A steady call makes no etcd request."""
-        self.ctx.catalog.consumers.ensure_registered(self.ctx.reader_id)
-        self._registered = True
-
-    def _read(self, step: int, dests: list[Entry], t: PullTimes) -> bool | None:
+    def _read(self, step: int, dests: list[Entry], t: PullTimes, begun: Version | None) -> bool | None:
         """One attempt at ``step``: True when the buffers hold it, False when a source retired
         its memory during the read (the bytes are discarded), None when the version was retired
         or dropped before the read could start.
@@ -168,13 +197,13 @@ class Consumer:
         tensors builds ~10^5 records, and the collections those allocations set off each walk
         every live object (~0.1 s of a 0.7 s first step); a steady pull allocates almost nothing."""
         with GCPaused():
-            return self._read_once(step, dests, t)
+            return self._read_once(step, dests, t, begun)
 
-    def _read_once(self, step: int, dests: list[Entry], t: PullTimes) -> bool | None:
+    def _read_once(self, step: int, dests: list[Entry], t: PullTimes, begun: Version | None) -> bool | None:
         readers = self.ctx.catalog.readers
         t0 = _now()
         try:
-            version = readers.begin_read(step, self.ctx.reader_id)
+            version = begun if begun is not None else readers.begin_read(step, self.ctx.reader_id)
         except VersionNotFound:
             t.metadata += _now() - t0
             return None
@@ -209,7 +238,7 @@ class Consumer:
                 self._afresh()
                 raise
         groups = self.batches.groups(version)
-        tries = self.batches.tries(version, groups, dests)
+        tries = self._live_tries(self.batches.tries(version, groups, dests), groups)
         t.plan += _now() - t0  # choosing and connecting sources counts with planning
         for i, gs in enumerate(tries):
             try:
@@ -229,6 +258,18 @@ class Consumer:
                     "+".join(sorted(tries[i + 1])),
                 )
         raise AssertionError("failover_order gives at least one set")  # pragma: no cover
+
+    def _live_tries(
+        self, tries: list[dict[str, SourceGroup]], groups: Mapping[str, SourceGroup]
+    ) -> list[dict[str, SourceGroup]]:
+        """``tries`` without the sets holding a source whose process has exited (a writer killed
+        on this host, its lease not expired yet): no plan, connect and failover for it. All of
+        them when every set holds one: the pull then fails as before, naming the source."""
+        if len(tries) < 2:
+            return tries
+        gone = self.links.exited(groups)
+        live = [gs for gs in tries if gone.isdisjoint(gs)] if gone else tries
+        return live or tries
 
     def _afresh(self) -> None:
         """After a failed read: its endpoints may be closed, so connect and plan afresh next time."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from astate_store.catalog import Catalog
+from astate_store.catalog import Catalog, Version
 from astate_store.errors import LayoutError, TornReadError, VersionNotFound
 from astate_store.model.layout import group_layouts, torch_dtype
 from astate_store.model.progress import Progress
@@ -29,8 +30,26 @@ log = logging.getLogger("astate_store")
 # Times ``get`` lists and allocates again when the newest version changed shape under it.
 _SHAPE_RETRIES = 8
 
-# (buffers, step, timeout, progress) -> the step delivered: ``Store.get_into``
-GetInto = Callable[[Mapping[str, torch.Tensor], int, "float | None", "Progress | None"], int]
+
+class BegunReads(Protocol):
+    """The consumer ``get`` pulls with (``get.consumer.Consumer``, through ``Store``)."""
+
+    def begin(self, step: int) -> Version:
+        """Register as a reader of ``step`` and read it (raises ``VersionNotFound``)."""
+
+    def end(self, step: int) -> None:
+        """End a begun read no pull follows."""
+
+    def get_into(
+        self,
+        buffers: Mapping[str, torch.Tensor],
+        step: int,
+        timeout: float | None,
+        progress: Progress | None,
+        *,
+        begun: Version,
+    ) -> int:
+        """Pull into ``buffers``, the begun read first (it is ended whatever happens)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +74,14 @@ def keys(catalog: Catalog, step: int | None = None) -> dict[str, KeyInfo]:
         step = catalog.versions.latest()
         if step is None:
             return {}
-    version = catalog.versions.read_version(step)
+    return _keys_of(catalog, catalog.versions.read_version(step))
+
+
+def _keys_of(catalog: Catalog, version: Version, *, layouts_too: bool = False) -> dict[str, KeyInfo]:
+    """``keys`` of a version read; ``layouts_too``: read its sources' layouts with the manifests,
+    in the same round trip, for the pull that follows (``get``)."""
+    if layouts_too:
+        catalog.versions.layouts_of(version)  # caches the manifests and layouts
     manifests = catalog.versions.manifests_of(version)
     layouts = group_layouts(rec for r, m in sorted(manifests.items()) for rec in m.records(r))
     return {n: KeyInfo(tuple(t.global_shape), t.dtype, t.nbytes) for n, t in sorted(layouts.items())}
@@ -63,7 +89,7 @@ def keys(catalog: Catalog, step: int | None = None) -> dict[str, KeyInfo]:
 
 def get(
     catalog: Catalog,
-    get_into: GetInto,
+    reads: BegunReads,
     names: Iterable[str] | str | None = None,
     *,
     step: int | None = None,
@@ -90,17 +116,24 @@ def get(
     for attempt in range(_SHAPE_RETRIES + 1):
         s = catalog.versions.wait_for(want, timeout=_left(deadline))
         try:
-            info = keys(catalog, s)
+            # The pull's own read, begun now: the tensors are listed from it (one round trip
+            # for the commit, the live ranks and the reader's registration).
+            version = reads.begin(s)
         except VersionNotFound:
-            want = s + 1  # dropped by retention meanwhile: only a newer one can serve
+            want = s + 1  # retired or dropped meanwhile: only a newer one can serve
             continue
-        chosen = _check(info, wanted, s)
-        bufs = {
-            n: torch.empty(info[n].global_shape, dtype=torch_dtype(info[n].dtype, tensor=n), device=dev)
-            for n in chosen
-        }
         try:
-            got = get_into(bufs, s, _left(deadline), progress)
+            info = _keys_of(catalog, version, layouts_too=True)
+            chosen = _check(info, wanted, s)
+            bufs = {
+                n: torch.empty(info[n].global_shape, dtype=torch_dtype(info[n].dtype, tensor=n), device=dev)
+                for n in chosen
+            }
+        except BaseException:
+            reads.end(s)
+            raise
+        try:
+            got = reads.get_into(bufs, s, _left(deadline), progress, begun=version)
         except LayoutError as exc:
             # The newest version changed names or shapes between the listing and the pull (the
             # pull refused before any byte moved): list the new one and retry, bounded.

@@ -54,6 +54,7 @@ class Links:
         self.connected: dict[Any, str] = {}  # peer -> layout id its rkeys come from
         self._recent = RecentPeers()
         self._spans: dict[object, list[tuple[int, int, int]]] = {}  # (layout id, buffers) -> byte spans
+        self._descriptors: dict[str, dict[str, Any]] = {}  # layout id -> its decoded transport descriptor
 
     def forget(self) -> None:
         """After a failed read: its endpoints may be closed, so connect afresh next time."""
@@ -86,6 +87,26 @@ class Links:
             raise PeerUnreachable(f"cannot connect to source {peer}: {exc}") from exc
         self.connected[peer] = lay.layout_id
         return True
+
+    def exited(self, groups: Mapping[str, SourceGroup]) -> frozenset[str]:
+        """The groups with a source whose process is known to have exited (on this node, its pid
+        gone) while its lease lives on (up to ``lease_ttl``): a pull does not plan or dial them."""
+        out = set()
+        for name, g in groups.items():
+            for _peer, _rank, lay in g.sources.values():
+                desc = self._descriptors.get(lay.layout_id)
+                if desc is None:
+                    try:
+                        desc = codec.decode("ucx_descriptor", lay.transport)
+                    except CodecError:
+                        continue  # a bad descriptor: the connect reports it
+                    if len(self._descriptors) >= _SPANS:
+                        self._descriptors.clear()
+                    self._descriptors[lay.layout_id] = desc
+                if self.ctx.transport.exited(desc):
+                    out.add(name)
+                    break
+        return frozenset(out)
 
     def warm(self, version: Version, wanted: Wanted, fingerprint: object) -> None:
         """Before planning a pull from the publishers: connect them and tell the transport which

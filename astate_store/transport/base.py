@@ -329,6 +329,13 @@ class Transport(ABC):
     def disconnect(self, peer: Hashable) -> None:
         """Drop the peer's endpoint and keys. Its index is not reused."""
 
+    def exited(self, descriptor: Mapping[str, Any]) -> bool:
+        """Whether the descriptor's process is known to have exited (a process of this node that
+        is gone), so a reader does not plan a pull from it at all. False when not known: a remote
+        peer, a live pid (which may be another process by now: the connect then fails), or a
+        transport that cannot tell."""
+        return False
+
     @abstractmethod
     def peer_index(self, peer: Hashable) -> int:
         """Index of a connected peer for plan column ``OP_PEER`` (KeyError if unknown)."""

@@ -21,6 +21,27 @@ from astate_store.get.kv import KeyInfo
 from astate_store.store import Store
 from tests.support.data import value
 
+
+class _Hooked:
+    """``kv.get``'s consumer with a hook between the listing and the first pull: there the hook
+    puts a newer version, and the read ``get`` began is given up, as when its version is retired
+    under it (the first pull then asks for the newest version, as a retry does)."""
+
+    def __init__(self, cons: Store, hook: Callable[[], object]):
+        self.cons, self.hook, self.pulls = cons, hook, []
+        self.begin, self.end = cons._consumer.begin, cons._consumer.end
+
+    def get_into(
+        self, bufs: Mapping[str, torch.Tensor], step: int, timeout: float | None, progress: Any, *, begun: Any
+    ) -> int:
+        self.pulls.append(step)
+        if len(self.pulls) == 1:
+            self.hook()
+            self.end(step)
+            return self.cons.get_into(bufs, step=step, timeout=timeout)
+        return self.cons._consumer.get_into(bufs, step, timeout, progress, begun=begun)
+
+
 SPEC = {"a.w": ((4, 6), "float32"), "b": ((10,), "bfloat16"), "c": ((3, 2, 2), "int64")}
 
 
@@ -106,15 +127,9 @@ def test_get_names_what_it_cannot_fetch(pub: Store, cons: Store) -> None:
 def test_get_lists_again_when_the_shapes_change_under_it(pub: Store, cons: Store) -> None:
     pub.put(1, _tensors(1))
     grown = {"a.w": ((6, 6), "float32"), "b": ((10,), "bfloat16")}
-    pulls: list[int] = []
-
-    def get_into(bufs: Mapping[str, torch.Tensor], step: int, timeout: float | None, progress: Any) -> int:
-        pulls.append(step)
-        if len(pulls) == 1:
-            pub.put(2, _tensors(2, grown))  # after the listing of step 1, before its pull
-        return cons.get_into(bufs, step=step, timeout=timeout)
-
-    step, got = kv.get(cons.catalog, get_into, timeout=30)
+    reads = _Hooked(cons, lambda: pub.put(2, _tensors(2, grown)))  # after the listing of step 1
+    pulls = reads.pulls
+    step, got = kv.get(cons.catalog, reads, timeout=30)
     # The pull of step 1's shapes found step 2 newest and refused; get listed step 2 and pulled it.
     assert pulls == [1, 2] and step == 2
     assert list(got) == ["a.w", "b"] and got["a.w"].shape == (6, 6)
@@ -125,18 +140,29 @@ def test_get_lists_again_when_the_shapes_change_under_it(pub: Store, cons: Store
 def test_get_allocates_again_when_a_newer_version_changed_dtypes(pub: Store, cons: Store) -> None:
     pub.put(1, _tensors(1))
     recast = {"a.w": ((4, 6), "bfloat16"), "b": ((10,), "bfloat16"), "c": ((3, 2, 2), "int64")}
-    pulls: list[int] = []
-
-    def get_into(bufs: Mapping[str, torch.Tensor], step: int, timeout: float | None, progress: Any) -> int:
-        pulls.append(step)
-        if len(pulls) == 1:
-            pub.put(2, _tensors(2, recast))  # same shapes, a.w now bfloat16
-        return cons.get_into(bufs, step=step, timeout=timeout)
-
-    step, got = kv.get(cons.catalog, get_into, timeout=30)
+    reads = _Hooked(cons, lambda: pub.put(2, _tensors(2, recast)))  # same shapes, a.w now bfloat16
+    pulls = reads.pulls
+    step, got = kv.get(cons.catalog, reads, timeout=30)
     # The first pull converted step 2 into float32 buffers; get does not return converted
     # tensors as the published ones: it allocates bfloat16 and pulls again.
     assert step == 2 and pulls == [1, 2]
     assert got["a.w"].dtype == torch.bfloat16
     for n, t in got.items():
         assert torch.equal(t, value(n, *recast[n], 2)), n
+
+
+def test_a_one_shot_get_is_four_etcd_requests(pub: Store, cons: Store) -> None:
+    """A store that opens, gets once and closes (an agent session resuming): the newest step, the
+    begun read (commit, live ranks, reader and consumer records in one transaction), the manifests
+    and layouts together, and the end of the read; and the grant of the store's reader lease
+    (a session hub's stores share one). Its meta is one more (the committing epoch is known from
+    the read)."""
+    pub.put(1, _tensors(1), meta={"turn": 1})
+    before = cons.stats.etcd_rpcs
+    step, got = cons.get(timeout=30)
+    assert step == 1 and all(torch.equal(got[n], t) for n, t in _tensors(1).items())
+    assert cons.stats.etcd_rpcs - before == 4 + 1
+    assert cons.meta(1) == {"turn": 1}
+    assert cons.stats.etcd_rpcs - before == 5 + 1
+    # the consumer registered in the begun read's transaction: a draining publisher counts it
+    assert cons.catalog.consumers.pending(cons.consumer_id) is None

@@ -125,6 +125,8 @@ def test_namespaces_outlive_their_writer_on_servers_then_the_checkpoint(etcd: An
                 step, got = st.get(timeout=30)
                 assert step == 2
                 _assert_namespace(got, i, 2)
+                # The writer's process is gone (its lease may live on): it was not dialled.
+                assert st.stats.failovers == 0
         # One server killed: reads fall back to the other one (its lease may not have expired yet).
         _kill(servers[0])
         for i, ns in enumerate(names):
@@ -134,6 +136,7 @@ def test_namespaces_outlive_their_writer_on_servers_then_the_checkpoint(etcd: An
                 assert torch.equal(got["w"], _value("w", i, 2)) and torch.equal(
                     got["pos"], _value("pos", i, 2)
                 )
+                assert st.stats.failovers == 0  # the dead server is not dialled either
         # A restarted trainer recovers namespace 0 from the surviving server and republishes it.
         with connect(names[0], etcd=etcd.endpoint, transport="shm", lease_ttl=2.0) as trainer:
             bufs = {n: torch.zeros(_shape(n, 0), dtype=_SPECS[n][1]) for n in _SPECS}

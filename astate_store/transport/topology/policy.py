@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Union
@@ -242,8 +243,22 @@ def _choose_net(topology: Topology, node: int | None, config: AffinityConfig) ->
 def affinity_for(
     device: DeviceLike, config: AffinityConfig | None = None, sysfs_root: PathLike = "/sys"
 ) -> AffinityChoice:
-    """``choose(read_topology(sysfs_root), device, config)``."""
-    return choose(read_topology(sysfs_root), device, config)
+    """``choose(read_topology(sysfs_root), device, config)``; this machine's own ``/sys`` is read
+    at most once per ``_TOPOLOGY_SECONDS`` (a process opening 1,000 sessions reads ~20 sysfs
+    files once, not per session)."""
+    if str(sysfs_root) != "/sys":
+        return choose(read_topology(sysfs_root), device, config)
+    global _machine
+    now = time.monotonic()
+    if _machine is None or now - _machine[0] > _TOPOLOGY_SECONDS:
+        _machine = (now, read_topology(sysfs_root))  # a race reads it twice: harmless
+    return choose(_machine[1], device, config)
+
+
+# The machine's topology read last, and when (``affinity_for``): NUMA nodes, GPUs and NICs do not
+# change under a process; a NIC's link state may, so it is read again after a while.
+_TOPOLOGY_SECONDS = 30.0
+_machine: tuple[float, Topology] | None = None
 
 
 def _as_device(device: DeviceLike) -> torch.device | None:
