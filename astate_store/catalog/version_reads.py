@@ -20,6 +20,7 @@ from astate_store.catalog.records import (
     layout_from_record,
     manifest_from_record,
     pad20,
+    parse_pad20,
     version_from_kvs,
 )
 from astate_store.errors import CatalogCorrupted, CatalogError, CodecError, VersionNotFound
@@ -53,6 +54,7 @@ class VersionReads:
         # step -> its committing epoch, for the versions read lately (a commit record never changes):
         # read_meta then reads the meta record alone, one round trip instead of two
         self._epochs: dict[int, int] = {}
+        self.metas = MetaCache(client.namespace)  # meta records read with a small version's layouts
 
     def read_version(self, step: int) -> Version:
         """Commit and pieces of a committed step, in one round trip (no reader registration).
@@ -82,6 +84,9 @@ class VersionReads:
         """
         c, step = self.client, check_step(step, CatalogError)
         epoch = self._epochs.get(step)
+        known = None if epoch is None else self.metas.get(step, epoch, rank)
+        if known is not None:  # read with the version's layouts
+            return known[0]
         if epoch is not None:  # the commit read lately: its meta record alone
             got = self._meta_record(step, epoch, rank)
             if got is not None:
@@ -101,15 +106,13 @@ class VersionReads:
         value, _m = c.call("get meta", lambda: c.raw.get(mkey))
         if value is None:
             return None
-        rec = self._checked(mkey, lambda: codec.decode("meta", value))
-        if (rec["step"], rec["epoch"], rec["rank"]) != (step, epoch, rank):
-            self.skips(
-                mkey, f"meta of step {rec['step']} epoch {rec['epoch']} rank {rec['rank']} under this key"
-            )
+        try:
+            return meta_bytes(mkey, value, (step, epoch, rank))
+        except CodecError as exc:
+            self.skips(mkey, str(exc))
             raise CatalogCorrupted(
-                f"namespace {c.namespace!r}: meta record {mkey} names another version or rank", key=mkey
-            )
-        return bytes(rec["data"])
+                f"namespace {c.namespace!r}: meta record {mkey}: {exc}", key=mkey
+            ) from None
 
     def _checked(self, key: str, decode: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         try:
@@ -120,12 +123,21 @@ class VersionReads:
                 f"namespace {self.client.namespace!r}: record {key} is corrupted: {exc}", key=key
             ) from None
 
-    def _read_blobs(self, keys: Sequence[str]) -> dict[str, bytes | None]:
-        """Blobs by key, ``_BLOBS_PER_TXN`` range reads per transaction; a bad one is None (skipped)."""
+    def _read_blobs(
+        self, keys: Sequence[str], meta: tuple[int, int] | None = None
+    ) -> dict[str, bytes | None]:
+        """Blobs by key, ``_BLOBS_PER_TXN`` range reads per transaction; a bad one is None (skipped).
+        ``meta``: (step, epoch) whose meta records the first transaction reads too (``MetaCache``)."""
         out: dict[str, bytes | None] = {}
         for i in range(0, len(keys), _BLOBS_PER_TXN):
             batch = keys[i : i + _BLOBS_PER_TXN]
-            _ok, resp = self.client.txn("get blobs", [], [tx.Get(k, range_end(k)) for k in batch])
+            ops = [tx.Get(k, range_end(k)) for k in batch]
+            mpre = None if meta is None or i else self.client.key("meta", *map(pad20, meta)) + "/"
+            if mpre is not None:
+                ops.append(tx.Get(mpre, range_end(mpre)))
+            _ok, resp = self.client.txn("get blobs", [], ops)
+            if mpre is not None and meta is not None:
+                self.metas.offer(meta, mpre, resp[-1], self.skips)
             for key, kvs in zip(batch, resp):
                 try:
                     out[key] = blob_from_kvs(key, _checked_blob_kvs(key, kvs))
@@ -154,11 +166,14 @@ class VersionReads:
             )
         return {r: self._manifests[p.manifest_id] for r, p in version.pieces.items()}
 
-    def _fetch_manifests(self, want: Mapping[str, str], also: Sequence[str] = ()) -> dict[str, bytes | None]:
+    def _fetch_manifests(
+        self, want: Mapping[str, str], also: Sequence[str] = (), meta: tuple[int, int] | None = None
+    ) -> dict[str, bytes | None]:
         """Read and cache the manifests of ``want`` (id -> key) not cached yet, with the blobs at
-        ``also`` in the same transactions; returns those (key -> bytes, None when bad or absent)."""
+        ``also`` (and the ``meta`` records, see ``_read_blobs``) in the same transactions; returns
+        those (key -> bytes, None when bad or absent)."""
         todo = {mid: key for mid, key in want.items() if mid not in self._manifests}
-        blobs = self._read_blobs([*todo.values(), *also]) if todo or also else {}
+        blobs = self._read_blobs([*todo.values(), *also], meta) if todo or also else {}
         for key in todo.values():
             data = blobs.get(key)
             mid = key.rsplit("/", 1)[1]
@@ -207,7 +222,7 @@ class VersionReads:
         # Manifests and layouts in the same transactions (their keys are all in the version's
         # records): a first read of a version is one round trip, not two. Manifests decode first:
         # a layout is checked against its manifest.
-        blobs = self._fetch_manifests(manifests, also=list(want))
+        blobs = self._fetch_manifests(manifests, also=list(want), meta=self.metas.wanted(version))
         for key in want:
             data = blobs.get(key)
             mid, epoch, rank = want[key]
@@ -311,3 +326,64 @@ def _checked_blob_kvs(key: str, kvs: Sequence[tuple[bytes, Any]]) -> list[tuple[
         if n > chunks:
             raise CodecError(f"blob {key}: the head names {n} chunks, {chunks} are there")
     return list(kvs)
+
+
+# Versions of at most this many ranks have their meta records read with their layouts.
+_META_RANKS = 8
+_METAS_KEPT = 64  # (step, epoch) entries of MetaCache
+
+
+def meta_bytes(key: str, value: bytes, want: tuple[int, int, int]) -> bytes:
+    """The user bytes of the meta record ``value`` read at ``key`` for (step, epoch, rank) ``want``.
+
+    Raises:
+        CodecError: the record fails its schema or names another step, epoch or rank.
+    """
+    rec = codec.decode("meta", value)
+    if (rec["step"], rec["epoch"], rec["rank"]) != want:
+        raise CodecError(
+            f"names another version or rank: meta of step {rec['step']} epoch {rec['epoch']} rank "
+            f"{rec['rank']} under this key"
+        )
+    return bytes(rec["data"])
+
+
+class MetaCache:
+    """The meta records of the small versions read lately (at most ``_META_RANKS`` ranks), read in
+    the transaction that reads their layouts: a resuming session's ``meta`` after its ``get``
+    costs no request. A record is immutable once written (its step, epoch and rank are in its
+    key), so it is kept as read; a (step, epoch) with a bad record is not kept (``read_meta``
+    then reads it and raises as before). Bounded; plain dict operations."""
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+        self._known: dict[tuple[int, int], dict[int, bytes]] = {}  # (step, epoch) -> rank -> bytes
+
+    def wanted(self, version: Version) -> tuple[int, int] | None:
+        """(step, epoch) whose records to read with ``version``'s layouts, or None."""
+        key = (version.step, version.epoch)
+        return key if version.world_size <= _META_RANKS and key not in self._known else None
+
+    def offer(
+        self, key: tuple[int, int], prefix: str, kvs: Sequence[tuple[bytes, Any]], skips: Skips
+    ) -> None:
+        """Keep the records of (step, epoch) ``key`` read under ``prefix``, if all are good."""
+        got: dict[int, bytes] = {}
+        for value, meta in kvs:
+            k = meta.key.decode("utf-8", "replace")
+            rank = parse_pad20(k[len(prefix) :])
+            try:
+                if rank is None:
+                    raise CodecError("not a meta key (meta/<step>/<epoch>/<rank>, 20 digits each)")
+                got[rank] = meta_bytes(k, value, (*key, rank))
+            except CodecError as exc:
+                skips(k, str(exc))
+                return
+        if len(self._known) >= _METAS_KEPT:
+            self._known.clear()
+        self._known[key] = got
+
+    def get(self, step: int, epoch: int, rank: int) -> tuple[bytes | None] | None:
+        """(the meta bytes or None when the rank gave none,) if (step, epoch) was read; else None."""
+        ranks = self._known.get((step, epoch))
+        return None if ranks is None else (ranks.get(rank),)

@@ -154,15 +154,40 @@ def test_get_allocates_again_when_a_newer_version_changed_dtypes(pub: Store, con
 def test_a_one_shot_get_is_four_etcd_requests(pub: Store, cons: Store) -> None:
     """A store that opens, gets once and closes (an agent session resuming): the newest step, the
     begun read (commit, live ranks, reader and consumer records in one transaction), the manifests
-    and layouts together, and the end of the read; and the grant of the store's reader lease
-    (a session hub's stores share one). Its meta is one more (the committing epoch is known from
-    the read)."""
+    and layouts together (with the meta records of a version of a few ranks), and the end of the
+    read; and the grant of the store's reader lease (a session hub's stores share one). Its meta
+    then costs no request."""
     pub.put(1, _tensors(1), meta={"turn": 1})
     before = cons.stats.etcd_rpcs
     step, got = cons.get(timeout=30)
     assert step == 1 and all(torch.equal(got[n], t) for n, t in _tensors(1).items())
     assert cons.stats.etcd_rpcs - before == 4 + 1
     assert cons.meta(1) == {"turn": 1}
-    assert cons.stats.etcd_rpcs - before == 5 + 1
+    assert cons.stats.etcd_rpcs - before == 4 + 1
     # the consumer registered in the begun read's transaction: a draining publisher counts it
     assert cons.catalog.consumers.pending(cons.consumer_id) is None
+
+
+def test_meta_read_with_a_small_versions_layouts_is_checked_like_any_record(pub: Store, cons: Store) -> None:
+    """``get`` reads a small version's meta records with its layouts; a bad one there is skipped
+    and counted, and ``meta`` then reads the record itself and raises, as without the shortcut."""
+    from astate_store.catalog.records import pad20
+    from astate_store.errors import CatalogCorrupted
+    from astate_store.model import codec
+
+    pub.put(1, _tensors(1), meta={"turn": 1})
+    epoch = pub.catalog.session.epoch
+    raw, key = pub.catalog.client.raw, pub.catalog.client.key
+    # another rank's record under rank 5's key (the version has 1 rank: nobody reads rank 5)
+    raw.put(
+        key("meta", pad20(1), pad20(epoch), pad20(5)),
+        codec.encode("meta", {"step": 1, "epoch": epoch, "rank": 3, "data": b"\x80"}),
+    )
+    skipped = cons.stats.bad_records
+    assert cons.get(timeout=30)[0] == 1
+    assert cons.stats.bad_records == skipped + 1
+    before = cons.stats.etcd_rpcs
+    assert cons.meta(1) == {"turn": 1}  # read again (one request: the epoch is known)
+    assert cons.stats.etcd_rpcs == before + 1
+    with pytest.raises(CatalogCorrupted, match="another version or rank"):
+        cons.meta(1, rank=5)
