@@ -77,6 +77,11 @@ def _cfg(name: str) -> Callable[[dict[str, Any]], bool]:
     return lambda d: d.get("config") == name and not d.get("consumers_reserve")
 
 
+def _READ_ALL(d: dict[str, Any]) -> bool:
+    """A sessions run that read all 1,000 back (not the sample of the single-thread run)."""
+    return d.get("threads") == 8 and d.get("recover_sessions") == 1000
+
+
 def _threads(n: int) -> Callable[[dict[str, Any]], bool]:
     return lambda d: d.get("threads") == n
 
@@ -129,7 +134,19 @@ FIGURES = (
         "recover_seconds",
         "<=",
         10.0,
-        lambda d: d.get("threads") == 8 and d.get("recover_sessions") == 1000,  # all 1,000, not a sample
+        _READ_ALL,
+    ),
+    Figure(
+        "sessions: read-back, reader start-up (of the above), s",
+        "sessions",
+        "recover_start_seconds",
+        match=_READ_ALL,
+    ),
+    Figure(
+        "sessions: read-back, etcd requests per session",
+        "sessions",
+        "recover_rpcs_per_session",
+        match=_READ_ALL,
     ),
     Figure("sessions: steady put p50, 1 thread, s", "sessions", "put_seconds_p50", "<=", 0.002, _threads(1)),
     Figure("sessions: steady put p99, 1 thread, s", "sessions", "put_seconds_p99", "<=", 0.010, _threads(1)),
