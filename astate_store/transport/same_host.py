@@ -55,6 +55,7 @@ from astate_store.transport.base import PeerDescriptor, RegionInfo
 from astate_store.transport.binding import copy_rows, native, typed_error
 from astate_store.transport.peers import Peer, PeerSnapshot, PeerTable
 from astate_store.transport.regions import LocalSnapshot
+from astate_store.transport.replays import Replay, Replays
 from astate_store.transport.rows import Rows
 from astate_store.transport.vmas import MapsReader
 
@@ -203,6 +204,7 @@ class SameHostReader:
         # the last peer proven per (worker address, pid, node, proof region): see _proven_again
         self._proven: dict[tuple, Peer] = {}
         self._poll_lock = threading.Lock()  # one poll() at a time (select.poll's rule)
+        self._replays = Replays()  # steady gets' checked copy plans (replays.py)
 
     @property
     def pidfds(self) -> int:
@@ -321,7 +323,8 @@ class SameHostReader:
         if p.desc.proof is not None and self._proven.get(self._proof_key(p.desc)) is p:
             del self._proven[self._proof_key(p.desc)]
         p.direct = False
-        p.maps = []  # unmapped once no snapshot holds them
+        p.maps = []  # unmapped once no snapshot holds them (nor a replay: dropped here)
+        self._replays.clear()
         if p.pidfd >= 0:
             with self._poll_lock:
                 self._pidpoll.unregister(p.pidfd)
@@ -334,6 +337,7 @@ class SameHostReader:
         """Map the memfd behind each host region of direct peer ``p`` (``memfd.py``); regions
         equal to ``prev_regions`` keep their mapping (or their refusal: tried once)."""
         old = p.maps
+        self._replays.clear()  # they hold the snapshots that hold the mappings replaced here
         maps: list[Any] = []
         for i, r in enumerate(p.desc.regions):
             if i < len(prev_regions) and prev_regions[i] == r and i < len(old):
@@ -373,24 +377,44 @@ class SameHostReader:
         for region, got in per.items():
             p.maps[region].prefault_later(got)
 
-    def serve(self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, *, threads: int | None) -> Rows | None:
+    def replay(self, ops: object, t: PeerSnapshot, lt: LocalSnapshot) -> bool:
+        """Copy ``ops`` again as an earlier get under these snapshots checked them and sent them
+        whole through mapped regions (``replays.py``): the same copy plan, the same exit check
+        after it. False when no such get is kept (the caller checks and reads as usual)."""
+        r = self._replays.find(ops, t, lt) if isinstance(ops, np.ndarray) else None
+        if r is None:
+            return False
+        copy_rows(r.plan, r.threads)
+        self._check_exited(r.pids)
+        return True
+
+    def serve(
+        self, t: PeerSnapshot, lt: LocalSnapshot, rows: Rows, *, threads: int | None, ops: object = None
+    ) -> Rows | None:
         """Read the rows this path may take; the rows left for UCX (None: none left).
 
         ``threads``: copy threads (None: as many as this process may use, for mapped
         regions; one for process_vm_readv). A fallback error leaves every row to UCX,
-        the ones already read included.
+        the ones already read included. ``ops``: the plan ``rows`` were resolved from, as
+        the caller gave it; when every row went through mapped regions, kept for
+        :meth:`replay`.
         """
         dmask = lt.host_only(t.direct[rows.flat], rows.local, rows.length)
         nd = int(np.count_nonzero(dmask))
         if nd == 0:
             return rows
-        if not self._read(t, rows if nd == len(rows) else rows.take(dmask), threads):
+        whole = nd == len(rows)
+        key = (ops, lt) if whole and isinstance(ops, np.ndarray) else None
+        if not self._read(t, rows if whole else rows.take(dmask), threads, key):
             return rows
-        return None if nd == len(rows) else rows.take(~dmask)
+        return None if whole else rows.take(~dmask)
 
-    def _read(self, t: PeerSnapshot, rows: Rows, threads: int | None) -> bool:
+    def _read(
+        self, t: PeerSnapshot, rows: Rows, threads: int | None, key: tuple[np.ndarray, LocalSnapshot] | None
+    ) -> bool:
         """Rows of direct peers: memcpy from mapped regions, process_vm_readv for the rest.
-        False: fall back to UCX for the whole plan."""
+        False: fall back to UCX for the whole plan. ``key``: (ops, local snapshot) of a
+        plan to keep for :meth:`replay` if all of it is copied from mappings."""
         pids = t.pid[rows.pidx]
         on_map = t.mapped[rows.flat] != 0
         n_map = int(np.count_nonzero(on_map))
@@ -408,6 +432,8 @@ class SameHostReader:
         if left is not None and not self._cma(t, left, 1 if threads is None else threads):
             return False
         self._check_exited(pids)
+        if key is not None and left is None:
+            self._replays.add(Replay(np.array(key[0]), t, key[1], plan, pids, threads))
         return True
 
     @staticmethod

@@ -437,19 +437,22 @@ class UcxTransport(Transport):
                 self._same_host.prefault(p, spans)
 
     def get(self, ops: np.ndarray, *, timeout: float | None = None) -> None:
-        o = check_ops(ops)
-        if o is None:
-            return
         with self._lock:
             self._check_open()
             t = self._peers.snapshot()
             lt = self._regions.snapshot()
+        # A forked child cannot use its parent's worker: it gets UCX's error, not a half-working plan.
+        direct = bool(t.n_direct) and os.getpid() == self._me.pid
+        if direct and self._same_host.replay(ops, t, lt):  # a steady pull's plan, checked before
+            return
+        o = check_ops(ops)
+        if o is None:
+            return
         rows = resolve_rows(t, o)
         if rows is None:
             return
-        # A forked child cannot use its parent's worker: it gets UCX's error, not a half-working plan.
-        if t.n_direct and os.getpid() == self._me.pid:
-            rows = self._same_host.serve(t, lt, rows, threads=self.copy_threads)
+        if direct:
+            rows = self._same_host.serve(t, lt, rows, threads=self.copy_threads, ops=ops)
             if rows is None:
                 return
         if self.stream and t.streams and os.getpid() == self._me.pid:
