@@ -42,7 +42,7 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +121,15 @@ class ProcessIdentity:
         if d.node and self.node:
             return d.node == self.node
         return bool(d.host) and d.host == self.host
+
+    def exited(self, descriptor: Mapping[str, Any]) -> bool:
+        """Whether a descriptor's process runs on this node and has exited (``Transport.exited``).
+        Only the fields that say where it runs are read: a bad descriptor is connect's to report."""
+        pid, host, node = descriptor.get("pid"), descriptor.get("host"), descriptor.get("node")
+        if type(pid) is not int or pid <= 0 or not isinstance(host, str) or not isinstance(node, str):
+            return False
+        where = PeerDescriptor(kind="", worker_address=b"", regions=(), host=host, node=node, pid=pid)
+        return self.same_node(where) and not pid_alive(pid)
 
 
 class Proof:

@@ -399,12 +399,7 @@ class UcxTransport(Transport):
             return cur.index
 
     def exited(self, descriptor: Mapping[str, Any]) -> bool:
-        # Only the fields that say where the process runs (a bad descriptor is connect's to report).
-        pid, host, node = descriptor.get("pid"), descriptor.get("host"), descriptor.get("node")
-        if type(pid) is not int or pid <= 0 or not isinstance(host, str) or not isinstance(node, str):
-            return False
-        where = PeerDescriptor(kind=self.kind, worker_address=b"", regions=(), host=host, node=node, pid=pid)
-        return self._me.same_node(where) and not pid_alive(pid)
+        return self._me.exited(descriptor)
 
     def _open_endpoint(self, peer: Hashable, d: PeerDescriptor) -> Any:
         # Error mode NONE only where shared memory can serve: PEER mode makes UCX drop
