@@ -18,7 +18,9 @@ consumers, the opener) and of the publishers, etcd's key count (by family) and d
 
 Appends one JSON line to ``benchmarks/results/soak.jsonl``:
 
-- ``steps``, ``warmup_steps``; ``rss_growth``, ``fds_growth``, ``threads_growth``: growth over the
+- ``steps``, ``warmup_steps``; ``rss_growth``, ``anon_growth`` (anonymous memory: where a leak grows;
+  RSS also counts the publishers' shared staging pages mapped at the moment, which restarts change),
+  ``fds_growth``, ``threads_growth``: growth over the
   steps after the warm-up as a fraction of the value after warm-up (median of the last 5 samples
   against the median of the first 5 after warm-up, so one sample's noise does not count), the
   largest over the long-lived processes; ``growth_by_process`` has each one's, with the
@@ -265,7 +267,7 @@ class Soak:
         row: dict[str, Any] = {"step": s, "group": self.gen}
         for name, a in procs.items():
             p = a.must("probe", None, timeout=60)
-            row[name] = {"rss_kb": p["rss_kb"], "fds": p["fds"], "threads": p["threads"]}
+            row[name] = {k: p[k] for k in ("rss_kb", "anon_kb", "fds", "threads")}
         fam = etcd_keys(self.client)
         row["etcd_keys"], row["etcd_families"] = sum(fam.values()), fam
         row.update(etcd_db(self.client))
@@ -309,7 +311,13 @@ def retention_allows(s: int, args: argparse.Namespace) -> int:
 def judge(soak: Soak, args: argparse.Namespace, warm: int) -> dict[str, Any]:
     """Growth fractions of the long-lived processes, and whether etcd and storage stayed bounded."""
     out: dict[str, Any] = {"growth_by_process": {}}
-    for field, key in (("rss_kb", "rss_growth"), ("fds", "fds_growth"), ("threads", "threads_growth")):
+    fields = (
+        ("rss_kb", "rss_growth"),
+        ("anon_kb", "anon_growth"),
+        ("fds", "fds_growth"),
+        ("threads", "threads_growth"),
+    )
+    for field, key in fields:
         worst = None
         for proc in LONG_LIVED:
             g = growth(soak.samples, proc, field, warm)
@@ -458,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "steps",
             "seconds",
             "rss_growth",
+            "anon_growth",
             "fds_growth",
             "threads_growth",
             "bounded",

@@ -42,6 +42,9 @@ def test_short_soak_stays_bounded() -> None:
     assert last["etcd_families"].get("/astate/checkpoints") == 4 and last["ckpt_steps"] == 4, last
     # generous bounds for 100 steps (the 1,000-step soak targets <= 1 %); fds and threads are a handful,
     # so a fraction of them is coarse
-    assert out["rss_growth"] is not None and out["rss_growth"] <= 0.05, out["growth_by_process"]
+    # A leak grows anonymous memory. RSS also counts the publishers' shared staging pages a consumer
+    # maps at the moment (a restart maps a new pool), so it moves by a few % either way.
+    assert out["anon_growth"] is not None and out["anon_growth"] <= 0.05, out["growth_by_process"]
+    assert out["rss_growth"] is not None and out["rss_growth"] <= 0.10, out["growth_by_process"]
     assert out["fds_growth"] is not None and out["fds_growth"] <= 0.5, out["growth_by_process"]
     assert out["threads_growth"] is not None and out["threads_growth"] <= 0.5, out["growth_by_process"]
