@@ -183,6 +183,11 @@ FIGURES = (
     Figure("peers: ratio_nixl", "peers", "ratio_nixl", ">=", 1.5),
     Figure("peers: ratio_mooncake", "peers", "ratio_mooncake", ">=", 3.0),
     Figure("peers: ratio_gloo", "peers", "ratio_gloo", ">=", 1.5),
+    Figure("fault suite: trials", "fault_suite", "totals.trials"),
+    Figure("fault suite: wrong bytes", "fault_suite", "totals.wrong_bytes", "<=", 0),
+    Figure("fault suite: hangs", "fault_suite", "totals.hangs", "<=", 0),
+    Figure("fault suite: lost versions", "fault_suite", "totals.lost_versions", "<=", 0),
+    Figure("fault suite: crashes", "fault_suite", "totals.crashes", "<=", 0),
     Figure("stream lanes: ratio_lanes", "stream_lanes", "ratio_lanes"),
 )
 
@@ -218,13 +223,22 @@ def _fmt(v: Any) -> str:
     return "—" if v is None else str(v)
 
 
+def _get(d: dict[str, Any], key: str) -> Any:
+    """``d[key]``; a dotted key reads nested objects (``totals.wrong_bytes``)."""
+    for part in key.split("."):
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)  # type: ignore[assignment]
+    return d
+
+
 def report() -> str:
     """The markdown report of the newest figures."""
     rows = ["| figure | value | target | met | date (load) | results file |", "|---|---|---|---|---|---|"]
     for fig in FIGURES:
         lines = [d for d in _lines(fig.file) if fig.match(d)]
         d = lines[-1] if lines else {}
-        v = d.get(fig.key) if d else None
+        v = _get(d, fig.key) if d else None
         if d.get("error") and v is None:
             v = f"error: {str(d['error'])[:60]}"
         when = d.get("date", "undated") if d else "no run"
