@@ -19,6 +19,8 @@ buffer byte for byte against the step a pull reported.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import queue
@@ -202,10 +204,25 @@ def poison(bufs: Mapping[str, Any]) -> None:
 # ------------------------------------------------------------------------------ process probes
 
 
+def _malloc_trim() -> None:
+    """glibc's ``malloc_trim(0)``: free heap pages go back to the system (no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def probe_process() -> dict[str, int]:
     """This process's resident memory (``rss_kb``; ``anon_kb``: its anonymous part, where a leak
     grows: RSS also counts library pages first touched late and the publishers' shared staging
-    pages mapped at the moment), open fds and threads."""
+    pages mapped at the moment), open fds and threads. Garbage awaiting the cycle collector is
+    collected first: a closed store's cycles go at the collector's next pass, which may come ~100
+    stores later, and a sample taken before or after it must not read as growth. Then glibc is
+    asked to return its free heap pages (``malloc_trim``): without it a process's anonymous memory
+    sat on plateaus 10-15 MB apart depending on the layout of the buffers it freed last, which is
+    the allocator's hysteresis, not growth (2026-12-07, the short soak's consumer1)."""
+    gc.collect()
+    _malloc_trim()
     rss = anon = threads = 0
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
