@@ -58,8 +58,8 @@ class Consumers:
                 return  # the record there says this already (a first pull re-asks for what it registered)
         self._put(reader_id, rec)
 
-    def _put(self, reader_id: str, rec: bytes) -> None:
-        lease = self.client.reader_lease()
+    def _put(self, reader_id: str, rec: bytes, lease: int | None = None) -> None:
+        lease = self.client.reader_lease() if lease is None else lease
         key = self.prefix + reader_id
         self.client.call("register consumer", lambda: self.client.raw.put(key, rec, lease=lease))
         self.wrote(reader_id, lease, rec)
@@ -72,9 +72,8 @@ class Consumers:
         todo = self.pending(reader_id)
         if todo is None:
             return False
-        key, rec, lease = todo
-        self.client.call("register consumer", lambda: self.client.raw.put(key, rec, lease=lease))
-        self.wrote(reader_id, lease, rec)
+        _key, rec, lease = todo
+        self._put(reader_id, rec, lease)
         return True
 
     def pending(self, reader_id: str) -> tuple[str, bytes, int] | None:

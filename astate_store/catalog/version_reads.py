@@ -132,11 +132,12 @@ class VersionReads:
         for i in range(0, len(keys), _BLOBS_PER_TXN):
             batch = keys[i : i + _BLOBS_PER_TXN]
             ops = [tx.Get(k, range_end(k)) for k in batch]
-            mpre = None if meta is None or i else self.client.key("meta", *map(pad20, meta)) + "/"
-            if mpre is not None:
+            with_meta = meta is not None and i == 0  # the first transaction reads them
+            mpre = self.client.key("meta", *map(pad20, meta)) + "/" if meta is not None else ""
+            if with_meta:
                 ops.append(tx.Get(mpre, range_end(mpre)))
             _ok, resp = self.client.txn("get blobs", [], ops)
-            if mpre is not None and meta is not None:
+            if with_meta and meta is not None:
                 self.metas.offer(meta, mpre, resp[-1], self.skips)
             for key, kvs in zip(batch, resp):
                 try:

@@ -60,6 +60,8 @@ class Consumer:
         self.links = Links(ctx)
         self.batches = Batches(ctx, converter, self.links, self.buffers)
         self._last: Work | None = None  # the batch the last good attempt ran
+        # (the tries of Batches.tries, those whose sources' processes live): see _live_tries
+        self._live: tuple[list[dict[str, SourceGroup]], list[dict[str, SourceGroup]]] | None = None
 
     def close(self) -> None:
         """Drop the caches that refer to the caller's buffers (entries, batches, plans): a closed
@@ -267,12 +269,18 @@ class Consumer:
         them when every set holds one: the pull then fails as before, naming the source."""
         if len(tries) < 2:
             return tries
-        gone = self.links.exited(groups)
-        live = [gs for gs in tries if gone.isdisjoint(gs)] if gone else tries
-        return live or tries
+        if self._live is None or self._live[0] is not tries:
+            # Once per set of tries (``Batches.tries`` keeps one list per sources and buffers) and
+            # again after a failed read: a steady pull asks no process about its sources.
+            gone = self.links.exited(groups)
+            live = [gs for gs in tries if gone.isdisjoint(gs)] if gone else tries
+            self._live = (tries, live or tries)
+        return self._live[1]
 
     def _afresh(self) -> None:
-        """After a failed read: its endpoints may be closed, so connect and plan afresh next time."""
+        """After a failed read: its endpoints may be closed, so connect and plan afresh next time
+        (and ask again which sources' processes have exited)."""
+        self._live = None
         self.links.forget()
         self.batches.clear()
 
