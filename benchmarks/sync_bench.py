@@ -8,8 +8,10 @@ Timing: the driver waits until the trainers' put has committed; each rollout pro
 until the commit is visible to it (``Store.wait``), the rollout processes of a group pass a
 barrier, and ``get_into`` is timed. A group's time is (last end - first start) over its processes,
 its bytes the bytes delivered into all its buffers. The first step of a case (connect + plan) is
-reported apart as ``first_step_seconds``; ``seconds``/``gbps`` are the median of the later steps
-(``--steps``, default 8: steps 2-3 are still warm-up, see ``main``).
+reported apart as ``first_step_seconds``; ``seconds``/``gbps`` are the median of the steady steps:
+those after the ``--warmup`` steps (default 3: connect and plan; the first read of the publishers'
+second staging slot; with pre-packing, the re-laid-out pool's first read of its other slot), of
+``--steps`` (default 10). Every step's time stays in ``step_seconds``.
 Buffers are touched before the first step (a live model's weights), so no case pays first-touch
 page faults. Every case is verified after its last step: bit checksums of every tensor, rollout
 group vs trainer group.
@@ -26,9 +28,14 @@ Cases (``--cases``, comma list; default all):
                                             published -> bf16 buffers (same element count)
 References (same bytes, same run): measured before and after the cases, the faster kept (both in
 ``memcpy_runs``), and right before each of tp1 and column_split (``memcpy_before`` of those cases):
-``ratio_memcpy`` / ``ratio_memcpy_streaming`` are the smaller of those two cases' gbps over the copy
-measured right before it (``ratio_memcpy_streaming_run_best``: sync_gbps over the faster start/end
-copy). ``memcpy_gbps`` (torch ``copy_``, best of a few, torch's default threads;
+``ratio_memcpy`` is the smaller of those two cases' gbps over the torch copy measured right before
+it. ``ratio_memcpy_streaming``: each step of tp1 and column_split is bracketed by a streaming copy
+of the same bytes right before and right after its pull (``PairedCopy``; this VM's bandwidth moves
+2x within minutes), the faster of the two over the pull's time is that step's ratio, and the
+figure is the smaller of the two cases' steady medians (``paired_streaming`` per case). Also
+reported: ``ratio_memcpy_streaming_adjacent`` (the case's gbps over the copy measured right before
+the case) and ``ratio_memcpy_streaming_run_best`` (sync_gbps over the faster start/end copy: the
+strictest, mixing moments). ``memcpy_gbps`` (torch ``copy_``, best of a few, torch's default threads;
 ``memcpy_streaming_gbps``: the native copy loop with non-temporal stores, one row) and
 ``gloo_gbps`` (torch.distributed gloo broadcast between 2 processes, median).
 
@@ -193,6 +200,35 @@ def measure_memcpy(nbytes: int, reps: int = 4) -> dict[str, Any]:
     return out
 
 
+class PairedCopy:
+    """The streaming copy of a case's bytes, timed around each of its pulls (one copy right before
+    and one right after, the faster kept): this VM's memory bandwidth moves by up to 2x within
+    minutes, so a reference taken before a case can belong to another moment than its pulls
+    (2026-12-07: 24.3 GB/s before tp1, 33.9 before column_split, 35.1 after all cases, in one run).
+    Source and destination are allocated and touched once per case; the copy is the native loop
+    with non-temporal stores as one row over ``copy_threads()`` threads (``memcpy_streaming``)."""
+
+    def __init__(self, nbytes: int):
+        from astate_store.transport.binding import copy_threads, native
+
+        self.nbytes = nbytes // 4 * 4
+        self._src = torch.empty(self.nbytes // 4, dtype=torch.float32).fill_(1.0)
+        self._dst = torch.empty_like(self._src).zero_()
+        self._plan = np.array([[self._src.data_ptr(), self._dst.data_ptr(), self.nbytes]], dtype=np.uint64)
+        self._copy = native().copy_rows
+        self._threads = copy_threads()
+
+    def seconds(self) -> float:
+        """One copy of the bytes, in seconds."""
+        t0 = time.perf_counter()
+        self._copy(self._plan, threads=self._threads, streaming=1)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        del self._src, self._dst, self._plan
+        gc.collect()
+
+
 def python_ref() -> float:
     """Seconds of a fixed pure-Python loop (10^7 additions), at the start and end of a run: first
     steps are mostly Python, and this VM's speed moves 2-3x within hours, so a first step is only
@@ -332,9 +368,16 @@ class Pool:
 
 
 def run_case(
-    pool: Pool, name: str, gcfg: dict[str, Any], args: argparse.Namespace, step0: int, profile_dir: str | None
+    pool: Pool,
+    name: str,
+    gcfg: dict[str, Any],
+    args: argparse.Namespace,
+    step0: int,
+    profile_dir: str | None,
+    paired: PairedCopy | None = None,
 ) -> tuple[dict[str, Any], int]:
-    """Run one rollout case against the live trainer group; returns (result, last step used)."""
+    """Run one rollout case against the live trainer group; returns (result, last step used).
+    ``paired``: the streaming copy timed right before and right after each step's pull."""
     c = CASES[name]
     parts = c["parts"]
     slots = [2, 3][:parts]
@@ -361,7 +404,10 @@ def run_case(
             puts = pool.call([0, 1], ("put", step))
             if not any(p["committed"] for p in puts.values()):
                 raise RuntimeError(f"step {step} did not commit")
+            ref_s = paired.seconds() if paired is not None else None
             gets = pool.call(slots, ("get", step, parts > 1))
+            if paired is not None:
+                ref_s = min(ref_s, paired.seconds())  # type: ignore[type-var]
             if any(g["step"] != step for g in gets.values()):
                 raise RuntimeError(f"asked for step {step}, got {[g['step'] for g in gets.values()]}")
             t = max(g["t1"] for g in gets.values()) - min(g["t0"] for g in gets.values())
@@ -375,6 +421,7 @@ def run_case(
                     "gc_s": max(g["gc_s"] for g in gets.values()),
                     "stats": gets[slots[0]]["stats"],
                     "rows": sum(g["rows"] for g in gets.values()),
+                    "ref_s": ref_s,
                 }
             )
         want = pool.call([0, 1], ("checksum", c["dtype"] if c["dtype"] != gcfg["dtype"] else None))
@@ -393,7 +440,7 @@ def run_case(
             ]
     finally:
         pool.reset(slots)
-    steady = steps[1:] or steps
+    steady = steps[args.warmup :] or steps[1:] or steps
     med = statistics.median(s["seconds"] for s in steady)
     med_tr = statistics.median(s["transport_s"] for s in steady)
     res: dict[str, Any] = {
@@ -430,11 +477,26 @@ def run_case(
         "dtype": c["dtype"],
         "thp_kib": [v["thp_kib"] for v in setup.values()],
     }
+    if paired is not None:
+        res["paired_streaming"] = _paired(steady, steps, paired.nbytes)
     if bad:
         res["mismatched"] = bad[:5]
     if prof:
         res["profile"] = prof
     return res, step
+
+
+def _paired(steady: list[dict[str, Any]], steps: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
+    """The pull against the streaming copy of the moment: per step, the faster of the copies
+    right before and right after its pull over the pull's time; ``ratio`` is their median over
+    the steady steps (the same steps as ``gbps``), ``gbps`` the copy's median rate."""
+    ratios = [s["ref_s"] / s["seconds"] for s in steady if s["seconds"] > 0]
+    return {
+        "ratio": round(statistics.median(ratios), 3),
+        "gbps": _gbps(nbytes, statistics.median(s["ref_s"] for s in steady)),
+        "step_ratios": [round(s["ref_s"] / s["seconds"], 3) for s in steps if s["seconds"] > 0],
+        "step_ref_seconds": [round(s["ref_s"], 4) for s in steps],
+    }
 
 
 def run_group(
@@ -474,8 +536,14 @@ def run_group(
             try:
                 # The pull cases the ratios use get the copies measured right before them (this
                 # VM's bandwidth moves by up to 2x within minutes: the same moment, not the same run).
-                ref = measure_memcpy(g["trainer_bytes"]) if c in _SYNC_CASES and not args.no_refs else None
-                results[c], step = run_case(pool, c, g, args, step, profile_dir)
+                sync = c in _SYNC_CASES and not args.no_refs
+                ref = measure_memcpy(g["trainer_bytes"]) if sync else None
+                paired = PairedCopy(g["trainer_bytes"]) if sync else None
+                try:
+                    results[c], step = run_case(pool, c, g, args, step, profile_dir, paired)
+                finally:
+                    if paired is not None:
+                        paired.close()
                 if ref is not None:
                     results[c]["memcpy_before"] = ref
             except Exception as exc:  # noqa: BLE001
@@ -500,6 +568,16 @@ def _adjacent_ratio(cases: dict[str, Any], key: str) -> float | None:
     return min((r for r in got if r is not None), default=None)
 
 
+def _paired_ratio(cases: dict[str, Any]) -> float | None:
+    """The smaller over ``_SYNC_CASES`` of the case's ``paired_streaming`` ratio."""
+    got = [
+        (cases[c].get("paired_streaming") or {}).get("ratio")
+        for c in _SYNC_CASES
+        if isinstance(cases.get(c), dict)
+    ]
+    return min((r for r in got if r is not None), default=None)
+
+
 def _ratio(a: Any, b: Any) -> float | None:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0:
         return round(a / b, 3)
@@ -514,11 +592,14 @@ def _case_gbps(cases: dict[str, Any], name: str) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0, help="model size in GiB of fp32 (default 2)")
-    # 8: a case's steps 2-3 are still warm-up (the first read of the publishers' second staging slot;
-    # with pre-packing, the first read of the re-laid-out pool), so with 5 steps two of the four
-    # "later" steps were warm-up and decided the median (2026-12-07: steady steps at 0.095-0.105 s,
-    # steps 2-3 up to 0.40 s). Every step's time stays in ``step_seconds``.
-    ap.add_argument("--steps", type=int, default=8, help="steps per case; the first is reported apart")
+    # A case's steps 2-3 are still warm-up (the first read of the publishers' second staging slot;
+    # with pre-packing, the re-plan after the pool is laid out anew and the first read of its other
+    # slot): with 5 steps and only the first left out, two of the four "later" steps were warm-up and
+    # decided the median (2026-12-07: steady steps at 0.095-0.105 s, steps 2-3 up to 0.40 s).
+    ap.add_argument("--steps", type=int, default=10, help="steps per case; the first is reported apart")
+    ap.add_argument(
+        "--warmup", type=int, default=3, help="steps per case left out of the steady-state median (default 3)"
+    )
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp", "auto"])
     ap.add_argument("--cases", default="all", help=f"comma list of {','.join(CASES)} (default all)")
     ap.add_argument("--n-many", type=int, default=10_000, help="tensor count of many_tensors (default 10000)")
@@ -587,9 +668,11 @@ def main(argv: list[str] | None = None) -> int:
     # the 1-thread copy is the steadier yardstick for a single-threaded pull.
     out["memcpy_1thread_gbps"] = out.get("memcpy", {}).get("gbps_1thread")
     out["memcpy_streaming_gbps"] = out.get("memcpy", {}).get("gbps_streaming")
-    out["ratio_memcpy_streaming"] = _adjacent_ratio(cases, "gbps_streaming") or _ratio(
-        out["sync_gbps"], out["memcpy_streaming_gbps"]
-    )
+    # the pull over the streaming copy of the same moment (each step's pull bracketed by two copies):
+    # the smaller of tp1's and column_split's median ratios
+    out["ratio_memcpy_streaming"] = _paired_ratio(cases) or _adjacent_ratio(cases, "gbps_streaming")
+    # the same against the copy measured once right before each case (``memcpy_before``)
+    out["ratio_memcpy_streaming_adjacent"] = _adjacent_ratio(cases, "gbps_streaming")
     # the same against the faster of the copies measured before and after all cases (stricter)
     out["ratio_memcpy_streaming_run_best"] = _ratio(out["sync_gbps"], out["memcpy_streaming_gbps"])
     out["ratio_memcpy_1thread"] = _ratio(out["sync_gbps"], out["memcpy_1thread_gbps"])

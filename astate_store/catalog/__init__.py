@@ -179,6 +179,7 @@ class Catalog:
 
     def close(self, *, revoke: bool = True) -> None:
         """Stop keep-alives and revoke leases (members, layouts and readers vanish at once)."""
+        self.readers.close()  # reads ended in the background: their delivered markers first
         self.versions.close()
         self.consumers.close()
         self.client.close(revoke=revoke)

@@ -21,6 +21,7 @@ from pyetcd import transactions as tx
 
 from astate_store.catalog.client import EtcdClient, range_end
 from astate_store.catalog.consumers import Consumers
+from astate_store.catalog.read_ends import ReadEnds
 from astate_store.catalog.records import Skips, Version, pad20, parse_pad20, version_from_kvs
 from astate_store.catalog.sessions import Sessions
 from astate_store.errors import CodecError, VersionNotFound
@@ -60,6 +61,7 @@ class Readers:
         self._open: dict[tuple[int, str], int] = {}
         # member key -> (mod revision, (epoch, rank) or None when the record is bad): decoded once
         self._members: dict[str, tuple[int, tuple[int, int] | None]] = {}
+        self._ends = ReadEnds(self.end_read, f"astate-read-ends-{client.namespace}")
 
     def begin_read(self, step: int, reader_id: str) -> Version:
         """Register as a reader of ``step`` and read its commit and pieces, in one transaction.
@@ -68,6 +70,7 @@ class Readers:
             VersionNotFound: the version is not committed, was retired, or was dropped by retention.
             CatalogCorrupted: its commit record, or a piece of the committing session, is bad.
         """
+        self._ends.wait(step, reader_id)  # a queued end of this very read deletes its record by key
         c = self.client
         vkey = c.key("versions", pad20(step))
         retired = c.key("retired", pad20(step)) + "/"
@@ -167,6 +170,20 @@ class Readers:
             [tx.Delete(rkey)],
         )
         return bool(ok)
+
+    def end_read_later(self, step: int, reader_id: str, sources: Iterable[int | str] | None = None) -> None:
+        """:meth:`end_read` on a background thread, for a read already known untorn (its sources'
+        step words, ``get/step_words.py``): the reader's record and the delivered marker follow
+        within a round trip, the pull does not wait for them (``read_ends.py``)."""
+        self._ends.submit(step, reader_id, None if sources is None else frozenset(sources))
+
+    def flush_ends(self, timeout: float = 5.0) -> bool:
+        """Wait until every read ended with :meth:`end_read_later` has ended; False on timeout."""
+        return self._ends.flush(timeout)
+
+    def close(self) -> None:
+        """Run the queued ends (bounded), then stop their thread."""
+        self._ends.close()
 
     def _torn_compares(self, step: int, sources: Iterable[int | str] | None) -> list[Any]:
         """Compares that hold while no torn marker of ``sources`` exists (see :meth:`end_read`)."""

@@ -172,6 +172,8 @@ class Piece:
     base_offset: int
     manifest_id: str = ""
     slot_bases: tuple[int, ...] = ()  # every slot of the rank's staging pool (a prefault hint)
+    # the slot's step word: (region, offset, token); None: none (in place, a device pool, older writer)
+    step_word: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -382,7 +384,16 @@ def _piece_record(
         p["base_offset"],
         p["manifest_id"],
         tuple(p.get("slot_bases", ())),
+        _step_word(p.get("step_word")),
     ), False
+
+
+def _step_word(w: Mapping[str, int] | None) -> tuple[int, int, int] | None:
+    """A piece's step word as (region, offset, token); None when absent or its token is out of
+    range (the reader then asks etcd, as for a piece without one)."""
+    if w is None or w["token"] >= 1 << 53:
+        return None
+    return w["region"], w["offset"], w["token"]
 
 
 def _require_every_rank(

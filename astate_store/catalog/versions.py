@@ -147,11 +147,14 @@ class Versions:
         base_offset: int = 0,
         meta: bytes | None = None,
         slot_bases: Sequence[int] = (),
+        *,
+        step_word: tuple[int, int, int] | None = None,
     ) -> bool:
         """Write this rank's piece of ``step`` (and its ``meta``, the msgpack of ``put(meta=...)``)
         and, when this piece completes the set, commit it in the same transaction; True if the
         version is committed. ``slot_bases``: the staging pool's slot offsets, for consumers to
-        prefault ahead (see ``schemas/piece.json``).
+        prefault ahead; ``step_word``: (region, offset, token) of the slot's step word (both in
+        ``schemas/piece.json``).
 
         Raises:
             CatalogError: ``step`` is not an int in [0, 1e19), or ``layout_id`` was not written here.
@@ -165,7 +168,7 @@ class Versions:
             raise CatalogError(f"layout {layout_id} was not written by this process (write_layout first)")
         for _attempt in range(2):
             committed = self._piece_result(
-                step, self._piece_txn(step, layout_id, mid, base_offset, meta, slot_bases)
+                step, self._piece_txn(step, layout_id, mid, base_offset, meta, slot_bases, step_word)
             )
             if committed is not None:
                 return committed
@@ -179,7 +182,14 @@ class Versions:
         self._ensure_manifest(mid, manifest_record(shards), force=True)
 
     def _piece_txn(
-        self, step: int, lid: str, mid: str, base: int, meta: bytes | None, slot_bases: Sequence[int] = ()
+        self,
+        step: int,
+        lid: str,
+        mid: str,
+        base: int,
+        meta: bytes | None,
+        slot_bases: Sequence[int] = (),
+        step_word: tuple[int, int, int] | None = None,
     ) -> Any:
         """One transaction: the piece (with its meta), and the commit when every other rank's
         piece is there. etcd serializes transactions, so the last rank's transaction sees all
@@ -196,6 +206,8 @@ class Versions:
         }
         if slot_bases:
             rec["slot_bases"] = list(slot_bases)
+        if step_word is not None:
+            rec["step_word"] = dict(zip(("region", "offset", "token"), step_word))
         piece = codec.encode("piece", rec)
         pkey = k("versions", pad20(step), "pieces", pad20(s.epoch), pad20(s.rank))
         writes = [tx.Put(pkey, piece)]

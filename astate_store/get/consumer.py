@@ -3,8 +3,10 @@
 get_into: catalog (wait for a commit, begin_read: register as a reader and read the version in
 one transaction, with which publisher ranks are alive) -> sources (which groups can serve it,
 which serves each buffer) -> plan (the byte ranges, cached while layouts and buffers stay the
-same) -> transport (one batched get) -> buffers -> catalog (end_read: succeeds only if no source
-retired the memory meanwhile).
+same) -> transport (one batched get) -> buffers -> step words (``step_words``: the sources'
+staging slots unchanged since the commit, read with one more small get) -> catalog (end_read,
+in the background when the words told; else it decides: succeeds only if no source retired the
+memory meanwhile).
 
 The roles are split by module: this one runs the pulls (the retry loop over versions, failover
 over source sets, the transfer and its figures); ``batches`` holds the plans and ready-made
@@ -33,6 +35,7 @@ from astate_store.get.batches import Batches, Work, conversion_nbytes
 from astate_store.get.conversion import Converter
 from astate_store.get.links import Links
 from astate_store.get.sources import PUBLISHERS, SourceGroup
+from astate_store.get.step_words import StepWords
 from astate_store.metrics import PullTimes
 from astate_store.model.layout import GCPaused, TensorLike
 from astate_store.model.progress import Progress, ProgressCounter
@@ -59,6 +62,7 @@ class Consumer:
         self.delivered_step: int | None = None  # the step self.buffers.entries hold
         self.links = Links(ctx)
         self.batches = Batches(ctx, converter, self.links, self.buffers)
+        self.words = StepWords()
         self._last: Work | None = None  # the batch the last good attempt ran
         # (the tries of Batches.tries, those whose sources' processes live): see _live_tries
         self._live: tuple[list[dict[str, SourceGroup]], list[dict[str, SourceGroup]]] | None = None
@@ -216,9 +220,15 @@ class Consumer:
         except BaseException:
             readers.end_read(step, self.ctx.reader_id)
             raise
-        # Only the torn markers of the sources actually read from count.
         t0 = _now()
-        ok = readers.end_read(step, self.ctx.reader_id, sources)
+        # The sources' step words tell whether the bytes are untorn without a round trip; the
+        # reader then unregisters in the background. Else etcd decides: only the torn markers
+        # of the sources actually read from count.
+        ok = self.words.check(self.ctx.transport, version, sources, self.ctx.options.read_timeout)
+        if ok is None:
+            ok = readers.end_read(step, self.ctx.reader_id, sources)
+        else:
+            readers.end_read_later(step, self.ctx.reader_id, sources)
         t.metadata += _now() - t0
         return ok
 

@@ -141,10 +141,11 @@ class Publisher:
         """(committed, how it was published: ``copy``, ``in_place`` or ``streamed``)."""
         if copy:
             try:
-                lid, base = self._stage(step, entries)
+                lid, base, word = self._stage(step, entries)
             except StagingCapExceeded as exc:
                 return self._put_streamed(step, entries, exc, meta), "streamed"
-            return self.ctx.catalog.versions.put_piece(step, lid, base, meta, self._slot_bases()), "copy"
+            versions = self.ctx.catalog.versions
+            return versions.put_piece(step, lid, base, meta, self._slot_bases(), step_word=word), "copy"
         else:
             lid, base = self._in_place(entries), 0
             if self._zero_copy_live:
@@ -219,8 +220,8 @@ class Publisher:
             self._packs, self._packs_entries = wanted, entries
         return self._packs
 
-    def _stage(self, step: int, entries: list[Entry]) -> tuple[str, int]:
-        """Snapshot the entries into the next slot; returns (layout id, the slot's base offset)."""
+    def _stage(self, step: int, entries: list[Entry]) -> tuple[str, int, tuple[int, int, int] | None]:
+        """Snapshot the entries into the next slot: (layout id, its base offset, its step word)."""
         pool = self._pool_for(entries)
         if self._configure(pool, entries) or self._stage_lid is None:
             assert pool.region is not None
@@ -235,7 +236,7 @@ class Publisher:
             self.ctx.catalog.readers.retire(old, timeout=self.ctx.options.retire_timeout)
         pool.fill(k, [e.tensor for e in entries], step, key=entries)
         sync_device(entries[0].tensor.device)  # the slot must hold step's bytes before the commit
-        return self._stage_lid, k * pool.slot_size
+        return self._stage_lid, k * pool.slot_size, pool.step_word(k)
 
     def _slot_bases(self) -> list[int]:
         """Every slot's base offset in the staging pool (consumers map the next slot's pages ahead)."""
@@ -339,6 +340,8 @@ class Publisher:
         for step in steps:
             left += cat.readers.wait_readers(step, self.ctx.options.retire_timeout, torn_as=me)
             cat.readers.mark_torn(step, me)
+        if pool is not None:
+            pool.clear_words()  # the memory goes: a reader checking a word afterwards discards its bytes
         self._zero_copy_live.clear()
         return left
 
@@ -384,12 +387,10 @@ class Publisher:
         # Drop every reference to the caller's tensors and the snapshot slots now: a closed store's
         # objects hold reference cycles, and in a process with torch's ~10^5 long-lived objects the
         # cycle collector reaches them only every ~100 stores (issue 29's growth per open/close).
+        if self._pool is not None:
+            self._pool.clear_words()  # its memory goes: no reader may take a word for its bytes
         self._pool = None
-        self._zero_copy_entries, self._items_of, self._packs_entries, self._items_of_packs = (
-            [],
-            None,
-            None,
-            None,
-        )
+        self._zero_copy_entries, self._items_of = [], None
+        self._packs_entries, self._items_of_packs = None, None
         self._nbytes_of, self._packs, self._items = None, (), ()
         self._tensors = ValidatedTensors("put(tensors)")

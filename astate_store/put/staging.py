@@ -5,11 +5,18 @@ same shard layout at the same offsets, so a step only changes the piece's ``base
 (slot index x slot size): the layout record, rkeys and every consumer's plan stay cached.
 With ``depth >= 2`` a step never overwrites the version consumers are most likely reading
 (the previous one); the slot it does overwrite is retired first.
+
+Step words: the pool's last ``WORDS_BYTES`` hold one 64-bit word per slot, never data. Slot k's
+word is a token unique to its last fill while the slot holds that fill's bytes, and 0 from before
+any byte of the slot changes (see :meth:`SnapshotPool.fill`). A reader that finds the token its
+piece record names *after* its copy knows no byte it read changed during the copy (a seqlock
+whose check needs no etcd round trip; see ``docs/protocol.md``, "Step words").
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +36,13 @@ log = logging.getLogger("astate_store.put.staging")
 
 # Cache-line aligned shards: copies and remote reads never straddle a shared line.
 ALIGN = 256
+# The step words at the end of the buffer: one 8-byte word per slot, up to 64 slots; the area stays
+# at the same place for the buffer's life, so no layout's data ever lands on it.
+WORDS_BYTES = 512
+_MAX_WORDS = WORDS_BYTES // 8
+# Tokens: unique per fill in this process, never 0, and from a random start so that no other
+# process's (or earlier run's) memory holds them by chance; below 2^53 (exact in any JSON reader).
+_tokens = iter(range(random.randrange(1 << 40, 1 << 51), 1 << 53))
 
 
 class StagingCapExceeded(LayoutError):
@@ -88,6 +102,8 @@ class SnapshotPool:
         self.buffer: torch.Tensor | None = None
         self.region: int | None = None
         self.slot_step: list[int | None] = []
+        self.slot_token: list[int] = []  # slot -> the token its word holds (0: none)
+        self._words: torch.Tensor | None = None  # the step words (int64 view), host buffers only
         self._next = 0
         self._views: dict[int, list[torch.Tensor]] = {}  # slot -> destination view per entry
         self._plans: dict[int, tuple[object, np.ndarray, list[int]]] = {}  # slot -> (key, rows, others)
@@ -115,12 +131,12 @@ class SnapshotPool:
         slot = max(off, ALIGN)
         depth = self.want_depth
         if self.cap_bytes is not None:
-            if slot > self.cap_bytes:
+            if slot + WORDS_BYTES > self.cap_bytes:
                 raise StagingCapExceeded(
-                    f"snapshot of this rank's {len(entries)} tensors needs {slot} bytes of staging, above "
-                    f"the cap of {self.cap_bytes} bytes"
+                    f"snapshot of this rank's {len(entries)} tensors needs {slot + WORDS_BYTES} bytes of "
+                    f"staging, above the cap of {self.cap_bytes} bytes"
                 )
-            depth = max(1, min(depth, self.cap_bytes // slot))
+            depth = max(1, min(depth, (self.cap_bytes - WORDS_BYTES) // slot))
             if depth < self.want_depth:
                 log.warning(
                     "staging cap %d bytes allows %d of %d snapshot slots; puts will wait for readers",
@@ -129,10 +145,17 @@ class SnapshotPool:
                     self.want_depth,
                 )
         need = slot * depth
-        if self.buffer is None or self.buffer.numel() < need or self.buffer.numel() > 2 * need:
+        # Every slot was retired (the caller's job): no word may name a fill any more, whatever
+        # lands where from now on.
+        self.clear_words()
+        if (
+            self.buffer is None
+            or self.buffer.numel() < need + WORDS_BYTES
+            or self.buffer.numel() > 2 * need + WORDS_BYTES
+        ):
             if self.region is not None:
                 self._transport.unregister(self.region)
-            self.buffer = self._alloc(need)
+            self.buffer = self._alloc(need + WORDS_BYTES)
             # Write every slot now: the first write of fresh memory is the slow one (page
             # faults; ~1 s per GiB on a VM), so the first put pays it for all slots instead
             # of the second put paying it again for the second slot. Memfd pages are
@@ -140,12 +163,33 @@ class SnapshotPool:
             self._transport.prepare_staging(self.buffer)
             self.buffer.zero_()
             self.region = self._transport.register_tensor(self.buffer)
+            words = self.buffer[self.buffer.numel() - WORDS_BYTES :]
+            self._words = words.view(torch.int64) if words.device.type == "cpu" else None
         self.signature, self.entries, self.slot_size, self.depth = sig, tuple(entries), slot, depth
         self.slot_step = [None] * depth
+        self.slot_token = [0] * depth
         self._views = {}
         self._plans = {}
         self._next = 0
         return True
+
+    def word_offset(self, k: int) -> int | None:
+        """Byte offset of slot k's step word in the pool's region; None without words (a device
+        pool, or more slots than words)."""
+        if self._words is None or k >= _MAX_WORDS or self.buffer is None:
+            return None
+        return self.buffer.numel() - WORDS_BYTES + 8 * k
+
+    def step_word(self, k: int) -> tuple[int, int, int] | None:
+        """Slot k's step word for its piece record: (region, offset, token); None without one."""
+        at = self.word_offset(k)
+        return None if at is None or self.region is None else (self.region, at, self.slot_token[k])
+
+    def clear_words(self) -> None:
+        """Zero every slot's word: before the slots are laid out anew or the memory is freed."""
+        if self._words is not None:
+            self._words.zero_()
+        self.slot_token = [0] * len(self.slot_token)
 
     def next_slot(self) -> tuple[int, int | None]:
         """The slot the next step goes to, and the step it held (to retire first)."""
@@ -207,6 +251,12 @@ class SnapshotPool:
         views = self._slot_views(k)
         n = len(tensors)
         plan, rest = self._copy_plan(k, tensors[:n], key)
+        words = self._words if k < _MAX_WORDS else None
+        if words is not None:
+            # Zeroed before any byte of the slot changes: the native copy releases the GIL (locked
+            # instructions, a full barrier on x86) before its first (non-temporal) store.
+            words[k] = 0
+            self.slot_token[k] = 0
         with torch.no_grad():
             if len(plan):
                 self._transport.copy_rows(plan)
@@ -218,6 +268,11 @@ class SnapshotPool:
                     slice(o - so, o - so + s) for o, so, s in zip(e.box.offsets, src.box.offsets, e.box.sizes)
                 )
                 dst.copy_(tensors[e.source][cut])
+        if words is not None:
+            # After the copy: its threads ended with a store fence and were joined.
+            token = next(_tokens)
+            words[k] = token
+            self.slot_token[k] = token
         self.slot_step[k] = step
         self._next = (k + 1) % self.depth
 

@@ -151,19 +151,23 @@ def test_get_allocates_again_when_a_newer_version_changed_dtypes(pub: Store, con
         assert torch.equal(t, value(n, *recast[n], 2)), n
 
 
-def test_a_one_shot_get_is_four_etcd_requests(pub: Store, cons: Store) -> None:
+def test_a_one_shot_get_is_three_etcd_requests_and_one_in_the_background(pub: Store, cons: Store) -> None:
     """A store that opens, gets once and closes (an agent session resuming): the newest step, the
     begun read (commit, live ranks, reader and consumer records in one transaction), the manifests
-    and layouts together (with the meta records of a version of a few ranks), and the end of the
-    read; and the grant of the store's reader lease (a session hub's stores share one). Its meta
+    and layouts together (with the meta records of a version of a few ranks); and the grant of the
+    store's reader lease (a session hub's stores share one). The source's step word proved the
+    bytes untorn, so the end of the read (unregister, delivered) runs in the background. Its meta
     then costs no request."""
     pub.put(1, _tensors(1), meta={"turn": 1})
-    before = cons.stats.etcd_rpcs
+    before, bg = cons.stats.etcd_rpcs, cons.stats.etcd_background_rpcs
     step, got = cons.get(timeout=30)
     assert step == 1 and all(torch.equal(got[n], t) for n, t in _tensors(1).items())
-    assert cons.stats.etcd_rpcs - before == 4 + 1
+    assert cons.stats.etcd_rpcs - before == 3 + 1
     assert cons.meta(1) == {"turn": 1}
-    assert cons.stats.etcd_rpcs - before == 4 + 1
+    assert cons.stats.etcd_rpcs - before == 3 + 1
+    assert cons.catalog.readers.flush_ends()
+    assert cons.stats.etcd_background_rpcs - bg >= 1  # the end (and any retention pass)
+    assert not pub.catalog.client.raw.get_prefix_response(pub.catalog.client.key("readers", "")).kvs
     # the consumer registered in the begun read's transaction: a draining publisher counts it
     assert cons.catalog.consumers.pending(cons.consumer_id) is None
 

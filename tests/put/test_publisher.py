@@ -12,6 +12,7 @@ import torch
 
 from astate_store.catalog.records import pad20
 from astate_store.errors import CheckpointError, VersionNotFound
+from astate_store.put.staging import WORDS_BYTES
 from astate_store.store import Store
 from tests.support.data import value
 
@@ -156,7 +157,7 @@ def test_a_snapshot_over_the_cap_is_streamed_from_the_tensors(store_factory: Fac
 
 
 def test_the_cap_shrinks_the_pool_to_what_fits(store_factory: Factory, cons: Store) -> None:
-    one_slot = 256 * 3 + 512  # comfortably one slot of SPEC, less than two
+    one_slot = 256 * 3 + 512 + WORDS_BYTES  # comfortably one slot of SPEC and its step words, less than two
     with _open(store_factory, staging_depth=3, staging_cap_bytes=one_slot) as pub:
         pub.put(1, _tensors(1))
         assert pub.staging.snapshot_slots == 1 and pub.staging.snapshot_bytes <= one_slot

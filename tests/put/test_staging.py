@@ -16,7 +16,7 @@ import torch
 
 from astate_store.errors import LayoutError
 from astate_store.model.layout import Box
-from astate_store.put.staging import ALIGN, SnapshotPool, StagingCapExceeded
+from astate_store.put.staging import ALIGN, WORDS_BYTES, SnapshotPool, StagingCapExceeded
 from astate_store.transport import UcxTransport
 from tests.support.data import value
 
@@ -94,7 +94,7 @@ def test_entries_are_aligned_back_to_back_and_the_slots_registered_once(transpor
         ("c", "bfloat16", (7,), -1),
     ]
     assert pool.slot_size == sum(map(_round, sizes)) and pool.slot_size % ALIGN == 0
-    assert pool.depth == 3 and pool.nbytes == 3 * pool.slot_size
+    assert pool.depth == 3 and pool.nbytes == 3 * pool.slot_size + WORDS_BYTES  # the step words last
     assert pool.slot_step == [None, None, None] and pool.next_slot() == (0, None)
     # The whole pool is one registered region of this transport, its pages prepared first.
     assert pool.region is not None
@@ -146,11 +146,11 @@ def test_depth_shrinks_to_what_the_cap_holds(
 ) -> None:
     items = [_whole("w", (1000,))]  # 4000 bytes: a slot of 4096
     slot = _round(4000)
-    pool = SnapshotPool(want, int(cap_slots * slot), _alloc, transport)
+    pool = SnapshotPool(want, int(cap_slots * slot) + WORDS_BYTES, _alloc, transport)
     pool.configure(items)
     assert pool.slot_size == slot
     assert pool.depth == depth and pool.want_depth == want
-    assert pool.nbytes == depth * slot <= pool.cap_bytes  # type: ignore[operator]
+    assert pool.nbytes == depth * slot + WORDS_BYTES <= pool.cap_bytes  # type: ignore[operator]
     assert len(pool.slot_step) == depth
 
 
@@ -160,7 +160,8 @@ def test_a_slot_over_the_cap_is_refused_with_both_sizes(transport: _Counting) ->
     with pytest.raises(StagingCapExceeded) as info:
         pool.configure(items)
     msg = str(info.value)
-    assert "2 tensors" in msg and f"needs {4096 + 256} bytes" in msg and "cap of 4096 bytes" in msg
+    assert "2 tensors" in msg and "cap of 4096 bytes" in msg
+    assert f"needs {4096 + 256 + WORDS_BYTES} bytes" in msg  # the slot and the step words
     assert isinstance(info.value, LayoutError)  # callers that catch layout errors catch it too
     # Nothing was allocated or registered for a refused layout.
     assert pool.buffer is None and pool.region is None and transport.num_regions == 0
@@ -265,7 +266,7 @@ def test_a_new_signature_lays_out_again_and_resets_the_slots(transport: _Countin
     assert pool.slot_step == [None, None] and pool.next_slot() == (0, None)
     assert transport.unregistered == [first_region]
     assert transport.num_regions == 1 and pool.region != first_region
-    assert transport.region(pool.region).size == pool.nbytes == 2 * pool.slot_size  # type: ignore[arg-type]
+    assert transport.region(pool.region).size == pool.nbytes == 2 * pool.slot_size + WORDS_BYTES  # type: ignore[arg-type]
     tensors = [value("a", (64,), "float32", 3), value("b", (4096,), "int64", 3)]
     pool.fill(0, tensors, 3)
     for i, t in enumerate(tensors):
@@ -277,4 +278,4 @@ def test_a_new_signature_lays_out_again_and_resets_the_slots(transport: _Countin
     # Much smaller: the buffer shrinks (memory is given back), registered anew.
     assert pool.configure([_whole("a", (8,))]) is True
     assert pool.buffer is not buf and transport.unregistered == [first_region, region]
-    assert pool.nbytes == 2 * ALIGN and transport.num_regions == 1
+    assert pool.nbytes == 2 * ALIGN + WORDS_BYTES and transport.num_regions == 1

@@ -92,8 +92,9 @@ def test_sync_across_two_hosts_over_tcp(hosts: tuple[str, str, str]) -> None:
         assert res["got"] == 2 and res["exact"] and res["peers"] == 2
         assert res["tcp"], "host B must reach host A's memory over tcp"
         # the publishers' stream servers bound host A's address (the one they reach etcd from): the rows were
-        # streamed across the link, 256 x 512 floats of w and all of b
-        assert res["streamed"] == [True, True] and res["streamed_bytes"] == (256 * 512 + 1024) * 4
+        # streamed across the link, 256 x 512 floats of w and all of b, then each rank's 8-byte step word
+        assert res["streamed"] == [True, True]
+        assert res["streamed_bytes"] == (256 * 512 + 1024) * 4 + 2 * 8
     finally:
         for p in reversed(procs):
             p.stop()
