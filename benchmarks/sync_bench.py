@@ -422,6 +422,11 @@ def run_case(
                     "stats": gets[slots[0]]["stats"],
                     "rows": sum(g["rows"] for g in gets.values()),
                     "ref_s": ref_s,
+                    # how far apart the rollout processes started and ended their get_into
+                    "skew": (
+                        max(g["t0"] for g in gets.values()) - min(g["t0"] for g in gets.values()),
+                        max(g["t1"] for g in gets.values()) - min(g["t1"] for g in gets.values()),
+                    ),
                 }
             )
         want = pool.call([0, 1], ("checksum", c["dtype"] if c["dtype"] != gcfg["dtype"] else None))
@@ -466,6 +471,8 @@ def run_case(
         "sys_seconds": round(statistics.median(s["sys_s"] for s in steady), 4),
         "gc_seconds": round(statistics.median(s["gc_s"] for s in steady), 4),
         "ucx_rows": steady[-1]["rows"],
+        # (start, end) skew of the rollout processes' get_into, median over the steady steps
+        "skew_seconds": [round(statistics.median(s["skew"][i] for s in steady), 4) for i in (0, 1)],
         "store_stats": steps[-1]["stats"],
         "put_seconds": round(statistics.median(s["put_s"] for s in steady), 4),
         "put_step_seconds": [round(s["put_s"], 4) for s in steps],
