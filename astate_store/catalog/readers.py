@@ -61,7 +61,7 @@ class Readers:
         self._open: dict[tuple[int, str], int] = {}
         # member key -> (mod revision, (epoch, rank) or None when the record is bad): decoded once
         self._members: dict[str, tuple[int, tuple[int, int] | None]] = {}
-        self._ends = ReadEnds(self.end_read, f"astate-read-ends-{client.namespace}")
+        self._ends = ReadEnds(self.end_read)
 
     def begin_read(self, step: int, reader_id: str) -> Version:
         """Register as a reader of ``step`` and read its commit and pieces, in one transaction.

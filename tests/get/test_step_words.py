@@ -135,3 +135,19 @@ def test_every_fill_gets_a_fresh_token_and_a_new_layout_clears_them(store_factor
         int(pool.buffer[at : at + 8].view(torch.int64)[0]) for at in map(pool.word_offset, range(pool.depth))
     ]
     assert words == [pool.slot_token[0], 0] and pool.slot_token[0] not in tokens
+
+
+def test_the_ends_of_many_stores_share_one_thread(store_factory: Factory) -> None:
+    import threading
+
+    pub = store_factory(**OPTIONS)
+    readers = [store_factory(**OPTIONS) for _ in range(4)]
+    pub.put(1, _tensors(1))
+    for cons in readers:
+        bufs = _bufs()
+        assert cons.get_into(bufs, step=1, timeout=30) == 1 and _holds(bufs, 1)
+    assert all(cons.catalog.readers.flush_ends() for cons in readers)
+    # a session hub's thousands of stores must not mean thousands of threads
+    assert [t.name for t in threading.enumerate()].count("astate-read-ends") == 1
+    assert _keys(pub, "readers", pad20(1)) == []
+    assert len(_keys(pub, "delivered", pad20(1))) == 4
