@@ -182,7 +182,7 @@ class Readers:
         return self._ends.flush(timeout)
 
     def close(self) -> None:
-        """Run the queued ends (bounded), then stop their thread."""
+        """Run this namespace's queued ends (bounded); later ones run inline."""
         self._ends.close()
 
     def _torn_compares(self, step: int, sources: Iterable[int | str] | None) -> list[Any]:
