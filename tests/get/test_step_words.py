@@ -6,30 +6,16 @@ decided by etcd as before."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
 from astate_store.catalog.records import pad20
 from astate_store.store import Store
+from tests.get.test_consumer import OPTIONS, _bufs, _holds, _tensors
 from tests.support.data import value
 
 Factory = Callable[..., Store]
-SPEC = {"w": ((16, 12), "float32"), "h": ((9,), "bfloat16")}
-OPTIONS: dict[str, Any] = {"retire_timeout": 5.0, "read_timeout": 60.0}
-
-
-def _tensors(step: int) -> dict[str, torch.Tensor]:
-    return {n: value(n, s, dt, step) for n, (s, dt) in SPEC.items()}
-
-
-def _bufs() -> dict[str, torch.Tensor]:
-    return {n: torch.zeros(s, dtype=getattr(torch, dt)) for n, (s, dt) in SPEC.items()}
-
-
-def _holds(bufs: dict[str, torch.Tensor], step: int) -> bool:
-    return all(torch.equal(bufs[n], value(n, *SPEC[n], step)) for n in SPEC)
 
 
 def _keys(store: Store, *parts: str) -> list[str]:
