@@ -384,14 +384,19 @@ def _piece_record(
         p["base_offset"],
         p["manifest_id"],
         tuple(p.get("slot_bases", ())),
-        _step_word(p.get("step_word")),
+        _step_word(found, k, p.get("step_word"), rev),
     ), False
 
 
-def _step_word(w: Mapping[str, int] | None) -> tuple[int, int, int] | None:
-    """A piece's step word as (region, offset, token); None when absent or its token is out of
-    range (the reader then asks etcd, as for a piece without one)."""
-    if w is None or w["token"] >= 1 << 53:
+def _step_word(
+    found: _VersionKvs, k: str, w: Mapping[str, int] | None, rev: int | None
+) -> tuple[int, int, int] | None:
+    """A piece's step word as (region, offset, token); None when absent, or when its token is out
+    of range (reported; the piece stays good, and its reader asks etcd as for a piece without one)."""
+    if w is None:
+        return None
+    if w["token"] >= 1 << 53:
+        found.report(k, f"step word token {w['token']} is not below 2^53: ignored", rev)
         return None
     return w["region"], w["offset"], w["token"]
 

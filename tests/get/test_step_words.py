@@ -6,6 +6,7 @@ decided by etcd as before."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -137,3 +138,50 @@ def test_the_ends_of_many_stores_share_one_thread(store_factory: Factory) -> Non
     assert [t.name for t in threading.enumerate()].count("astate-read-ends") == 1
     assert _keys(pub, "readers", pad20(1)) == []
     assert len(_keys(pub, "delivered", pad20(1))) == 4
+
+
+def test_a_bad_step_word_is_never_taken_for_a_good_read(store_factory: Factory) -> None:
+    """A piece's word comes from etcd: one naming no registered region, or bytes past its region,
+    leaves the decision to etcd (None); a token the word does not hold is a torn read; a token out
+    of range is reported, counted and ignored, the piece staying good."""
+    from dataclasses import replace
+
+    from astate_store.catalog.records import version_from_kvs
+    from astate_store.get.step_words import StepWords
+    from astate_store.model import codec
+
+    pub, cons = store_factory(**OPTIONS), store_factory(**OPTIONS)
+    pub.put(1, _tensors(1))
+    bufs = _bufs()
+    assert cons.get_into(bufs, step=1, timeout=30) == 1  # connects the publisher
+    readers = cons.catalog.readers
+    version = cons.catalog.versions.layouts_of(readers.begin_read(1, "probe"))
+    try:
+        region, offset, token = version.pieces[0].step_word  # type: ignore[misc]
+
+        def with_word(word: tuple[int, int, int]) -> Any:
+            return replace(version, pieces={0: replace(version.pieces[0], step_word=word)})
+
+        words, tr = StepWords(), cons.transport
+        assert words.check(tr, version, frozenset({0}), 30) is True
+        assert words.check(tr, with_word((region + 1000, offset, token)), frozenset({0}), 30) is None
+        assert words.check(tr, with_word((region, 1 << 60, token)), frozenset({0}), 30) is None
+        assert words.check(tr, with_word((region, offset, token + 1)), frozenset({0}), 30) is False
+        assert words.check(tr, version, frozenset({"r-someone"}), 30) is None  # a re-server has no word
+    finally:
+        readers.end_read(1, "probe")
+    # a piece record whose token is out of range: reported and counted, the piece kept without a word
+    c = pub.catalog.client
+    kvs = c.raw.get_prefix_response(c.key("versions", pad20(1)) + "/").kvs
+    pairs = []
+    for kv in kvs:
+        value = kv.value
+        if b"pieces" in kv.key:
+            rec = codec.decode("piece", value)
+            rec["step_word"]["token"] = 1 << 60
+            value = codec.encode("piece", rec)
+        pairs.append((value, kv))
+    skipped: list[str] = []
+    got = version_from_kvs(c.namespace, 1, pairs, lambda key, why, rev=None: skipped.append(why))
+    assert got.pieces[0].step_word is None and got.pieces[0].base_offset == version.pieces[0].base_offset
+    assert len(skipped) == 1 and "2^53" in skipped[0]
