@@ -4,10 +4,6 @@
 the newest committed one into preallocated buffers of any layout.
 """
 
-from astate_store import _aliases
-
-_aliases.install(__name__)
-
 from astate_store.errors import *  # noqa: F401,F403
 from astate_store.errors import __all__ as _errors_all
 from astate_store.hub import SessionHub, connect_many

@@ -34,8 +34,8 @@ import numpy as np
 
 from astate_store.catalog import Catalog
 from astate_store.catalog.background import Runner
-from astate_store.catalog.client import EtcdClient
-from astate_store.catalog.config import EtcdConfig
+from astate_store.etcd.client import EtcdClient
+from astate_store.etcd.config import EtcdConfig
 from astate_store.catalog.record_drops import RecordDrops
 from astate_store.errors import CatalogError, TransportError
 from astate_store.etcd.supervisor import shared_endpoint

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from astate_store import metrics
 from astate_store.catalog import Catalog, Version
-from astate_store.catalog.config import EtcdConfig
+from astate_store.etcd.config import EtcdConfig
 from astate_store.context import StoreContext, StoreOptions, TransportFactory
 from astate_store.errors import LayoutError
 from astate_store.etcd.supervisor import shared_endpoint

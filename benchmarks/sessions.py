@@ -281,7 +281,7 @@ def main() -> None:
         procs.append(w)
         result = _json_line(w, "writer")
         t_done = time.perf_counter()
-        from astate_store.catalog.client import EtcdClient
+        from astate_store.etcd.client import EtcdClient
 
         client = EtcdClient(args.etcd, "_bench", lease_ttl=10, op_timeout=5, retry_deadline=15)
         held = 0

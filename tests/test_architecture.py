@@ -227,21 +227,6 @@ def test_facade_is_pinned_and_light() -> None:
     assert eval(heavy) == []
 
 
-@pytest.mark.parametrize(
-    "old,new",
-    [
-        ("presets", "integrations.presets"),
-        ("consumer", "get.consumer"),
-        ("layout", "model.layout"),
-        ("etcd_server", "etcd.embedded"),
-    ],
-)
-def test_old_import_paths_still_work(old: str, new: str) -> None:
-    import importlib
-
-    assert importlib.import_module(f"astate_store.{old}") is importlib.import_module(f"astate_store.{new}")
-
-
 # Units small enough to read at once (issue 27's limits): lines of a module, a class, a function.
 LIMITS = {"module": 600, "class": 350, "function": 80}
 

@@ -47,8 +47,8 @@ from typing import Any
 
 from astate_store.catalog.agreement import RecoveryAgreement
 from astate_store.catalog.checkpoints import CheckpointIndex
-from astate_store.catalog.client import EtcdClient
-from astate_store.catalog.config import EtcdConfig
+from astate_store.etcd.client import EtcdClient
+from astate_store.etcd.config import EtcdConfig
 from astate_store.catalog.consumers import Consumers
 from astate_store.catalog.readers import Readers
 from astate_store.catalog.records import CheckpointEntry, Layout, Manifest, Piece, Replica, Session, Version

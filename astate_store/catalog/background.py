@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from astate_store.catalog.client import background_thread
+from astate_store.etcd.client import background_thread
 
 __all__ = ["Runner", "Job", "own_job"]
 

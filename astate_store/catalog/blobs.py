@@ -57,7 +57,7 @@ def blob_requests(key: str, data: bytes, lease: int | None = None) -> tuple[list
 
 def blob_range(key: str) -> tuple[str, bytes]:
     """The range (start, end) that holds a blob's head and its chunks, for one range read."""
-    from astate_store.catalog.client import range_end
+    from astate_store.etcd.client import range_end
 
     return key, range_end(key)
 

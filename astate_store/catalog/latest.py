@@ -10,7 +10,7 @@ import time
 from collections import deque
 from typing import Any
 
-from astate_store.catalog.client import EtcdClient
+from astate_store.etcd.client import EtcdClient
 from astate_store.catalog.records import Skips, counter_value
 from astate_store.errors import CodecError, WaitTimeout
 from astate_store.model import codec

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from astate_store.catalog import Catalog
-from astate_store.catalog.admin import list_namespaces
-from astate_store.catalog.client import EtcdClient
-from astate_store.catalog.config import EtcdConfig
+from astate_store.cli.views import list_namespaces
+from astate_store.etcd.client import EtcdClient
+from astate_store.etcd.config import EtcdConfig
 
 __all__ = ["namespaces", "delete_namespace"]
 

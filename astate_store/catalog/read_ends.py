@@ -23,7 +23,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 
-from astate_store.catalog.client import background_thread
+from astate_store.etcd.client import background_thread
 
 __all__ = ["ReadEnds"]
 

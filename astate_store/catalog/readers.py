@@ -19,7 +19,7 @@ from typing import Any
 
 from pyetcd import transactions as tx
 
-from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.catalog.consumers import Consumers
 from astate_store.catalog.read_ends import ReadEnds
 from astate_store.catalog.records import Skips, Version, pad20, parse_pad20, version_from_kvs

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from pyetcd import transactions as tx
 
-from astate_store.catalog.client import EtcdClient
+from astate_store.etcd.client import EtcdClient
 from astate_store.errors import CatalogError
 
 __all__ = ["RecordDrops"]

@@ -11,7 +11,7 @@ from typing import Any
 
 from pyetcd import transactions as tx
 
-from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.catalog.records import Skips, pad20, parse_pad20
 from astate_store.catalog.sessions import Sessions
 from astate_store.errors import CodecError

@@ -16,7 +16,7 @@ from typing import Any
 
 from pyetcd import transactions as tx
 
-from astate_store.catalog.client import EtcdClient
+from astate_store.etcd.client import EtcdClient
 from astate_store.catalog.records import Session, Skips, numbered_records, pad20
 from astate_store.errors import CatalogCorrupted, CatalogError, CodecError, StaleSessionError, WaitTimeout
 from astate_store.model import codec

@@ -11,7 +11,7 @@ from typing import Any
 from pyetcd import transactions as tx
 
 from astate_store.catalog.blobs import blob_from_kvs
-from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.catalog.records import (
     Layout,
     Manifest,

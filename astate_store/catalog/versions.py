@@ -24,7 +24,7 @@ from pyetcd import transactions as tx
 
 from astate_store.catalog.background import own_job
 from astate_store.catalog.blobs import CHUNK_BYTES, blob_requests
-from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.catalog.latest import LatestWatch
 from astate_store.catalog.records import (
     Skips,

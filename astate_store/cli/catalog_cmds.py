@@ -204,7 +204,7 @@ def watch(
     """Live view of a namespace: commits, pulls (started / done), retires, torn marks, re-serves,
     checkpoints and new sessions, as they happen (an etcd watch)."""
     from astate_store.catalog import admin
-    from astate_store.catalog.client import range_end
+    from astate_store.etcd.client import range_end
     from astate_store.catalog.records import Skips
 
     with guarded():

@@ -3,7 +3,7 @@ one red line and an exit code, rich output and progress bars.
 
 Connection flags (on the command or before it, ``astate --etcd EP ls`` or ``astate ls --etcd EP``;
 the command's win) fall back to the ``ASTATE_ETCD*`` environment variables
-(:class:`~astate_store.catalog.config.EtcdConfig`):
+(:class:`~astate_store.etcd.config.EtcdConfig`):
 
 ==============  =======================  ==========================================
 flag            environment              meaning
@@ -32,7 +32,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from astate_store.catalog.config import ENV_ENDPOINT, ENV_PASSWORD, EtcdConfig
+from astate_store.etcd.config import ENV_ENDPOINT, ENV_PASSWORD, EtcdConfig
 from astate_store.errors import AStateError, CatalogError
 from astate_store.model.progress import Progress
 

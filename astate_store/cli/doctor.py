@@ -394,7 +394,7 @@ _AUTH_FIX = (
 
 
 def check_etcd(config_fn: Callable[[], object], given: bool) -> list[Check]:
-    from astate_store.catalog.client import EtcdClient
+    from astate_store.etcd.client import EtcdClient
     from astate_store.errors import AStateError, CatalogAuthError, CatalogUnavailable
 
     if not given:

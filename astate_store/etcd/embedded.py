@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from astate_store.errors import CatalogUnavailable
 
 if TYPE_CHECKING:  # the supervisor imports this module alone: nothing above errors/process at run time
-    from astate_store.catalog.config import EtcdConfig
+    from astate_store.etcd.config import EtcdConfig
     from astate_store.etcd.security import CertPaths
 
 __all__ = ["EmbeddedEtcd", "find_etcd_binary", "tied_to_caller", "ENV_ENDPOINT", "ENV_BINARY"]
@@ -268,7 +268,7 @@ class EmbeddedEtcd:
     def config(self, user: str | None = None, password: str | None = None) -> EtcdConfig:
         """How to reach this etcd (``Store(ns, etcd=...)``, ``connect(ns, etcd=...)``): its endpoint,
         the CA (and client certificate) when TLS is on, and the given user."""
-        from astate_store.catalog.config import EtcdConfig
+        from astate_store.etcd.config import EtcdConfig
 
         t = self.tls
         cert = t.client_cert if t is not None and self.client_cert_auth else None

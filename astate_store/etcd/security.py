@@ -7,7 +7,7 @@
   (``/astate/<namespace>/``), read-write or read-only.
 
 Both admin calls speak etcd's own Auth gRPC service (``pyetcd.etcdrpc`` stubs) through
-:class:`~astate_store.catalog.client.EtcdClient`, so they get the same TLS, token handling,
+:class:`~astate_store.etcd.client.EtcdClient`, so they get the same TLS, token handling,
 retries and typed errors as the store. Everything the store writes is under the namespace
 prefix, so such a user can run every store operation of that namespace.
 
@@ -29,8 +29,8 @@ import grpc
 import pyetcd.etcdrpc as etcdrpc
 from pyetcd.etcdrpc import auth_pb2
 
-from astate_store.catalog.client import EtcdClient, range_end
-from astate_store.catalog.config import EtcdConfig
+from astate_store.etcd.client import EtcdClient, range_end
+from astate_store.etcd.config import EtcdConfig
 from astate_store.errors import CatalogRejected
 
 __all__ = ["CertPaths", "make_test_certs", "enable_auth", "grant_namespace", "namespace_role", "ROOT_USER"]

@@ -50,8 +50,6 @@ from astate_store.get.sources import (
 from astate_store.model.layout import DTYPE_CODES, Box, ShardRecord
 from astate_store.model.validated import ValidatedTensors
 from astate_store.model.validation import Entry
-from astate_store.plan.columns import whole_buffer_reads
-from astate_store.plan.prepack import consumer_requests
 
 __all__ = ["Batches", "Work"]
 
@@ -282,7 +280,7 @@ class Batches:
         lays = [version.layouts[r] for r in ranks]
         if not self._whole[1] or any(lay.columns is None or lay.packed for lay in lays):
             return None
-        reads = whole_buffer_reads(
+        reads = planner.whole_buffer_reads(
             [lay.columns for lay in lays],
             list(map(_NAME, dests)),  # type: ignore[misc]
             np.fromiter(map(DTYPE_CODES.__getitem__, map(_DTYPE, dests)), np.int64, len(dests)),
@@ -352,7 +350,7 @@ class Batches:
                     g.layouts, dests, consumer=self.ctx.reader_id, rotation=self.ctx.rotation
                 ).pack_items
             )
-        packs = consumer_requests(items, g.layouts, convert, self.ctx.rotation)
+        packs = planner.consumer_requests(items, g.layouts, convert, self.ctx.rotation)
         self.ctx.catalog.consumers.register(self.ctx.reader_id, packs)
         self._pack_key = key
         if packs:

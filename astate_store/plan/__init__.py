@@ -38,7 +38,8 @@ without materializing.
 
 from __future__ import annotations
 
-from astate_store.plan.cache import Planner, fingerprint
+from astate_store.plan._planner.cache import Planner, fingerprint
+from astate_store.plan._planner.columns import whole_buffer_reads
 from astate_store.plan.contracts import (
     COPY_DTYPE,
     DTYPE_CODES,
@@ -49,9 +50,10 @@ from astate_store.plan.contracts import (
     PackItem,
     Placement,
 )
-from astate_store.plan.execute import execute_reads
-from astate_store.plan.planner import plan_consumer, plan_global
-from astate_store.plan.result import ConsumerPlan, GlobalPlan
+from astate_store.plan._planner.execute import execute_reads
+from astate_store.plan._planner.planner import plan_consumer, plan_global
+from astate_store.plan._planner.prepack import Copy, consumer_requests, servable
+from astate_store.plan._planner.result import ConsumerPlan, GlobalPlan
 
 __all__ = [
     "READ_DTYPE",
@@ -69,4 +71,8 @@ __all__ = [
     "plan_consumer",
     "fingerprint",
     "execute_reads",
+    "whole_buffer_reads",
+    "consumer_requests",
+    "Copy",
+    "servable",
 ]

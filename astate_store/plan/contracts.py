@@ -10,8 +10,8 @@ from typing import Any, Union
 import numpy as np
 
 from astate_store.model.layout import DTYPES, Box, ShardRecord, contiguous_strides, is_floating, itemsize
-from astate_store.plan.templates import _rel_offsets, _template
-from astate_store.plan.util import _sort_key
+from astate_store.plan._planner.templates import _rel_offsets, _template
+from astate_store.plan._planner.util import _sort_key
 
 #: dtype codes used in the ``src_dtype`` / ``dst_dtype`` fields: index into this tuple.
 DTYPE_CODES: tuple[str, ...] = tuple(DTYPES)

@@ -25,7 +25,7 @@ from astate_store.model import codec
 from astate_store.model.layout import ShardRecord, TensorLike, torch_dtype
 from astate_store.model.validated import ValidatedTensors
 from astate_store.model.validation import Entry, validate_tensors, with_aliases
-from astate_store.plan.prepack import Copy, servable
+from astate_store.plan import Copy, servable
 from astate_store.put.drain import drain, wait_pulled
 from astate_store.put.registry import Registry
 from astate_store.put.staging import SnapshotPool, StagingCapExceeded

@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
-from astate_store.catalog.client import EtcdClient, range_end
-from astate_store.catalog.config import EtcdConfig
+from astate_store.etcd.client import EtcdClient, range_end
+from astate_store.etcd.config import EtcdConfig
 from astate_store.catalog.replicas import server_group
 from astate_store.errors import AStateError, CodecError
 from astate_store.get.kv import KeyInfo, keys

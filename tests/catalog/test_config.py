@@ -1,4 +1,4 @@
-"""How to reach etcd (catalog/config.py): endpoint parsing, the environment, and typed errors."""
+"""How to reach etcd (etcd/config.py): endpoint parsing, the environment, and typed errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from astate_store.catalog.config import EtcdConfig
+from astate_store.etcd.config import EtcdConfig
 from astate_store.errors import CatalogError
 
 

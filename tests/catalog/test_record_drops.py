@@ -8,7 +8,7 @@ import threading
 import uuid
 from typing import Any
 
-from astate_store.catalog.client import EtcdClient
+from astate_store.etcd.client import EtcdClient
 from astate_store.catalog.record_drops import RecordDrops
 
 N = 12

@@ -26,8 +26,8 @@ import torch
 import astate_store
 from astate_store import Shard, Store
 from astate_store.catalog import Catalog
-from astate_store.catalog.config import EtcdConfig
-from astate_store.catalog.tls_probe import probe_tls as _probe_tls
+from astate_store.etcd.config import EtcdConfig
+from astate_store.etcd.tls_probe import probe_tls as _probe_tls
 from astate_store.errors import CatalogAuthError, CatalogError, UnsafeRendezvousError
 from astate_store.etcd.embedded import EmbeddedEtcd
 from astate_store.etcd.security import CertPaths, grant_namespace, make_test_certs, namespace_role

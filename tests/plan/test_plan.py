@@ -33,7 +33,7 @@ from astate_store.plan import (
     plan_consumer,
     plan_global,
 )
-from astate_store.plan.shards import _Sources
+from astate_store.plan._planner.shards import _Sources
 
 NOPACK = CostModel(prepack=False)
 PROP = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

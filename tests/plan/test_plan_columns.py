@@ -16,7 +16,7 @@ from astate_store.catalog.records import (
     manifest_record,
 )
 from astate_store.model.layout import DTYPE_CODES, Box, ShardColumns, ShardRecord, contiguous_strides
-from astate_store.plan.columns import whole_buffer_reads
+from astate_store.plan._planner.columns import whole_buffer_reads
 
 ITEM = {"float32": 4, "int8": 1, "bfloat16": 2}
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from astate_store import SessionHub, Store, connect
-from astate_store.catalog.client import EtcdClient
+from astate_store.etcd.client import EtcdClient
 from astate_store.errors import CatalogError
 from tests._procs import CTX
 

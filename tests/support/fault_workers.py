@@ -953,7 +953,7 @@ def _bad_record(name: str, pub: Any, con: Any, step: int) -> list[tuple[Any, byt
 
 def _blob_bytes(client: Any, key: str) -> bytes:
     from astate_store.catalog.blobs import blob_from_kvs
-    from astate_store.catalog.client import range_end
+    from astate_store.etcd.client import range_end
 
     kvs = list(client.raw.get_range(key, range_end(key)))
     data = blob_from_kvs(key, kvs)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from pyetcd.client import MultiEndpointEtcd3Client
 
-from astate_store.catalog.failures import RETRYABLE, token_rejected
+from astate_store.etcd.failures import RETRYABLE, token_rejected
 from astate_store.errors import CatalogError
 
 __all__ = ["KeepAlive", "revoke_lease"]

@@ -16,17 +16,17 @@ import numpy as np
 
 from astate_store.errors import PlanError
 from astate_store.model.layout import GCPaused, ShardRecord, TensorLayout
-from astate_store.plan.balance import _assign_replicas
+from astate_store.plan._planner.balance import _assign_replicas
 from astate_store.plan.contracts import CostModel, Fabric, PackedInput, PackedShard
-from astate_store.plan.intersect import _expand_instances, _Instances, _intersect, _Pieces
-from astate_store.plan.links import _build_links, _Links
-from astate_store.plan.packing import _match_packed, _normalize_packed, _pack_decision
-from astate_store.plan.requests import _dedupe_requests, _Requests
-from astate_store.plan.result import ConsumerPlan, GlobalPlan
-from astate_store.plan.runs import _instance_templates, _merge_whole_runs, _rerun_templates, _Runs
-from astate_store.plan.shards import _compile_sources, _Sources
-from astate_store.plan.tables import PlanTables
-from astate_store.plan.util import _sorted_ids
+from astate_store.plan._planner.intersect import _expand_instances, _Instances, _intersect, _Pieces
+from astate_store.plan._planner.links import _build_links, _Links
+from astate_store.plan._planner.packing import _match_packed, _normalize_packed, _pack_decision
+from astate_store.plan._planner.requests import _dedupe_requests, _Requests
+from astate_store.plan._planner.result import ConsumerPlan, GlobalPlan
+from astate_store.plan._planner.runs import _instance_templates, _merge_whole_runs, _rerun_templates, _Runs
+from astate_store.plan._planner.shards import _compile_sources, _Sources
+from astate_store.plan._planner.tables import PlanTables
+from astate_store.plan._planner.util import _sorted_ids
 
 
 @dataclass(frozen=True, eq=False)

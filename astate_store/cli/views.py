@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from astate_store.catalog import Catalog
-from astate_store.catalog.client import EtcdClient, range_end
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.catalog.records import Manifest, Skips, Version, pad20, parse_pad20
 from astate_store.errors import CatalogError, CatalogUnavailable, CodecError, VersionNotFound
 from astate_store.model import codec

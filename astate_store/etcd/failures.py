@@ -1,7 +1,7 @@
 """What an etcd error means: not answered (retry), refused (raise at once), or a stale token.
 
 Pure classification of the exceptions pyetcd and gRPC raise; :meth:`EtcdClient._classify
-<astate_store.catalog.client.EtcdClient._classify>` combines these with the client's own state
+<astate_store.etcd.client.EtcdClient._classify>` combines these with the client's own state
 (credentials, TLS probes, the retry budget).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 import pyetcd.exceptions as etcd_exc
 
-from astate_store.catalog.config import option
+from astate_store.etcd.config import option
 
 __all__ = [
     "RETRYABLE",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from astate_store.plan.templates import _Templates
+from astate_store.plan._planner.templates import _Templates
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,6 +1,6 @@
 """Watch streams as the catalog needs them: a refused watch raises, and closing ends the stream.
 
-:class:`Watcher` replaces pyetcd's watcher on every :class:`~astate_store.catalog.client.EtcdClient`
+:class:`Watcher` replaces pyetcd's watcher on every :class:`~astate_store.etcd.client.EtcdClient`
 (``raw.get_watcher``); its callbacks always get an event or an exception, never None.
 :func:`wait_for_event` is the one watch the client makes itself (``EtcdClient.wait_change``).
 """
@@ -15,7 +15,7 @@ import pyetcd.etcdrpc as etcdrpc
 import pyetcd.exceptions as etcd_exc
 import pyetcd.watch as etcd_watch
 
-from astate_store.catalog.failures import RETRYABLE, WatchRefused, WatchStreamEnded
+from astate_store.etcd.failures import RETRYABLE, WatchRefused, WatchStreamEnded
 from astate_store.errors import CatalogUnavailable
 
 __all__ = ["WatchStub", "Watcher", "new_watcher", "wait_for_event"]
@@ -82,7 +82,7 @@ def wait_for_event(
 ) -> None:
     """Wait for one watch event on ``key`` (to ``range_end``) after ``start_revision``, or the timeout.
 
-    ``call`` is the client's retrying :meth:`~astate_store.catalog.client.EtcdClient.call`, ``raw``
+    ``call`` is the client's retrying :meth:`~astate_store.etcd.client.EtcdClient.call`, ``raw``
     its pyetcd client. Returns early (after at most 5 s) even without an event: callers re-read and
     call again.
     """

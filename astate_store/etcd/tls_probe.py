@@ -12,8 +12,8 @@ import time
 
 import grpc
 
-from astate_store.catalog.config import EtcdConfig, option
-from astate_store.catalog.failures import grpc_status
+from astate_store.etcd.config import EtcdConfig, option
+from astate_store.etcd.failures import grpc_status
 
 __all__ = ["probe_tls", "tls_problem", "PROBE_INTERVAL", "HANDSHAKE_WORDS", "HANDSHAKE_TRIES"]
 

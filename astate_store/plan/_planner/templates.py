@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from astate_store.plan.util import _unique_rows
+from astate_store.plan._planner.util import _unique_rows
 
 #: ``(n_runs, run_elems, outer)``: see ``_template``.
 Template = tuple[int, int, tuple[tuple[int, int, int], ...]]

@@ -25,9 +25,9 @@ import pyetcd.etcdrpc as etcdrpc
 import pyetcd.exceptions as etcd_exc
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
-from astate_store.catalog.auth import request_token
-from astate_store.catalog.config import EtcdConfig
-from astate_store.catalog.failures import (
+from astate_store.etcd.auth import request_token
+from astate_store.etcd.config import EtcdConfig
+from astate_store.etcd.failures import (
     RETRYABLE,
     WatchRefused,
     WatchStreamEnded,
@@ -36,9 +36,9 @@ from astate_store.catalog.failures import (
     refusal,
     token_rejected,
 )
-from astate_store.catalog.leases import KeepAlive, revoke_lease
-from astate_store.catalog.tls_probe import HANDSHAKE_WORDS, tls_problem
-from astate_store.catalog.watches import new_watcher, wait_for_event
+from astate_store.etcd.leases import KeepAlive, revoke_lease
+from astate_store.etcd.tls_probe import HANDSHAKE_WORDS, tls_problem
+from astate_store.etcd.watches import new_watcher, wait_for_event
 from astate_store.errors import CatalogAuthError, CatalogError, CatalogRejected, CatalogUnavailable
 from astate_store.model import codec
 
@@ -124,7 +124,7 @@ class EtcdClient:
     """One namespace's connection to etcd.
 
     Args:
-        endpoint: an :class:`~astate_store.catalog.config.EtcdConfig` (endpoints, TLS, credentials),
+        endpoint: an :class:`~astate_store.etcd.config.EtcdConfig` (endpoints, TLS, credentials),
             or ``host:port`` / ``https://host:port`` (comma-separated for several etcd members; no
             credentials).
         namespace: keys live under ``/astate/<namespace>/`` (validated by :class:`Catalog`).

@@ -14,8 +14,8 @@ import numpy as np
 from astate_store.errors import PlanError
 from astate_store.model.layout import ShardRecord
 from astate_store.plan.contracts import _CODE, _FLOAT
-from astate_store.plan.shards import _Sources
-from astate_store.plan.util import _unique_rows
+from astate_store.plan._planner.shards import _Sources
+from astate_store.plan._planner.util import _unique_rows
 
 
 def _dedupe_requests(

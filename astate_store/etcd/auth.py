@@ -1,6 +1,6 @@
 """Authenticating to etcd: one request for a token, its refusals typed.
 
-:class:`~astate_store.catalog.client.EtcdClient` asks for a token on its first request and again
+:class:`~astate_store.etcd.client.EtcdClient` asks for a token on its first request and again
 when etcd rejects the one it has; it then sends the token with every request, watch and lease
 keep-alive.
 """
@@ -13,8 +13,8 @@ from typing import Any
 import grpc
 import pyetcd.etcdrpc as etcdrpc
 
-from astate_store.catalog.config import EtcdConfig, option
-from astate_store.catalog.failures import grpc_status
+from astate_store.etcd.config import EtcdConfig, option
+from astate_store.etcd.failures import grpc_status
 from astate_store.errors import CatalogAuthError
 
 __all__ = ["request_token"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from astate_store.plan.contracts import READ_DTYPE
-from astate_store.plan.tables import PlanTables
+from astate_store.plan._planner.tables import PlanTables
 
 
 def _link_order(

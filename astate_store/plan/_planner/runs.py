@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from astate_store.plan.intersect import _Instances, _Pieces
-from astate_store.plan.requests import _Requests
-from astate_store.plan.shards import _Sources
-from astate_store.plan.templates import _template_ids, _Templates
-from astate_store.plan.util import _unique_rows
+from astate_store.plan._planner.intersect import _Instances, _Pieces
+from astate_store.plan._planner.requests import _Requests
+from astate_store.plan._planner.shards import _Sources
+from astate_store.plan._planner.templates import _template_ids, _Templates
+from astate_store.plan._planner.util import _unique_rows
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from astate_store.plan.contracts import Fabric, Placement
-from astate_store.plan.shards import _Sources
+from astate_store.plan._planner.shards import _Sources
 
 
 @dataclass

@@ -11,10 +11,10 @@ from collections.abc import Hashable, Mapping
 
 import numpy as np
 
-from astate_store.plan.intersect import _Instances, _Pieces
-from astate_store.plan.links import _Links
-from astate_store.plan.shards import _Sources
-from astate_store.plan.util import _segment_arange, _unique_rows
+from astate_store.plan._planner.intersect import _Instances, _Pieces
+from astate_store.plan._planner.links import _Links
+from astate_store.plan._planner.shards import _Sources
+from astate_store.plan._planner.util import _segment_arange, _unique_rows
 
 #: Per-dim multipliers of the piece salt (odd 32-bit constants; dims beyond 8 add unmixed).
 _MIX = np.array(
