@@ -58,8 +58,9 @@ class Layout:
 
 class LazyRecords(Sequence[ShardRecord]):
     """A decoded layout's shard records, built on first use from its checked columns (which
-    cannot fail): a first pull planned from the columns (``plan.columns``) never needs them, and
-    10^4 records cost ~0.1 s. Equal to (and hashes as) the tuple of its records; pickles as it."""
+    cannot fail): a first pull planned from the columns (``plan/_planner/columns.py``) never needs
+    them, and building one Python object per shard is most of what decoding would cost. Equal to
+    (and hashes as) the tuple of its records; pickles as it."""
 
     __slots__ = ("_n", "_build", "_recs")
 
@@ -153,7 +154,8 @@ class Manifest:
         dts = [DTYPE_TABLE[c] for c in self.dtypes.tolist()]
         out = []
         # Checked columns (``_table``): the records are built without the dataclasses' __init__
-        # (10^4 shards: 0.4 s of a consumer's first step went here), the GC paused meanwhile.
+        # (the columns were checked whole: per-record checks would repeat them once per shard on a
+        # consumer's first step), the GC paused meanwhile.
         with GCPaused():
             for i, name in enumerate(self.names):
                 a, b = st[i], st[i + 1]

@@ -188,7 +188,7 @@ class Batches:
         """The ready-made batch of the same sources and buffers in other staging slots, if one
         is cached: each publisher's rows moved by the distance between its two slots (the same
         layout, so every offset inside a slot is the same; the transport still checks each row).
-        A 10^4-tensor model's first read of its second slot otherwise re-planned (~0.2 s).
+        Otherwise a large model's first read of its second slot would plan everything again.
         None when there is no such batch, or it converts locally (its chunks hold offsets too)."""
         stem, slots = key[:-1], key[-1]
         old = next(
@@ -248,9 +248,10 @@ class Batches:
 
     def _whole_copies(self, g: SourceGroup, base: Mapping[int, int], dests: list[Entry]) -> np.ndarray | None:
         """The rows of whole contiguous buffers from a re-serving group holding each of their
-        tensors as one whole contiguous copy (a replica server's): one read per buffer, which is
-        the plan; the planner's fixed cost (~1 ms) was most of a small session's first pull.
-        None for anything else (then the planner plans, and names what does not fit)."""
+        tensors as one whole contiguous copy (a replica server's): one read per buffer, which is the
+        plan; the planner's fixed cost (every stage runs, whatever the size) would otherwise be most
+        of a small session's first pull. None for anything else (then the planner plans, and names
+        what does not fit)."""
         if not dests or not _whole_contiguous(dests):
             return None
         rows = np.empty((len(dests), 5), dtype=np.int64)

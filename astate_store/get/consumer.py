@@ -200,8 +200,9 @@ class Consumer:
         or dropped before the read could start.
 
         The cyclic GC is paused for the attempt (not the wait before it): a first pull of 10^4
-        tensors builds ~10^5 records, and the collections those allocations set off each walk
-        every live object (~0.1 s of a 0.7 s first step); a steady pull allocates almost nothing."""
+        tensors builds ~10^5 records, and the collections those allocations set off each walk every
+        live object (a cost that grows with the heap, not the pull); a steady pull allocates almost
+        nothing."""
         with GCPaused():
             return self._read_once(step, dests, t, begun)
 
@@ -242,7 +243,8 @@ class Consumer:
         self._warm(version, dests)
         if not version.missing and not version.replica_layouts:
             # The publishers are the only source: a ready-made batch, or one planned from their
-            # layouts' columns, needs no source groups (10^4 tensors merged: ~0.2 s).
+            # layouts' columns, needs no source groups (merging every rank's records is
+            # Python work per shard).
             t.plan += _now() - t0
             try:
                 return self._pull_from(version, None, dests, t)

@@ -111,9 +111,9 @@ class Links:
     def warm(self, version: Version, wanted: Wanted, fingerprint: object) -> None:
         """Before planning a pull from the publishers: connect them and tell the transport which
         of their bytes the buffers' tensors (``wanted``) occupy, so that a mapped same-host source
-        has the kernel map those pages on another core while this thread plans (~0.1 s per GiB,
-        about a third of a first pull). A hint: a failure here is left to the pull, which
-        connects and reports it itself."""
+        has the kernel map those pages on another core while this thread plans (mapping
+        costs per GiB read, which a first pull would otherwise pay after planning, on its own
+        thread). A hint: a failure here is left to the pull, which connects and reports it itself."""
         for r, lay in version.layouts.items():
             peer = publisher_peer(r, lay)
             if not self.connect_peer(peer, lay, report=False):

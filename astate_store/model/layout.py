@@ -154,7 +154,7 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         # map() over the tuples and no __post_init__: called per (shard, buffer) pair when a
-        # 10^4-tensor model is planned (a generator-based version was ~12 us a call here).
+        # 10^4-tensor model is planned, where a generator's frame per call outweighs the work.
         lo = tuple(map(max, self.offsets, other.offsets))
         hi = map(
             min, map(operator.add, self.offsets, self.sizes), map(operator.add, other.offsets, other.sizes)

@@ -2,12 +2,11 @@
 
 A column-split consumer reads only some of a slot's bytes (its own pre-packed copies and the
 shards it needs, not the other consumers' copies between them). Prefaulting from the first
-byte it reads to the last mapped up to three times what it read (~0.15 s per GiB of page
-tables on this project's VMs, on each consumer). Runs follow the reads instead: ranges
-closer than ``gap`` bytes merge (one ``madvise`` per run costs a few microseconds; a 64 KiB
-gap costs about as much to map), and at most ``max_runs`` runs per key come out (the widest
-gaps are kept), so 10^5 tiny reads cost a bounded number of calls. Pure numpy; imports
-nothing above it.
+byte it reads to the last mapped up to three times what it read (page tables filled for
+bytes it never reads, on each consumer). Runs follow the reads instead: ranges closer than
+``gap`` bytes merge (mapping a 64 KiB gap costs about as much as one more ``madvise`` call),
+and at most ``max_runs`` runs per key come out (the widest gaps are kept), so 10^5 tiny reads
+cost a bounded number of calls. Pure numpy; imports nothing above it.
 """
 
 from __future__ import annotations

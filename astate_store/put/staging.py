@@ -156,10 +156,10 @@ class SnapshotPool:
             if self.region is not None:
                 self._transport.unregister(self.region)
             self.buffer = self._alloc(need + WORDS_BYTES)
-            # Write every slot now: the first write of fresh memory is the slow one (page
-            # faults; ~1 s per GiB on a VM), so the first put pays it for all slots instead
-            # of the second put paying it again for the second slot. Memfd pages are
-            # allocated in bulk first (``prepare_staging``): the writes then only map them.
+            # Write every slot now: the first write of fresh memory is the slow one (a page fault
+            # per 4 KiB page), so the first put pays it for all slots instead of the second put
+            # paying it again for the second slot. Memfd pages are allocated in bulk first
+            # (``prepare_staging``): the writes then only map them.
             self._transport.prepare_staging(self.buffer)
             self.buffer.zero_()
             self.region = self._transport.register_tensor(self.buffer)
@@ -246,8 +246,9 @@ class SnapshotPool:
 
         ``key``: an object that stays the same exactly while ``tensors`` are the same tensors
         at the same addresses (the publisher's validated entry list): the copy plan is reused.
-        CPU shards go through the native copy (threads without spin-waits: two ranks copying
-        at once on a small host measured half speed with torch's intra-op threads)."""
+        CPU shards go through the native copy (threads without spin-waits: torch's intra-op threads
+        spin while they wait, so two ranks copying at once on a small host take each other's
+        cores)."""
         views = self._slot_views(k)
         n = len(tensors)
         plan, rest = self._copy_plan(k, tensors[:n], key)

@@ -66,12 +66,11 @@ def copy_rows(plan: Any, threads: int | None = None) -> None:
 def _memory_events_default() -> None:
     """Without CUDA, turn UCX's memory events off unless the user chose (``UCX_MEM_*``).
 
-    Loading libucs installs them by patching libc's code: ~0.4 s on a small VM (sched_yield
-    loops), paid by every process's first step. They feed UCX's registration and memory-type
-    caches, which only RDMA and CUDA transports use; this backend registers its regions
-    explicitly and, without CUDA, runs over tcp, shared memory and cma. ("reloc" hooks load
-    fast but made every C++ ``delete`` walk the loaded objects: process exit took >10 s.)
-    Read once, when libucs loads.
+    Loading libucs installs them by patching libc's code (waiting in sched_yield loops), paid by
+    every process's first step. They feed UCX's registration and memory-type caches, which only RDMA
+    and CUDA transports use; this backend registers its regions explicitly and, without CUDA, runs
+    over tcp, shared memory and cma. ("reloc" hooks load fast but made every C++ ``delete`` walk the
+    loaded objects, process exit included.) Read once, when libucs loads.
     """
     if any(k.startswith("UCX_MEM_") for k in os.environ):
         return

@@ -1,8 +1,8 @@
 """Memfd-backed staging: same-host consumers map a publisher's snapshot and copy at memcpy speed.
 
-Why: ``process_vm_readv`` costs ~1 us per row in the kernel (a 2 GiB TP=2 -> TP=1 pull is
-65k rows: ~0.1 s of syscalls, and one thread). A mapping of the publisher's pages turns
-each row into a plain ``memcpy`` that the native ``copy_rows`` spreads over threads.
+Why: ``process_vm_readv`` pays a kernel cost per row (a 2 GiB TP=2 -> TP=1 pull is 65k rows), on one
+thread. A mapping of the publisher's pages turns each row into a plain ``memcpy`` that the native
+``copy_rows`` spreads over threads.
 
 Publisher side: :func:`shared_mapping` allocates memory as a sealed memfd
 (``F_SEAL_SHRINK | F_SEAL_GROW``: it can never shrink under a reader, so a mapped read
@@ -133,10 +133,9 @@ def _holder(address: int, nbytes: int) -> tuple[int, int] | None:
 
 
 def preallocate(address: int, nbytes: int) -> bool:
-    """Allocate the memfd pages behind ``[address, +nbytes)`` in one ``fallocate``: measured
-    0.3 s per GiB here, where the first write allocated them one 4 KiB page fault at a time
-    (~1 s per GiB; 13.5 s for a pool that grew to 4 GiB per rank, two ranks on two cores).
-    The writes then only map pages that exist (0.17 s per GiB). The pages follow the range's
+    """Allocate the memfd pages behind ``[address, +nbytes)`` in one ``fallocate``, where the
+    first write would allocate them one 4 KiB page fault at a time (a pool that grows pays that on
+    every rank at once). The writes then only map pages that exist. The pages follow the range's
     memory policy (an ``mbind`` of the mapping is the file's shared policy). False where no
     memfd holds the range, or the kernel refused (the writes then allocate as before)."""
     with _lock:
@@ -204,8 +203,8 @@ class PeerMapping:
 
     ``address``: where the region's first byte is mapped in this process. Before rows are
     copied from it, :meth:`prepare` maps the pages of the byte runs they read with
-    ``madvise(MADV_POPULATE_READ)`` (0.1 s per GiB; faulting them one by one cost ~1.4 us
-    per 4 KiB page, 0.4 s per GiB, on the first read of a slot). Only runs a pull reads
+    ``madvise(MADV_POPULATE_READ)`` (one call per run, where the copy would otherwise fault
+    them in one 4 KiB page at a time on the first read of a slot). Only runs a pull reads
     (``spans.span_runs``): not at map time (pages the publisher has not written would be
     allocated), not the rest of a region (a thread prefaulting that competed with the pulls
     on a small host), and not the other consumers' copies between this one's (a column-split
@@ -229,7 +228,7 @@ class PeerMapping:
 
     def __del__(self) -> None:
         # The last mapping of a file its publisher already released frees the file's pages on
-        # unmap (~0.17 s per GiB here): a pool that grew made the next pull pay that inline.
+        # unmap (a cost per GiB freed): a pool that grew made the next pull pay that inline.
         mm = getattr(self, "_mm", None)
         if mm is not None:
             _unmap_later(mm)
@@ -474,7 +473,7 @@ def map_peer_region(pidfd: int, pid: int, fd_num: int, base: int, size: int) -> 
         page = mmap.ALLOCATIONGRANULARITY
         lo = off - off % page
         # Not MAP_POPULATE: it would allocate (and zero) every page the publisher has not
-        # written yet, e.g. a snapshot slot not used so far: ~0.7 s per GiB on a VM. Faults
+        # written yet, e.g. a snapshot slot not used so far, on the consumer's clock. Faults
         # on written pages are cheap (the kernel maps 64 KiB around each).
         mm = mmap.mmap(fd, off + size - lo, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=lo)
         _huge(mm)

@@ -1,14 +1,14 @@
 """Copy plans of recent same-host gets, kept so a steady pull repeats its copy without re-checking.
 
-A steady pull hands the transport the same ops each time (the consumer's ready-made batch of
-a staging slot; two alternate with the publisher's two slots). Checking and translating
-65,589 rows (the TP=1 benchmark's 2 GiB model: ``check_ops``, ``resolve_rows``, the host-only
-mask, the prefault bookkeeping and the copy plan) cost 5-7 ms of a 70-100 ms pull, more when
-another process takes the core, with nothing copying meanwhile. Where a get went whole through
-mapped regions, its copy plan is kept here with the snapshots it was checked against; the
-same ops under the same (identical, cached) peer and local snapshots would check and translate
-to the same plan, so it is copied again as it is. Any change of peers, mappings or local
-registrations builds new snapshots, and then nothing here matches.
+A steady pull hands the transport the same ops each time (the consumer's ready-made batch of a
+staging slot; two alternate with the publisher's two slots). Checking and translating 65,589 rows
+(the TP=1 benchmark's 2 GiB model: ``check_ops``, ``resolve_rows``, the host-only mask, the prefault
+bookkeeping and the copy plan) is Python and numpy work per row on the pull's path, with nothing
+copying meanwhile (and slower when another process takes the core). Where a get went whole through
+mapped regions, its copy plan is kept here with the snapshots it was checked against; the same ops
+under the same (identical, cached) peer and local snapshots would check and translate to the same
+plan, so it is copied again as it is. Any change of peers, mappings or local registrations builds
+new snapshots, and then nothing here matches.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ class Replays:
         self._lock = threading.Lock()  # gets may run on several threads at once
 
     def find(self, ops: np.ndarray, peers: PeerSnapshot, local: LocalSnapshot) -> Replay | None:
-        """The entry whose ops equal ``ops`` (same dtype, shape and every value: a comparison
-        costs ~0.1 ms for 65k rows) under these very snapshots (the current ones); None if
-        there is none."""
+        """The entry whose ops equal ``ops`` (same dtype, shape and every value: one vectorised
+        comparison, far less work than checking the rows again) under these very snapshots (the
+        current ones); None if there is none."""
         with self._lock:
             if any(r.peers is not peers or r.local is not local for r in self._items):
                 kept = [r for r in self._items if r.peers is peers and r.local is local]

@@ -1,8 +1,8 @@
 """The same-host fast paths: a peer's host regions read with batched ``process_vm_readv``,
 or copied with ``memcpy`` from the peer's memfd mapped here.
 
-UCX's CMA transport pays ~3.7 us per row (one ``ucp_get_nbx`` each); the extension's
-``cma_read`` batches up to 1024 rows per syscall with the GIL released, ~1 us per row.
+UCX's CMA transport pays a request and a syscall per row (one ``ucp_get_nbx`` each); the
+extension's ``cma_read`` batches up to 1024 rows per syscall with the GIL released.
 A region backed by a sealed memfd (a publisher's snapshot staging) is mapped once the
 peer is proven and ``memfd.map_peer_region``'s checks pass; its rows are then the
 extension's ``copy_rows`` (GIL released; threads take chunks in turn; streaming stores
@@ -155,8 +155,8 @@ class Proof:
 
 
 def _nonce_like(b: np.ndarray) -> bool:
-    # bincount, not np.unique: the first np.unique imports numpy submodules lazily (1.5 s seen
-    # under load, in every consumer's first step)
+    # bincount, not np.unique: the first np.unique imports numpy submodules lazily (paid in
+    # every consumer's first step)
     return b.size >= 16 and int(np.count_nonzero(np.bincount(b, minlength=256))) >= min(
         _MIN_DISTINCT, b.size // 2
     )

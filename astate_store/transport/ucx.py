@@ -5,14 +5,14 @@ always wins over the mode's transport list, and ``config=`` wins over everything
 
 ``"shm"``
     ``UCX_TLS=sm,self``: sysv/posix for active messages, CMA (``process_vm_readv``)
-    for the reads, ~17 GB/s here. Endpoints use error-handling mode NONE (PEER mode
-    makes UCX drop shared memory). Same machine only. ``cma,self`` alone cannot
-    connect ("Destination is unreachable").
+    for the reads. Endpoints use error-handling mode NONE (PEER mode makes UCX drop
+    shared memory). Same machine only. ``cma,self`` alone cannot connect ("Destination
+    is unreachable").
 ``"tcp"``
     ``UCX_TLS=tcp,self`` plus ``UCX_TCP_TX_SEG_SIZE=1M UCX_TCP_RX_SEG_SIZE=1M`` (each
-    unless already set in the environment; ~4-5x the default segment size's
-    throughput here). RMA is emulated, so the publisher's worker must be progressed:
-    the progress thread is on. Host rows are streamed instead (below). Endpoints use
+    unless already set in the environment; larger segments: fewer fragments, and fewer
+    emulated round trips, per byte read). RMA is emulated, so the publisher's worker must be
+    progressed: the progress thread is on. Host rows are streamed instead (below). Endpoints use
     PEER error handling: a dead peer gives an error, not a hang.
 ``"auto"`` (default)
     ``UCX_TLS=sm,tcp,self`` + the tcp segment sizes; per peer: same node (equal
@@ -29,8 +29,8 @@ Same-host fast path (``direct=True``, the default; ``ASTATE_SHM_DIRECT=0`` or
 ``direct=False`` turns it off): for a peer on this node whose endpoint uses mode NONE
 (shared memory), ``get`` reads that peer's rows of host regions itself with batched
 ``process_vm_readv`` (up to 1024 rows per syscall, GIL released, ``copy_threads``
-threads for plans over 64 MiB) instead of one ``ucp_get_nbx`` per row; UCX's CMA pays
-~3.7 us per row, this ~1 us. A region backed by a sealed memfd (the publisher's snapshot
+threads for plans over 64 MiB) instead of one ``ucp_get_nbx`` per row (UCX's CMA makes a
+request and a syscall per row). A region backed by a sealed memfd (the publisher's snapshot
 staging, ``memfd.py``) is mapped into this process once, after the checks there, and its
 rows are plain ``memcpy`` spread over threads: memcpy speed, no syscall per row. Only a pid
 proven to be the process behind the peer's UCX endpoint is read this way: ``connect`` reads the peer's proof

@@ -4,8 +4,8 @@ The same-host path asks two questions of a peer's memory map before it reads tha
 directly: is its proof page private anonymous memory (``same_host``), and which memfd offset backs
 a region (``memfd``). Reading the whole text of ``/proc/<pid>/maps`` answers them, but a replica
 server that holds a thousand sessions has thousands of mappings: the kernel then writes ~300 KB
-of text and Python splits ~3,000 lines, 2-5 ms per question, once per session a reader opens
-(measured 2026-12-07: ~7 ms of a 23 ms session read-back). Linux 6.11's ``PROCMAP_QUERY`` ioctl on
+of text and Python splits ~3,000 lines per question, once per session a reader opens (a good part
+of a session's read-back). Linux 6.11's ``PROCMAP_QUERY`` ioctl on
 the same file returns the one mapping that covers an address, so the cost no longer grows with
 the peer's mappings; older kernels get the text scan (``ENOTTY``), with the same answers.
 """

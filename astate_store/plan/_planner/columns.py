@@ -3,10 +3,10 @@
 The common first pull — a rollout holding every tensor whole, publishers whose shards tile each
 tensor along one dim (FSDP, dim-0 tensor parallelism, replicas) — needs one read per shard: the
 shard's bytes are one contiguous range at both ends. ``whole_buffer_reads`` finds those reads in
-numpy over the layouts' columns, without the per-shard and per-tensor objects the general
-planner starts from (10^4 tensors: ~0.5 s of Python on a small machine). Anything else — a grid
-tiling, a strided shard, a buffer that is not a whole contiguous tensor, another dtype — returns
-None and the general planner decides (and names any error). Pure: no catalog, no transport.
+numpy over the layouts' columns, without the per-shard and per-tensor objects the general planner
+starts from (Python objects, one per shard: the bulk of a large model's first plan). Anything else —
+a grid tiling, a strided shard, a buffer that is not a whole contiguous tensor, another dtype —
+returns None and the general planner decides (and names any error). Pure: no catalog, no transport.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Streamed reads over plain TCP: the data plane of pulls from peers that only tcp reaches.
 
-Why: UCX's tcp transport has no one-sided reads; it emulates each ``ucp_get_nbx`` with a
-request the publisher's progress thread answers, so a plan of 25k rows is 25k request/reply
-exchanges. Measured on one 2-core host (``benchmarks/peers.py --transport tcp``, 1 GiB,
-25k rows): UCX 1.6 GB/s; one request per publisher whose bytes it streams back in plan
-order: 2.7 GB/s, about what a gloo broadcast of one contiguous buffer gets (2.9). The bytes
-move through the extension's socket loop (``move_rows``), not a Python loop over memoryviews,
-which had cost as much CPU as the kernel's copies (TP=1, 2 GiB: 3.9 -> 5.9 GB/s, gloo 4.3).
+Why: UCX's tcp transport has no one-sided reads; it emulates each ``ucp_get_nbx`` with a request the
+publisher's progress thread answers, so a plan of 25k rows is 25k request/reply exchanges. Here a
+pull sends one request per publisher, whose bytes stream back in plan order: bounded by the socket,
+like a gloo broadcast of one contiguous buffer (``benchmarks/peers.py --transport tcp``; its figures
+in docs/performance.md). The bytes move through the extension's socket loop (``move_rows``), not a
+Python loop over memoryviews, which had cost as much CPU as the kernel's copies.
 
 By role: ``wire`` (the request and response format, and the socket loop that moves rows'
 bytes), ``server`` (:class:`StreamServer`: checks a request whole, then streams the rows back),

@@ -55,12 +55,12 @@ log = logging.getLogger("astate_store.transport.stream")
 _POOL_IDLE_S = IDLE_S / 2  # a client drops pooled connections idle this long (before the server does)
 _DOWN_S = 30.0  # an address that refused a connection is retried after this long
 _CONNECT_S = 5.0
-# A pull aims for this many connections in all (``ASTATE_STREAM_LANES``; default: the cores, at most 8):
-# publishers fewer than that are read over several connections ("lanes") each, every lane moving at
-# least ``_LANE_MIN`` bytes. Why: each connection's receive copy runs on one core, and one flow is
-# what clouds cap per connection. On 2 cores, 1 publisher -> 1 consumer over loopback, 1 GiB: one
-# connection 3.1-3.8 GB/s, two 4.0-5.4 in four runs (benchmarks/stream_lanes.py); more lanes than cores
-# gain nothing.
+# A pull aims for this many connections in all (``ASTATE_STREAM_LANES``; default: the cores, at most
+# 8): publishers fewer than that are read over several connections ("lanes") each, every lane moving
+# at least ``_LANE_MIN`` bytes. Why: each connection's receive copy runs on one core, and one flow
+# is what clouds cap per connection. Two connections beat one even on 2 cores
+# (benchmarks/stream_lanes.py; its figures in docs/performance.md); more lanes than cores gain
+# nothing.
 _LANE_MIN = 16 << 20
 _MAX_LANES = 8  # the default's cap
 _MAX_LANES_SET = 64  # the most ASTATE_STREAM_LANES may ask for (each lane is a socket at both ends)

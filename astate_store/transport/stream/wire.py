@@ -66,7 +66,7 @@ MAX_ROWS = 1 << 18  # rows per request (5 MiB of request); a longer plan sends s
 MAX_KEYS = MAX_ROWS  # a request's rows name at most that many regions
 _IOV = 1024  # buffers per sendmsg / recvmsg_into (Linux IOV_MAX)
 # A receiver is woken once this much has arrived (SO_RCVLOWAT, capped at what is still expected):
-# 256 KiB-1 MiB measured alike over loopback, 10-25% faster than a wake-up per segment.
+# fewer wake-ups than one per segment; any mark in 256 KiB-1 MiB did alike (docs/performance.md).
 _RCVLOWAT = 256 << 10
 IDLE_S = 600.0  # a server connection with no request for this long is closed
 STALL_S = 120.0  # no byte moving for this long: the peer is gone (also bounds get(timeout=None))
