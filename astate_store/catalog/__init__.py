@@ -115,7 +115,7 @@ class Catalog:
             retention,
             lease_ttl,
         )
-        # ``client``: a namespace view over a connection many namespaces share (sessions_hub.py);
+        # ``client``: a namespace view over a connection many namespaces share (hub.py);
         # ``retention_runner``: their shared retention thread (see Versions).
         self.client = (
             client

@@ -158,7 +158,7 @@ class ReplicaServer:
         self._client = EtcdClient(
             self.config, "_replica-server", lease_ttl=lease_ttl, op_timeout=5.0, retry_deadline=15.0
         )
-        # The namespaces' stores share one etcd connection, lease and UCX worker (sessions_hub.py):
+        # The namespaces' stores share one etcd connection, lease and UCX worker (hub.py):
         # a server holds thousands of small namespaces without a worker and threads for each.
         self._hub = SessionHub(etcd=self.config, lease_ttl=lease_ttl, transport=transport)
         self._cond = threading.Condition()

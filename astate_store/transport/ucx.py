@@ -330,7 +330,7 @@ class UcxTransport(Transport):
 
     def descriptor(self, regions: Sequence[RegionInfo] | None = None) -> dict[str, Any]:
         """``regions``: publish these instead of every registration (a view that shares this
-        worker with other namespaces publishes only its own; sessions_hub.py)."""
+        worker with other namespaces publishes only its own; hub.py)."""
         with self._lock:
             self._check_open()
             stream = self._ensure_stream_server()
