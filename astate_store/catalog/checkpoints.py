@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterable
 
 from pyetcd import transactions as tx
 
-from astate_store.etcd.client import EtcdClient
 from astate_store.catalog.records import CheckpointEntry, Skips, numbered_records, pad20, parse_pad20
 from astate_store.errors import CodecError
+from astate_store.etcd.client import EtcdClient
 from astate_store.model import codec
 
 __all__ = ["CheckpointIndex", "pieces_present", "commit_epoch"]

@@ -12,9 +12,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.catalog.records import Skips
 from astate_store.errors import CodecError
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.model import codec
 from astate_store.model.layout import Box
 

@@ -10,9 +10,9 @@ import time
 from collections import deque
 from typing import Any
 
-from astate_store.etcd.client import EtcdClient
 from astate_store.catalog.records import Skips, counter_value
 from astate_store.errors import CodecError, WaitTimeout
+from astate_store.etcd.client import EtcdClient
 from astate_store.model import codec
 
 __all__ = ["LatestWatch"]

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from astate_store.catalog import Catalog
-from astate_store.cli.views import list_namespaces
-from astate_store.etcd.client import EtcdClient
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.etcd.config import EtcdConfig
 
-__all__ = ["namespaces", "delete_namespace"]
+__all__ = ["namespaces", "delete_namespace", "list_namespaces"]
+
+ROOT = "/astate/"  # every namespace's keys live under ROOT + <namespace> + "/"
 
 
 def _config(
@@ -77,3 +78,24 @@ def delete_namespace(
         return cat.delete_all(force=force)
     finally:
         cat.close()
+
+
+def list_namespaces(client: EtcdClient) -> list[str]:
+    """Every namespace with at least one key under ``/astate/``, sorted. One keys-only read of one
+    key per namespace (a skip scan), whatever the number of keys each holds."""
+    out: list[str] = []
+    start: bytes = ROOT.encode()
+    end = range_end(ROOT)
+    while True:
+        first = start
+        resp = client.call(
+            "list namespaces", lambda: client.raw.get_range_response(first, end, keys_only=True, limit=1)
+        )
+        if not resp.kvs:
+            return out
+        key = resp.kvs[0].key.decode("utf-8", "replace")
+        ns = key[len(ROOT) :].split("/", 1)[0]
+        if ns:
+            out.append(ns)
+        # Past every key of this namespace: '/' + 1 is '0'.
+        start = (ROOT + ns + "0").encode()

@@ -19,12 +19,12 @@ from typing import Any
 
 from pyetcd import transactions as tx
 
-from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.catalog.consumers import Consumers
 from astate_store.catalog.read_ends import ReadEnds
 from astate_store.catalog.records import Skips, Version, pad20, parse_pad20, version_from_kvs
 from astate_store.catalog.sessions import Sessions
 from astate_store.errors import CodecError, VersionNotFound
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.model import codec
 
 __all__ = ["Readers", "replica_source"]

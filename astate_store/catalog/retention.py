@@ -11,10 +11,10 @@ from typing import Any
 
 from pyetcd import transactions as tx
 
-from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.catalog.records import Skips, pad20, parse_pad20
 from astate_store.catalog.sessions import Sessions
 from astate_store.errors import CodecError
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.model import codec
 
 __all__ = ["Retention", "PER_STEP"]

@@ -16,9 +16,9 @@ from typing import Any
 
 from pyetcd import transactions as tx
 
-from astate_store.etcd.client import EtcdClient
 from astate_store.catalog.records import Session, Skips, numbered_records, pad20
 from astate_store.errors import CatalogCorrupted, CatalogError, CodecError, StaleSessionError, WaitTimeout
+from astate_store.etcd.client import EtcdClient
 from astate_store.model import codec
 
 __all__ = ["Sessions", "read_counter"]

@@ -11,7 +11,6 @@ from typing import Any
 from pyetcd import transactions as tx
 
 from astate_store.catalog.blobs import blob_from_kvs
-from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.catalog.records import (
     Layout,
     Manifest,
@@ -24,6 +23,7 @@ from astate_store.catalog.records import (
     version_from_kvs,
 )
 from astate_store.errors import CatalogCorrupted, CatalogError, CodecError, VersionNotFound
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.model import codec
 from astate_store.model.layout import check_step
 

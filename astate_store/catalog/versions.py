@@ -24,7 +24,6 @@ from pyetcd import transactions as tx
 
 from astate_store.catalog.background import own_job
 from astate_store.catalog.blobs import CHUNK_BYTES, blob_requests
-from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.catalog.latest import LatestWatch
 from astate_store.catalog.records import (
     Skips,
@@ -39,6 +38,7 @@ from astate_store.catalog.retention import PER_STEP, Retention
 from astate_store.catalog.sessions import Sessions, read_counter
 from astate_store.catalog.version_reads import VersionReads
 from astate_store.errors import CatalogError, StaleStepError, VersionNotFound
+from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.model import codec
 from astate_store.model.layout import ShardRecord, check_step
 

@@ -48,8 +48,8 @@ def ls(
     password: PasswordOpt = None,
 ) -> None:
     """Each namespace: latest step, when it was committed, live publishers and consumers."""
-    from astate_store.catalog import admin
     from astate_store.catalog import namespaces as namespaces_admin
+    from astate_store.cli import views
 
     with guarded():
         config = etcd_config(ctx, EtcdFlags(etcd, cacert, cert, key, user, password))
@@ -58,10 +58,10 @@ def ls(
             try:
                 cat = _catalog(config, ns)
             except Exception as exc:  # a key under /astate/ that is no valid namespace: shown, not fatal
-                rows.append(admin.NamespaceSummary(ns, problems=[str(exc)]))
+                rows.append(views.NamespaceSummary(ns, problems=[str(exc)]))
                 continue
             try:
-                rows.append(admin.summarize(cat))
+                rows.append(views.summarize(cat))
             finally:
                 cat.close()
         if as_json:
@@ -116,13 +116,13 @@ def inspect(
 ) -> None:
     """One namespace: versions retained, session and ranks, readers, consumers, replicas,
     checkpoints, and each tensor's shape, dtype, shards (distinct boxes) and bytes."""
-    from astate_store.catalog import admin
+    from astate_store.cli import views
 
     with guarded():
         config = etcd_config(ctx, EtcdFlags(etcd, cacert, cert, key, user, password))
         cat = _catalog(config, namespace)
         try:
-            info = admin.inspect(cat, step)
+            info = views.inspect(cat, step)
         finally:
             cat.close()
         if as_json:
@@ -203,9 +203,9 @@ def watch(
 ) -> None:
     """Live view of a namespace: commits, pulls (started / done), retires, torn marks, re-serves,
     checkpoints and new sessions, as they happen (an etcd watch)."""
-    from astate_store.catalog import admin
-    from astate_store.etcd.client import range_end
     from astate_store.catalog.records import Skips
+    from astate_store.cli import views
+    from astate_store.etcd.client import range_end
 
     with guarded():
         kinds = (
@@ -228,7 +228,7 @@ def watch(
             ready = {"event": "watching", "namespace": namespace, "latest": latest, "at": time.time()}
             view = _View(namespace, latest, as_json or not out.is_terminal)
             view.emit(ready, as_json)
-            _loop(q, namespace, kinds, count, timeout, skips, view, as_json, admin.describe_event)
+            _loop(q, namespace, kinds, count, timeout, skips, view, as_json, views.describe_event)
         finally:
             try:
                 c.raw.cancel_watch(wid)

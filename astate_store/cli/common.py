@@ -32,8 +32,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from astate_store.etcd.config import ENV_ENDPOINT, ENV_PASSWORD, EtcdConfig
 from astate_store.errors import AStateError, CatalogError
+from astate_store.etcd.config import ENV_ENDPOINT, ENV_PASSWORD, EtcdConfig
 from astate_store.model.progress import Progress
 
 __all__ = [

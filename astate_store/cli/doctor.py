@@ -394,8 +394,8 @@ _AUTH_FIX = (
 
 
 def check_etcd(config_fn: Callable[[], object], given: bool) -> list[Check]:
-    from astate_store.etcd.client import EtcdClient
     from astate_store.errors import AStateError, CatalogAuthError, CatalogUnavailable
+    from astate_store.etcd.client import EtcdClient
 
     if not given:
         return [Check("etcd", "SKIP", "no --etcd given and ASTATE_ETCD is unset", "")]

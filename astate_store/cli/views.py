@@ -14,47 +14,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from astate_store.catalog import Catalog
-from astate_store.etcd.client import EtcdClient, range_end
+from astate_store.catalog.namespaces import ROOT
 from astate_store.catalog.records import Manifest, Skips, Version, pad20, parse_pad20
 from astate_store.errors import CatalogError, CatalogUnavailable, CodecError, VersionNotFound
 from astate_store.model import codec
 from astate_store.model.layout import itemsize
 
-__all__ = [
-    "NamespaceSummary",
-    "list_namespaces",
-    "summarize",
-    "inspect",
-    "commit_time",
-    "readers_of",
-    "describe_event",
-    "ROOT",
-]
+__all__ = ["NamespaceSummary", "summarize", "inspect", "commit_time", "readers_of", "describe_event", "ROOT"]
 
-ROOT = "/astate/"
 
 T = TypeVar("T")
-
-
-def list_namespaces(client: EtcdClient) -> list[str]:
-    """Every namespace with at least one key under ``/astate/``, sorted. One keys-only read of one
-    key per namespace (a skip scan), whatever the number of keys each holds."""
-    out: list[str] = []
-    start: bytes = ROOT.encode()
-    end = range_end(ROOT)
-    while True:
-        first = start
-        resp = client.call(
-            "list namespaces", lambda: client.raw.get_range_response(first, end, keys_only=True, limit=1)
-        )
-        if not resp.kvs:
-            return out
-        key = resp.kvs[0].key.decode("utf-8", "replace")
-        ns = key[len(ROOT) :].split("/", 1)[0]
-        if ns:
-            out.append(ns)
-        # Past every key of this namespace: '/' + 1 is '0'.
-        start = (ROOT + ns + "0").encode()
 
 
 @dataclass

@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 import pyetcd.etcdrpc as etcdrpc
 
+from astate_store.errors import CatalogAuthError
 from astate_store.etcd.config import EtcdConfig, option
 from astate_store.etcd.failures import grpc_status
-from astate_store.errors import CatalogAuthError
 
 __all__ = ["request_token"]
 

@@ -25,6 +25,8 @@ import pyetcd.etcdrpc as etcdrpc
 import pyetcd.exceptions as etcd_exc
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
+from astate_store.background import in_background
+from astate_store.errors import CatalogAuthError, CatalogError, CatalogRejected, CatalogUnavailable
 from astate_store.etcd.auth import request_token
 from astate_store.etcd.config import EtcdConfig
 from astate_store.etcd.failures import (
@@ -39,7 +41,6 @@ from astate_store.etcd.failures import (
 from astate_store.etcd.leases import KeepAlive, revoke_lease
 from astate_store.etcd.tls_probe import HANDSHAKE_WORDS, tls_problem
 from astate_store.etcd.watches import new_watcher, wait_for_event
-from astate_store.errors import CatalogAuthError, CatalogError, CatalogRejected, CatalogUnavailable
 from astate_store.model import codec
 
 __all__ = ["EtcdClient", "RETRYABLE", "range_end", "WatchRefused", "WatchStreamEnded"]
@@ -48,14 +49,6 @@ log = logging.getLogger("astate_store.catalog")
 T = TypeVar("T")
 
 _RETRY_LOG_EVERY = 10.0  # seconds between WARNING lines about etcd not answering (per client)
-
-# Set in threads that do background work, so their requests are counted apart from callers' paths.
-_BACKGROUND = threading.local()
-
-
-def background_thread() -> None:
-    """Mark the calling thread as background work (its etcd requests count as background_rpcs)."""
-    _BACKGROUND.active = True
 
 
 def range_end(prefix: str) -> bytes:
@@ -248,7 +241,7 @@ class EtcdClient:
         """
         attempts = _Attempts(deadline=time.monotonic() + self.retry_deadline)
         while True:
-            if getattr(_BACKGROUND, "active", False):
+            if in_background():  # a serial worker's thread (background.py): retention, read ends
                 self.background_rpcs += 1
             else:
                 self.rpcs += 1

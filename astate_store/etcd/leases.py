@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from pyetcd.client import MultiEndpointEtcd3Client
 
-from astate_store.etcd.failures import RETRYABLE, token_rejected
 from astate_store.errors import CatalogError
+from astate_store.etcd.failures import RETRYABLE, token_rejected
 
 __all__ = ["KeepAlive", "revoke_lease"]
 

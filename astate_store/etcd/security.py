@@ -29,9 +29,9 @@ import grpc
 import pyetcd.etcdrpc as etcdrpc
 from pyetcd.etcdrpc import auth_pb2
 
+from astate_store.errors import CatalogRejected
 from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.etcd.config import EtcdConfig
-from astate_store.errors import CatalogRejected
 
 __all__ = ["CertPaths", "make_test_certs", "enable_auth", "grant_namespace", "namespace_role", "ROOT_USER"]
 

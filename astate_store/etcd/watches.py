@@ -15,8 +15,8 @@ import pyetcd.etcdrpc as etcdrpc
 import pyetcd.exceptions as etcd_exc
 import pyetcd.watch as etcd_watch
 
-from astate_store.etcd.failures import RETRYABLE, WatchRefused, WatchStreamEnded
 from astate_store.errors import CatalogUnavailable
+from astate_store.etcd.failures import RETRYABLE, WatchRefused, WatchStreamEnded
 
 __all__ = ["WatchStub", "Watcher", "new_watcher", "wait_for_event"]
 

@@ -40,6 +40,10 @@ from __future__ import annotations
 
 from astate_store.plan._planner.cache import Planner, fingerprint
 from astate_store.plan._planner.columns import whole_buffer_reads
+from astate_store.plan._planner.execute import execute_reads
+from astate_store.plan._planner.planner import plan_consumer, plan_global
+from astate_store.plan._planner.prepack import Copy, consumer_requests, servable
+from astate_store.plan._planner.result import ConsumerPlan, GlobalPlan
 from astate_store.plan.contracts import (
     COPY_DTYPE,
     DTYPE_CODES,
@@ -50,10 +54,6 @@ from astate_store.plan.contracts import (
     PackItem,
     Placement,
 )
-from astate_store.plan._planner.execute import execute_reads
-from astate_store.plan._planner.planner import plan_consumer, plan_global
-from astate_store.plan._planner.prepack import Copy, consumer_requests, servable
-from astate_store.plan._planner.result import ConsumerPlan, GlobalPlan
 
 __all__ = [
     "READ_DTYPE",

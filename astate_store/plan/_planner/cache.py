@@ -9,10 +9,10 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from astate_store.model.layout import ShardRecord, TensorLayout
-from astate_store.plan.contracts import CostModel, Fabric, PackedInput
 from astate_store.plan._planner.planner import plan_consumer, plan_global
 from astate_store.plan._planner.result import ConsumerPlan, GlobalPlan
 from astate_store.plan._planner.util import _sort_key, _sorted_ids
+from astate_store.plan.contracts import CostModel, Fabric, PackedInput
 
 
 class _Memo:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from astate_store.errors import PlanError
-from astate_store.plan.contracts import _ISZ
 from astate_store.plan._planner.requests import _Requests
 from astate_store.plan._planner.shards import _Sources
 from astate_store.plan._planner.util import _cat, _segment_arange
+from astate_store.plan.contracts import _ISZ
 
 #: Pieces per chunk of the join (bounds the temporaries of a 1T-parameter plan).
 _CHUNK = 1 << 22

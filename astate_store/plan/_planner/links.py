@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from astate_store.plan.contracts import Fabric, Placement
 from astate_store.plan._planner.shards import _Sources
+from astate_store.plan.contracts import Fabric, Placement
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from astate_store.plan.contracts import READ_DTYPE
 from astate_store.plan._planner.tables import PlanTables
+from astate_store.plan.contracts import READ_DTYPE
 
 
 def _link_order(

@@ -16,11 +16,11 @@ import numpy as np
 
 from astate_store.errors import PlanError
 from astate_store.model.layout import Box, ShardRecord, _frozen
-from astate_store.plan.contracts import CostModel, PackedInput, PackedShard, PackItem
 from astate_store.plan._planner.intersect import _Instances, _Pieces
 from astate_store.plan._planner.shards import _Sources
 from astate_store.plan._planner.tables import PlanTables
 from astate_store.plan._planner.util import _segment_arange, _sorted_ids, _unique_rows
+from astate_store.plan.contracts import CostModel, PackedInput, PackedShard, PackItem
 
 
 def _normalize_packed(packed: PackedInput) -> list[tuple[ShardRecord, tuple]]:

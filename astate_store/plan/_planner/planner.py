@@ -17,7 +17,6 @@ import numpy as np
 from astate_store.errors import PlanError
 from astate_store.model.layout import GCPaused, ShardRecord, TensorLayout
 from astate_store.plan._planner.balance import _assign_replicas
-from astate_store.plan.contracts import CostModel, Fabric, PackedInput, PackedShard
 from astate_store.plan._planner.intersect import _expand_instances, _Instances, _intersect, _Pieces
 from astate_store.plan._planner.links import _build_links, _Links
 from astate_store.plan._planner.packing import _match_packed, _normalize_packed, _pack_decision
@@ -27,6 +26,7 @@ from astate_store.plan._planner.runs import _instance_templates, _merge_whole_ru
 from astate_store.plan._planner.shards import _compile_sources, _Sources
 from astate_store.plan._planner.tables import PlanTables
 from astate_store.plan._planner.util import _sorted_ids
+from astate_store.plan.contracts import CostModel, Fabric, PackedInput, PackedShard
 
 
 @dataclass(frozen=True, eq=False)

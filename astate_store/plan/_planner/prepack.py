@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from astate_store.model.layout import Box, TensorLayout, is_floating
 from astate_store.model.validation import Entry
-from astate_store.plan import PackItem
+from astate_store.plan.contracts import PackItem
 
 __all__ = ["PackRequest", "Copy", "consumer_requests", "servable"]
 

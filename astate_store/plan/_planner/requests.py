@@ -13,9 +13,9 @@ import numpy as np
 
 from astate_store.errors import PlanError
 from astate_store.model.layout import ShardRecord
-from astate_store.plan.contracts import _CODE, _FLOAT
 from astate_store.plan._planner.shards import _Sources
 from astate_store.plan._planner.util import _unique_rows
+from astate_store.plan.contracts import _CODE, _FLOAT
 
 
 def _dedupe_requests(

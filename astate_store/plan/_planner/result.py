@@ -9,10 +9,10 @@ from collections.abc import Hashable
 import numpy as np
 
 from astate_store.model.layout import GCPaused
-from astate_store.plan.contracts import PackItem
 from astate_store.plan._planner.materialize import _materialize
 from astate_store.plan._planner.packing import _build_pack_items
 from astate_store.plan._planner.tables import PlanTables
+from astate_store.plan.contracts import PackItem
 
 
 class ConsumerPlan:

@@ -17,8 +17,8 @@ import numpy as np
 
 from astate_store.errors import PlanError
 from astate_store.model.layout import ShardRecord, TensorLayout
-from astate_store.plan.contracts import _CODE
 from astate_store.plan._planner.util import _sorted_ids
+from astate_store.plan.contracts import _CODE
 
 _GET_META = attrgetter("name", "dtype", "global_shape")
 _GET_OFFS = attrgetter("box.offsets")
