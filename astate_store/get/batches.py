@@ -272,7 +272,7 @@ class Batches:
     def _build_columns(self, version: Version, dests: list[Entry]) -> Work | None:
         """The first pull of whole-tensor host buffers from publishers whose shards tile each
         tensor along one dim: one read per shard, planned from the layouts' columns
-        (``plan.columns``) without a record or layout object per tensor. None for anything else
+        (``plan.whole_buffer_reads``) without a record or layout object per tensor. None for anything else
         (the general planner's, which also names bad buffers)."""
         fp = self.buffers.fingerprint
         if self._whole[0] is not fp:

@@ -104,7 +104,7 @@ class RegionInfo:
     rkey: bytes
     memory_type: str = "host"
     memfd: int = -1  # fd number of the memfd mapped over the region in its process (memfd.py); -1: none
-    stream_key: bytes = b""  # the key a streamed read of this region must name (stream.py); b"": not streamed
+    stream_key: bytes = b""  # the key a streamed read of this region must name (``stream/``); b"": not streamed
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"base": self.base, "size": self.size, "rkey": self.rkey}
@@ -160,7 +160,7 @@ class PeerDescriptor:
     pid/ipc/mount namespaces), ``pid`` (int), ``shm`` (bool: the publisher's UCX
     context has shared-memory/CMA transports) and ``regions`` (list of
     ``{"base", "size", "rkey"[, "memory_type", "memfd", "stream_key"]}``); ``stream``
-    (optional): ``"ip:port"`` of its streamed-read server (``stream.py``).
+    (optional): ``"ip:port"`` of its streamed-read server (``stream/``).
 
     ``proof``: the publisher's proof region (a small registered buffer holding a random
     nonce, see ``same_host``). On the wire it is the *last* entry of ``regions``, its

@@ -42,7 +42,7 @@ class PeerInfo:
     for callers that test for it). ``direct_regions``: per region of its descriptor,
     whether rows may take that path. ``mapped_regions``: per region, whether its memfd is
     mapped here (rows are then plain copies; ``memfd.py``). ``streamed``: rows of its host
-    regions are streamed over tcp (``stream.py``) instead of read with UCX.
+    regions are streamed over tcp (``stream/``) instead of read with UCX.
     """
 
     index: int
@@ -158,7 +158,7 @@ class PeerSnapshot:
     maps: dict[int, Any] = field(
         default_factory=dict
     )  # flat region -> its PeerMapping (alive with this snapshot)
-    # bool per flat region: rows may be streamed (stream.py: a tcp peer with a stream server and a key for it)
+    # bool per flat region: rows may be streamed (stream/: a tcp peer with a stream server and a key for it)
     stream: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     # peer index -> (peer key, stream address, stream.KEY_DT keys of its streamable regions)
     streams: dict[int, tuple[Hashable, str, np.ndarray]] = field(default_factory=dict)

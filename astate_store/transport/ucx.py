@@ -48,7 +48,7 @@ Rows of CUDA / unknown-memory regions, or into registered non-host local memory,
 
 Streamed path (``stream=True``, the default in modes ``tcp`` and ``auto``; ``ASTATE_STREAM=0``
 turns it off): rows of host regions of a peer UCX reaches over tcp go as one request per peer
-to its stream server, which sends their bytes back in plan order (``stream.py``: why, the wire
+to its stream server, which sends their bytes back in plan order (``stream/``: why, the wire
 format, what the server checks). A peer whose stream server cannot be connected to is read
 with UCX.
 
@@ -304,7 +304,7 @@ class UcxTransport(Transport):
 
     @property
     def streamed_bytes(self) -> int:
-        """Bytes this transport has read over the stream path (``stream.py``) so far."""
+        """Bytes this transport has read over the stream path (``stream/``) so far."""
         return self._stream_reader.bytes
 
     @property
