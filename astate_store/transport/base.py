@@ -104,7 +104,7 @@ class RegionInfo:
     rkey: bytes
     memory_type: str = "host"
     memfd: int = -1  # fd number of the memfd mapped over the region in its process (memfd.py); -1: none
-    stream_key: bytes = b""  # the key a streamed read of this region must name (``stream/``); b"": not streamed
+    stream_key: bytes = b""  # the key a streamed read of this region must name (stream/); b"": not streamed
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"base": self.base, "size": self.size, "rkey": self.rkey}
