@@ -25,7 +25,7 @@ UCX registrations must stay flat (slopes per 100 steps, least squares).
 
     python benchmarks/fault_suite.py [--trials 3] [--only NAME[,NAME]] [--soak-steps 1000]
 
-Processes: every store lives in an actor process (``tests/support/fault_workers.py``); nothing here waits
+Processes: every store lives in an actor process (``tests/support/faults/``); nothing here waits
 without a timeout, and every process started is ended by PID. Actors and the etcd servers they or
 the driver start get SIGTERM when their starter dies (``tied_to_caller``), and ``orphans`` lists any
 process this run started that still ran at its end (then ended by PID; must be empty).
@@ -55,8 +55,9 @@ if _HERE not in sys.path:
 if os.path.dirname(_HERE) not in sys.path:
     sys.path.insert(1, os.path.dirname(_HERE))
 
-import tests.support.fault_workers as W  # noqa: E402
-from tests.support.fault_workers import Actor, Died, Hang, Pool, SetupError  # noqa: E402
+from tests.support.faults import fuzz, hostile  # noqa: E402
+from tests.support.faults.driver import Actor, Died, EtcdProcess, Hang, Pool, SetupError  # noqa: E402
+from tests.support.faults.model import LAYOUTS, slope_per_100  # noqa: E402
 
 FIELDS = (
     "trials",
@@ -533,7 +534,7 @@ def case_etcd_restart(suite: Suite, entry: Entry) -> None:
 
         def run(t: Trial) -> None:
             mode = ("pause", "kill", "term")[i % 3]
-            etcd = W.EtcdProcess(suite.tmp).start()
+            etcd = EtcdProcess(suite.tmp).start()
             try:
                 ep, ns = etcd.endpoint, suite.ns("er")
                 committed: list[int] = []
@@ -792,7 +793,7 @@ def case_churn(suite: Suite, entry: Entry) -> None:
             _put_all(t, pubs, 1, committed)
             prev: str | None = None
             for s in range(1, suite.churn_steps + 1):
-                lay = W.LAYOUTS[(s + i) % len(W.LAYOUTS)]
+                lay = LAYOUTS[(s + i) % len(LAYOUTS)]
                 joiner.must(
                     "con_open",
                     f"x{s}",
@@ -922,7 +923,7 @@ def case_hostile_records(suite: Suite, entry: Entry) -> None:
     """A bad record in every key family, written over the catalog with the raw etcd client; then
     fresh and steady consumers pull, the publisher puts two more steps, consumers pull again (and
     restore / recover where the record is a checkpoint, epoch, session or recovery one)."""
-    names = [n for n, _ in W.HOSTILE_RECORDS]
+    names = [n for n, _ in hostile.HOSTILE_RECORDS]
     entry.extra["inputs"] = len(names)
     for i, name in enumerate(names):
 
@@ -940,7 +941,7 @@ def case_hostile_records(suite: Suite, entry: Entry) -> None:
 def case_hostile_api(suite: Suite, entry: Entry, chunk: int = 7) -> None:
     """Bad API input (names, shapes, dtypes, boxes, non-tensors, steps, namespaces, ranks, serve and
     checkpoint misuse), each followed by a good put and an exact pull on the same stores."""
-    names = list(W.HOSTILE_API)
+    names = list(hostile.HOSTILE_API)
     entry.extra["inputs"] = len(names)
     index = [0]
 
@@ -986,7 +987,7 @@ def case_fuzz(suite: Suite, entry: Entry) -> None:
     per: dict[str, Any] = {}
     examples: list[dict[str, Any]] = []
     a: Actor | None = None
-    for target in W._fuzz_targets():
+    for target in fuzz.fuzz_targets():
         if a is None:
             a = suite.pool.take()
         try:
@@ -1080,7 +1081,7 @@ def case_soak(suite: Suite, entry: Entry) -> None:
             t = Trial(suite, entry.name, s, timeout=120)
             try:
                 _put_all(t, [pub], s, committed, must=False)
-                lay = W.LAYOUTS[s % len(W.LAYOUTS)]
+                lay = LAYOUTS[s % len(LAYOUTS)]
                 serve_step = s % 10 == 0
                 # On a re-serving step the long-lived consumer pulls after the offer (it may read
                 # from the re-server, then the re-server leaves); otherwise alongside the churn.
@@ -1170,7 +1171,7 @@ def case_soak(suite: Suite, entry: Entry) -> None:
         for f in fields:
             xs = [float(s) for s, v in pts if f in v]
             ys = [float(v[f]) for s, v in pts if f in v]
-            sl = W.slope_per_100(xs, ys)
+            sl = slope_per_100(xs, ys)
             slopes[f"{role}_{f}"] = None if sl is None else round(sl, 3)
             if ys:
                 growth[f"{role}_{f}"] = {"first": ys[0], "last": ys[-1], "growth": ys[-1] - ys[0]}

@@ -56,8 +56,8 @@ for p in (str(_HERE), str(_HERE.parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import tests.support.fault_workers as W  # noqa: E402
-from tests.support.fault_workers import Actor, Pool  # noqa: E402
+from tests.support.faults.driver import Actor, Died, Hang, Pool, SetupError  # noqa: E402
+from tests.support.faults.model import LAYOUTS, slope_per_100  # noqa: E402
 
 WORLD = 2
 LONG_LIVED = ("consumer0", "consumer1", "opener")
@@ -240,7 +240,7 @@ class Soak:
     # ---- consumers
     def churn(self, s: int) -> None:
         con = self.cons[s % 2]
-        key, lay = f"c{s}", W.LAYOUTS[s % len(W.LAYOUTS)]
+        key, lay = f"c{s}", LAYOUTS[s % len(LAYOUTS)]
         con.must(
             "con_open",
             key,
@@ -292,7 +292,7 @@ def growth(samples: Sequence[dict[str, Any]], proc: str, field: str, warm: int) 
     if len(pts) < 6:
         return None
     first, last = _median([v for _, v in pts[:5]]), _median([v for _, v in pts[-5:]])
-    slope = W.slope_per_100([float(x) for x, _ in pts], [float(v) for _, v in pts]) or 0.0
+    slope = slope_per_100([float(x) for x, _ in pts], [float(v) for _, v in pts]) or 0.0
     span = pts[-1][0] - pts[0][0]
     return {
         "after_warmup": first,
@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for s in range(1, args.steps + 1):
             try:
                 step(soak, args, s, t0)
-            except (W.Hang, W.Died, W.SetupError) as exc:  # a process hung or died: say which, with its log
+            except (Hang, Died, SetupError) as exc:  # a process hung or died: say which, with its log
                 soak.errors.append(f"step {s}: {type(exc).__name__}: {exc}"[:400])
                 for a in soak.pool.all:
                     if a.name in str(exc):

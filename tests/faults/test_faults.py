@@ -113,7 +113,9 @@ def test_hostile_api_input(suite: fault_suite.Suite) -> None:
 
 def test_hostile_records(suite: fault_suite.Suite, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        fault_suite.W, "HOSTILE_RECORDS", tuple(r for r in fault_suite.W.HOSTILE_RECORDS if r[0] in RECORDS)
+        fault_suite.hostile,
+        "HOSTILE_RECORDS",
+        tuple(r for r in fault_suite.hostile.HOSTILE_RECORDS if r[0] in RECORDS),
     )
     entry = _run(suite, "hostile_records")
     assert entry["inputs"] == len(RECORDS)
@@ -122,7 +124,7 @@ def test_hostile_records(suite: fault_suite.Suite, monkeypatch: pytest.MonkeyPat
 
 def test_fuzz_decoders(suite: fault_suite.Suite) -> None:
     entry = _run(suite, "fuzz_decoders")
-    assert set(entry["per_target"]) == set(fault_suite.W._fuzz_targets())
+    assert set(entry["per_target"]) == set(fault_suite.fuzz.fuzz_targets())
     assert_sound(entry)
 
 
