@@ -31,16 +31,15 @@ import fcntl
 import logging
 import mmap
 import os
-import queue
 import stat
-import sys
 import threading
 import weakref
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from astate_store.background import SerialWorker
 from astate_store.transport.config import env_on
 from astate_store.transport.vmas import MapsReader
 
@@ -274,8 +273,11 @@ class PeerMapping:
                 self._release(job)
 
     def _run(self, job: _Job) -> None:
-        while self._step(job, from_end=False):
-            pass
+        try:
+            while self._step(job, from_end=False):
+                pass
+        except Exception as exc:  # a hint: its failure leaves the pages to fault
+            log.debug("prefault: %s", exc)
 
     def _step(self, job: _Job, *, from_end: bool) -> bool:
         """Populate one chunk of ``job`` (from its start, or from its end for a helper); False
@@ -377,43 +379,9 @@ _PREFAULT_CHUNK = 2 << 20
 _PREFAULT_WAIT = 60.0  # seconds a pull waits for a background prefault before doing it itself
 
 
-class _Background:
-    """One daemon thread running jobs in order: made on first use, and again in a forked child
-    (which inherits no threads); jobs keep what they reference alive until they have run."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._state: tuple[int, queue.SimpleQueue[Callable[[], None]]] | None = None  # (pid, queue)
-        self._lock = threading.RLock()  # re-entrant: a collection inside the block may submit (a __del__)
-
-    def submit(self, job: Callable[[], None]) -> bool:
-        """Queue ``job``; False when no thread can run it (the interpreter is shutting down)."""
-        if sys.is_finalizing():
-            return False
-        try:
-            with self._lock:
-                if self._state is None or self._state[0] != os.getpid():
-                    q: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-                    threading.Thread(target=_run_jobs, args=(q,), name=self.name, daemon=True).start()
-                    self._state = (os.getpid(), q)
-                self._state[1].put(job)
-            return True
-        except RuntimeError:  # "can't create new thread at interpreter shutdown"
-            return False
-
-
-def _run_jobs(q: queue.SimpleQueue[Callable[[], None]]) -> None:
-    while True:
-        job = q.get()
-        try:
-            job()
-        except Exception as exc:  # a hint or a cleanup: its failure must not end the thread
-            log.debug("background job failed: %s", exc)
-        del job  # drop what it held (a mapping to unmap) before waiting for the next
-
-
-_UNMAPPER = _Background("astate-unmap")
-_PREFAULTER = _Background("astate-prefault")
+# Serial workers (``background.py``): their jobs keep what they reference alive until they have run.
+_UNMAPPER = SerialWorker("astate-unmap")
+_PREFAULTER = SerialWorker("astate-prefault")
 
 
 def _unmap_later(mm: mmap.mmap) -> None:
