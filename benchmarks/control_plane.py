@@ -113,7 +113,7 @@ def _tensors(spec: Spec, rank: int, ranks: int, *, consumer: bool) -> dict[str, 
     import torch
 
     from astate_store import Shard
-    from astate_store.model.layout import torch_dtype
+    from astate_store.model.dtypes import torch_dtype
 
     out: dict[str, Any] = {}
     for name, shape, dt, expert in spec:

@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from astate_store.model.layout import Box, ShardRecord, TensorLayout, contiguous_strides, itemsize  # noqa: E402
+from astate_store.model.dtypes import itemsize  # noqa: E402
+from astate_store.model.layout import Box, ShardRecord, TensorLayout, contiguous_strides  # noqa: E402
 from astate_store.plan import CostModel, Fabric, Placement, Planner, plan_consumer, plan_global  # noqa: E402
 
 BLOCK = 128

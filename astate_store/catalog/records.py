@@ -2,7 +2,7 @@
 numbers, skipped-record reporting, and decoding a version from its records read back.
 
 The column-wise wire form of shards (manifests, layouts, content-addressed ids) lives in
-:mod:`astate_store.catalog.shard_tables`; its names are re-exported here.
+:mod:`astate_store.catalog.shard_tables`.
 
 Pure functions and data only: no etcd access here, so every role decodes a record the same way.
 """
@@ -19,33 +19,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astate_store.catalog.shard_tables import (
-    DTYPE_TABLE,
     Layout,
-    LazyRecords,  # noqa: F401 - was defined here
-    Manifest,
-    _columns_id,  # noqa: F401 - the fault suite's fuzzers reach it here
-    _layout_id,  # noqa: F401 - likewise
-    layout_from_record,
-    layout_record,
-    manifest_from_record,
-    manifest_record,
+    Manifest,  # noqa: F401 -- catalog/__init__.py still imports it here
 )
 from astate_store.errors import CatalogCorrupted, CodecError, VersionNotFound
 from astate_store.model import codec
 
 __all__ = [
     "Session",
-    "Layout",
     "Piece",
     "Replica",
     "Version",
     "CheckpointEntry",
-    "Manifest",
-    "DTYPE_TABLE",
-    "manifest_record",
-    "manifest_from_record",
-    "layout_record",
-    "layout_from_record",
     "pad20",
     "parse_pad20",
     "is_record_id",

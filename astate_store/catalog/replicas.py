@@ -17,7 +17,8 @@ from pyetcd import transactions as tx
 
 from astate_store.catalog.blobs import blob_requests
 from astate_store.catalog.readers import Readers, replica_source
-from astate_store.catalog.records import layout_record, manifest_record, pad20
+from astate_store.catalog.records import pad20
+from astate_store.catalog.shard_tables import layout_record, manifest_record
 from astate_store.errors import CodecError, ReplicationTimeout, VersionNotFound
 from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.model import codec

@@ -18,25 +18,19 @@ from typing import Any
 import numpy as np
 
 from astate_store.errors import CodecError, LayoutError
-from astate_store.model.layout import (
-    DTYPES,
-    Box,
-    GCPaused,
-    ShardColumns,
-    ShardRecord,
-    _frozen,
-    contiguous_strides,
-)
+from astate_store.model.dtypes import DTYPE_CODES, DTYPE_NAMES
+from astate_store.model.layout import Box, GCPaused, ShardColumns, ShardRecord, _frozen, contiguous_strides
 
 __all__ = [
     "Layout",
     "LazyRecords",
     "Manifest",
-    "DTYPE_TABLE",
     "manifest_record",
     "manifest_from_record",
     "layout_record",
     "layout_from_record",
+    "manifest_id_of",
+    "layout_id_of",
 ]
 
 
@@ -97,8 +91,6 @@ class LazyRecords(Sequence[ShardRecord]):
         return f"LazyRecords({self._n} shards{'' if self._recs is None else ', built'})"
 
 
-DTYPE_TABLE: tuple[str, ...] = tuple(DTYPES)  # wire code -> dtype name (the order of layout.DTYPES)
-_DTYPE_CODE = {n: i for i, n in enumerate(DTYPE_TABLE)}
 _I64 = np.dtype("<i8")
 
 
@@ -121,7 +113,7 @@ def _digest(*parts: bytes) -> str:
 
 @dataclass(frozen=True, eq=False)
 class Manifest:
-    """What one rank holds, column-wise: shard i is ``names[i]`` of dtype ``DTYPE_TABLE[dtypes[i]]``
+    """What one rank holds, column-wise: shard i is ``names[i]`` of dtype ``DTYPE_NAMES[dtypes[i]]``
     with ``ndims[i]`` dims whose global shape, offsets and sizes start at ``starts[i]`` of the flat
     columns. Leaseless and content-addressed: a committed version is described by its manifests
     whichever ranks are alive."""
@@ -151,7 +143,7 @@ class Manifest:
         strs = strides.tolist() if strides is not None else None
         regs = regions.tolist() if regions is not None else [0] * len(self.names)
         boffs = byte_offsets.tolist() if byte_offsets is not None else [0] * len(self.names)
-        dts = [DTYPE_TABLE[c] for c in self.dtypes.tolist()]
+        dts = [DTYPE_NAMES[c] for c in self.dtypes.tolist()]
         out = []
         # Checked columns (``_table``): the records are built without the dataclasses' __init__
         # (the columns were checked whole: per-record checks would repeat them once per shard on a
@@ -186,7 +178,7 @@ def _columns(shards: Sequence[ShardRecord]) -> dict[str, Any]:
     flat = lambda get: np.fromiter((v for s in shards for v in get(s)), _I64, sum(nd)).tobytes()  # noqa: E731
     return {
         "names": [s.name for s in shards],
-        "dtypes": bytes(_DTYPE_CODE[s.dtype] for s in shards),
+        "dtypes": bytes(DTYPE_CODES[s.dtype] for s in shards),
         "ndims": bytes(nd),
         "global_shapes": flat(lambda s: s.global_shape),
         "offsets": flat(lambda s: s.box.offsets),
@@ -194,7 +186,8 @@ def _columns(shards: Sequence[ShardRecord]) -> dict[str, Any]:
     }
 
 
-def _columns_id(cols: Mapping[str, Any]) -> str:
+def manifest_id_of(cols: Mapping[str, Any]) -> str:
+    """The content-addressed id of a manifest's columns (what its key and ``manifest_id`` name)."""
     return _digest(
         "\0".join(cols["names"]).encode(),
         cols["dtypes"],
@@ -208,7 +201,7 @@ def _columns_id(cols: Mapping[str, Any]) -> str:
 def manifest_record(shards: Sequence[ShardRecord]) -> dict[str, Any]:
     """The ``manifest`` record of a rank's shards (boxes only; addresses live in the layout)."""
     cols = _columns(shards)
-    return {"manifest_id": _columns_id(cols), **cols}
+    return {"manifest_id": manifest_id_of(cols), **cols}
 
 
 def _table(rec: Mapping[str, Any], what: str) -> tuple[np.ndarray, ...]:
@@ -218,7 +211,7 @@ def _table(rec: Mapping[str, Any], what: str) -> tuple[np.ndarray, ...]:
     ndims = np.frombuffer(rec["ndims"], np.uint8)
     if len(dtypes) != n or len(ndims) != n:
         raise CodecError(f"{what}: {n} names but {len(dtypes)} dtypes and {len(ndims)} ndims")
-    if n and int(dtypes.max()) >= len(DTYPE_TABLE):
+    if n and int(dtypes.max()) >= len(DTYPE_NAMES):
         raise CodecError(f"{what}: unknown dtype code {int(dtypes.max())}")
     total = int(ndims.sum(dtype=np.int64))
     gs = _i64(rec["global_shapes"], f"{what} global_shapes", total)
@@ -238,7 +231,7 @@ def manifest_from_record(rec: Mapping[str, Any], key_id: str) -> Manifest:
             the content's (a record that is not what its key says).
     """
     what = f"manifest {key_id}"
-    if rec["manifest_id"] != key_id or _columns_id(rec) != key_id:
+    if rec["manifest_id"] != key_id or manifest_id_of(rec) != key_id:
         raise CodecError(f"{what}: content does not match its id")
     dtypes, ndims, gs, of, sz = _table(rec, what)
     try:
@@ -275,13 +268,14 @@ def layout_record(
         cols["regions"] = np.fromiter((s.region for s in packed), _I64, len(packed)).tobytes()
         cols["byte_offsets"] = np.fromiter((s.byte_offset for s in packed), _I64, len(packed)).tobytes()
         rec["packed"] = cols
-    rec["layout_id"] = _layout_id(rec)
+    rec["layout_id"] = layout_id_of(rec)
     return rec
 
 
-def _layout_id(rec: Mapping[str, Any]) -> str:
+def layout_id_of(rec: Mapping[str, Any]) -> str:
+    """The content-addressed id of a layout record (its manifest, addresses and pre-packed copies)."""
     packed = rec.get("packed")
-    extra = (_columns_id(packed).encode(), packed["regions"], packed["byte_offsets"]) if packed else ()
+    extra = (manifest_id_of(packed).encode(), packed["regions"], packed["byte_offsets"]) if packed else ()
     return _digest(
         b"%d/%d" % (rec["epoch"], rec["rank"]),
         rec["manifest_id"].encode(),
@@ -308,7 +302,7 @@ def layout_from_record(
         CodecError: the record is not what its key says, or its columns do not fit.
     """
     what = f"layout {key_id}"
-    if rec["layout_id"] != key_id or _layout_id(rec) != key_id:
+    if rec["layout_id"] != key_id or layout_id_of(rec) != key_id:
         raise CodecError(f"{what}: content does not match its id")
     if (epoch is not None and rec["epoch"] != epoch) or (rank is not None and rec["rank"] != rank):
         raise CodecError(

@@ -11,17 +11,8 @@ from typing import Any
 from pyetcd import transactions as tx
 
 from astate_store.catalog.blobs import blob_from_kvs
-from astate_store.catalog.records import (
-    Layout,
-    Manifest,
-    Skips,
-    Version,
-    layout_from_record,
-    manifest_from_record,
-    pad20,
-    parse_pad20,
-    version_from_kvs,
-)
+from astate_store.catalog.records import Skips, Version, pad20, parse_pad20, version_from_kvs
+from astate_store.catalog.shard_tables import Layout, Manifest, layout_from_record, manifest_from_record
 from astate_store.errors import CatalogCorrupted, CatalogError, CodecError, VersionNotFound
 from astate_store.etcd.client import EtcdClient, range_end
 from astate_store.model import codec

@@ -25,17 +25,10 @@ from pyetcd import transactions as tx
 from astate_store.catalog.background import own_job
 from astate_store.catalog.blobs import CHUNK_BYTES, blob_requests
 from astate_store.catalog.latest import LatestWatch
-from astate_store.catalog.records import (
-    Skips,
-    counter_value,
-    layout_record,
-    manifest_from_record,
-    manifest_record,
-    pad20,
-    parse_pad20,
-)
+from astate_store.catalog.records import Skips, counter_value, pad20, parse_pad20
 from astate_store.catalog.retention import PER_STEP, Retention
 from astate_store.catalog.sessions import Sessions, read_counter
+from astate_store.catalog.shard_tables import layout_record, manifest_from_record, manifest_record
 from astate_store.catalog.version_reads import VersionReads
 from astate_store.errors import CatalogError, StaleStepError, VersionNotFound
 from astate_store.etcd.client import EtcdClient, range_end

@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from astate_store.errors import LayoutError
-from astate_store.model.layout import DTYPES, Box, ShardRecord, contiguous_strides, itemsize
+from astate_store.model.dtypes import DTYPES, itemsize
+from astate_store.model.layout import Box, ShardRecord, contiguous_strides
 
 __all__ = [
     "FORMAT",

@@ -17,8 +17,7 @@ import torch
 from astate_store.checkpoint.checksum import Checksum
 from astate_store.checkpoint.storage import Location
 from astate_store.errors import CheckpointCorrupted
-from astate_store.model.layout import itemsize, torch_dtype
-from astate_store.plan import DTYPE_CODES
+from astate_store.model.dtypes import DTYPE_NAMES, itemsize, torch_dtype
 
 __all__ = ["DataFile", "CopyItem", "ReadContext", "progressions", "split_items", "run_items"]
 
@@ -211,7 +210,7 @@ def split_items(items: list[CopyItem], item_bytes: int) -> list[CopyItem]:
     out = []
     for it in items:
         if it.n == 1 and it.length > item_bytes:
-            sisz, disz = itemsize(DTYPE_CODES[it.sdt]), itemsize(DTYPE_CODES[it.ddt])
+            sisz, disz = itemsize(DTYPE_NAMES[it.sdt]), itemsize(DTYPE_NAMES[it.ddt])
             step = max(sisz, item_bytes // sisz * sisz)
             for p in range(0, it.length, step):
                 ln = min(step, it.length - p)
@@ -324,8 +323,8 @@ def run_item(ctx: ReadContext, it: CopyItem) -> None:
     assert f is not None
     hi = it.so + (it.n - 1) * it.sdelta + it.length
     src_all, base = _source_bytes(ctx, f, it, hi)
-    sdt = torch_dtype(DTYPE_CODES[it.sdt])
-    sisz, disz = itemsize(DTYPE_CODES[it.sdt]), itemsize(DTYPE_CODES[it.ddt])
+    sdt = torch_dtype(DTYPE_NAMES[it.sdt])
+    sisz, disz = itemsize(DTYPE_NAMES[it.sdt]), itemsize(DTYPE_NAMES[it.ddt])
     elems = it.length // sisz
     src = src_all[it.so - base : hi - base].view(sdt)
     dst_t = ctx.dests[it.dst]

@@ -29,14 +29,13 @@ from astate_store.checkpoint.format import (
 from astate_store.checkpoint.index import is_committed
 from astate_store.checkpoint.storage import URI, Location, fsync_path, hook, put_atomic, resolve, temp_path
 from astate_store.errors import CheckpointError, LayoutError
+from astate_store.model.dtypes import DTYPES, dtype_name
 from astate_store.model.layout import (
-    DTYPES,
     ShardRecord,
     TensorLayout,
     TensorLike,
     check_step,
     contiguous_strides,
-    dtype_name,
     validate_name,
 )
 from astate_store.model.progress import Progress, ProgressCounter

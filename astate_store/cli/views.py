@@ -15,10 +15,11 @@ from typing import Any, TypeVar
 
 from astate_store.catalog import Catalog
 from astate_store.catalog.namespaces import ROOT
-from astate_store.catalog.records import Manifest, Skips, Version, pad20, parse_pad20
+from astate_store.catalog.records import Skips, Version, pad20, parse_pad20
+from astate_store.catalog.shard_tables import Manifest
 from astate_store.errors import CatalogError, CatalogUnavailable, CodecError, VersionNotFound
 from astate_store.model import codec
-from astate_store.model.layout import itemsize
+from astate_store.model.dtypes import itemsize
 
 __all__ = ["NamespaceSummary", "summarize", "inspect", "commit_time", "readers_of", "describe_event", "ROOT"]
 

@@ -47,7 +47,8 @@ from astate_store.get.sources import (
     source_groups,
     to_transport_ops,
 )
-from astate_store.model.layout import DTYPE_CODES, Box, ShardRecord
+from astate_store.model.dtypes import DTYPE_CODES
+from astate_store.model.layout import Box, ShardRecord
 from astate_store.model.validated import ValidatedTensors
 from astate_store.model.validation import Entry
 

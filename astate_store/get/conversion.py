@@ -18,7 +18,8 @@ import torch
 from astate_store.context import StoreContext, sync_device
 from astate_store.errors import LayoutError
 from astate_store.get.sources import SourceGroup, to_transport_ops
-from astate_store.model.layout import Box, ShardRecord, contiguous_strides, itemsize, torch_dtype
+from astate_store.model.dtypes import itemsize, torch_dtype
+from astate_store.model.layout import Box, ShardRecord, contiguous_strides
 from astate_store.model.validation import Entry
 
 __all__ = ["Conversion", "Converter"]

@@ -20,7 +20,8 @@ import torch
 
 from astate_store.catalog import Catalog, Version
 from astate_store.errors import LayoutError, TornReadError, VersionNotFound
-from astate_store.model.layout import group_layouts, torch_dtype
+from astate_store.model.dtypes import torch_dtype
+from astate_store.model.layout import group_layouts
 from astate_store.model.progress import Progress
 
 __all__ = ["KeyInfo", "keys", "get"]

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from astate_store.errors import LayoutError
-from astate_store.model.layout import dtype_name, itemsize, validate_name
+from astate_store.model.dtypes import dtype_name, itemsize
+from astate_store.model.layout import validate_name
 from astate_store.model.progress import Progress, ProgressCounter
 
 if TYPE_CHECKING:

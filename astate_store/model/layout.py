@@ -8,7 +8,7 @@ consumer's buffer index space, ``region`` the buffer).
 
 Validating what a user hands in (``validate_tensors``, ``Entry``, tied-weight aliases) lives in
 :mod:`astate_store.model.validation`; those names are still importable from here. This module
-imports nothing of the package but ``errors``.
+imports nothing of the package but ``errors`` and the dtype table (``model/dtypes.py``).
 """
 
 from __future__ import annotations
@@ -29,13 +29,9 @@ import numpy as np
 import torch
 
 from astate_store.errors import LayoutError
+from astate_store.model.dtypes import ITEMSIZES, itemsize
 
 __all__ = [
-    "DTYPES",
-    "dtype_name",
-    "torch_dtype",
-    "itemsize",
-    "is_floating",
     "validate_name",
     "Box",
     "ShardRecord",
@@ -48,61 +44,9 @@ __all__ = [
     "merge_tensor_layout",
 ]
 
-# Wire names of the dtypes we move. Names, not torch objects, go to etcd and checkpoints.
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
-
 # Names become etcd key segments and file names: keep them printable and slash-free at the ends.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 MAX_NAME_LEN = 512
-
-
-def dtype_name(dtype: torch.dtype, *, tensor: str = "?") -> str:
-    """Wire name of a torch dtype.
-
-    Raises:
-        LayoutError: the dtype is not one astate-store moves (complex, quantized, ...).
-    """
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        raise LayoutError(
-            f"tensor {tensor!r}: unsupported dtype {dtype}; supported: {', '.join(DTYPES)}"
-        ) from None
-
-
-def torch_dtype(name: str, *, tensor: str = "?") -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise LayoutError(f"tensor {tensor!r}: unknown dtype name {name!r}") from None
-
-
-def itemsize(name: str) -> int:
-    return _ITEMSIZE[name]
-
-
-DTYPE_NAMES: tuple[str, ...] = tuple(DTYPES)  # dtype code (as records carry it) -> name
-ITEMSIZES = np.array([_ITEMSIZE[n] for n in DTYPE_NAMES], dtype=np.int64)  # by dtype code
-DTYPE_CODES = {n: i for i, n in enumerate(DTYPE_NAMES)}
-
-
-def is_floating(name: str) -> bool:
-    return DTYPES[name].is_floating_point
 
 
 def validate_name(name: object) -> str:

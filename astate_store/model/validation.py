@@ -5,7 +5,7 @@ of Shards) into sorted :class:`Entry` objects, checking, in order, for each valu
 
 1. the name (:func:`~.layout.validate_name`'s rules, matched by one regular expression first);
 2. the box: a plain tensor is the whole tensor, a Shard's offsets must fit its global shape;
-3. the dtype (one of :data:`~.layout.DTYPES`) and the memory (no negative strides, no element
+3. the dtype (one of :data:`~.dtypes.DTYPES`) and the memory (no negative strides, no element
    shared by two indices);
 4. the device (cpu or cuda), and no DTensor left unconverted;
 5. for a list of Shards: the boxes agree on dtype and global shape and do not overlap;
@@ -30,8 +30,8 @@ from operator import attrgetter
 import torch
 
 from astate_store.errors import LayoutError
+from astate_store.model.dtypes import TORCH_NAMES, dtype_name, is_floating
 from astate_store.model.layout import (
-    _NAMES,
     _ZEROS,
     MAX_NAME_LEN,
     Box,
@@ -42,8 +42,6 @@ from astate_store.model.layout import (
     TensorLike,
     _check_non_overlapping,
     _frozen,
-    dtype_name,
-    is_floating,
     validate_name,
 )
 
@@ -118,7 +116,7 @@ def _local_box(name: str, value: object) -> tuple[torch.Tensor, Box, tuple[int, 
         raise LayoutError(
             f"tensor {name!r}: expected a torch.Tensor or astate_store.Shard, got {type(value).__name__}"
         )
-    dtype = _NAMES.get(tensor.dtype)
+    dtype = TORCH_NAMES.get(tensor.dtype)
     if dtype is None:
         dtype_name(tensor.dtype, tensor=name)  # raises, naming the tensor
     _check_memory(name, tensor, sizes)

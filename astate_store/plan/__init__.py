@@ -46,7 +46,6 @@ from astate_store.plan._planner.prepack import Copy, consumer_requests, servable
 from astate_store.plan._planner.result import ConsumerPlan, GlobalPlan
 from astate_store.plan.contracts import (
     COPY_DTYPE,
-    DTYPE_CODES,
     READ_DTYPE,
     CostModel,
     Fabric,
@@ -58,7 +57,6 @@ from astate_store.plan.contracts import (
 __all__ = [
     "READ_DTYPE",
     "COPY_DTYPE",
-    "DTYPE_CODES",
     "CostModel",
     "Placement",
     "Fabric",

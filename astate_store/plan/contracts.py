@@ -9,22 +9,18 @@ from typing import Any, Union
 
 import numpy as np
 
-from astate_store.model.layout import DTYPES, Box, ShardRecord, contiguous_strides, is_floating, itemsize
+from astate_store.model.dtypes import itemsize
+from astate_store.model.layout import Box, ShardRecord, contiguous_strides
 from astate_store.plan._planner.templates import _rel_offsets, _template
 from astate_store.plan._planner.util import _sort_key
-
-#: dtype codes used in the ``src_dtype`` / ``dst_dtype`` fields: index into this tuple.
-DTYPE_CODES: tuple[str, ...] = tuple(DTYPES)
-_CODE: dict[str, int] = {n: i for i, n in enumerate(DTYPE_CODES)}
-_ISZ = np.array([itemsize(n) for n in DTYPE_CODES], dtype=np.int64)
-_FLOAT = np.array([is_floating(n) for n in DTYPE_CODES], dtype=bool)
 
 #: One read: copy ``length`` source bytes from ``src_offset`` of region ``src_region`` of
 #: publisher ``src_rank`` to ``dst_offset`` of the consumer's buffer ``dst_region``. With
 #: ``convert`` the bytes are ``length // itemsize(src_dtype)`` elements of ``src_dtype`` to be
 #: written as ``dst_dtype`` (``length // isz_src * isz_dst`` destination bytes). ``tensor`` indexes
 #: ``plan.tensors``; ``dst_index`` is the index of the destination record in the consumer's
-#: request (for a read merged across records: the first one).
+#: request (for a read merged across records: the first one). ``src_dtype`` and ``dst_dtype`` are
+#: dtype codes (``model.dtypes.DTYPE_NAMES``).
 READ_DTYPE = np.dtype(
     [
         ("src_offset", "<i8"),

@@ -22,7 +22,8 @@ from astate_store.catalog.records import pad20
 from astate_store.context import StoreContext, sync_device
 from astate_store.errors import CheckpointError, LayoutError
 from astate_store.model import codec
-from astate_store.model.layout import ShardRecord, TensorLike, torch_dtype
+from astate_store.model.dtypes import torch_dtype
+from astate_store.model.layout import ShardRecord, TensorLike
 from astate_store.model.validated import ValidatedTensors
 from astate_store.model.validation import Entry, validate_tensors, with_aliases
 from astate_store.plan import Copy, servable

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from astate_store.errors import LayoutError
-from astate_store.model.layout import Box, ShardRecord, contiguous_strides, itemsize, torch_dtype
+from astate_store.model.dtypes import itemsize, torch_dtype
+from astate_store.model.layout import Box, ShardRecord, contiguous_strides
 
 if TYPE_CHECKING:
     from astate_store.transport import Transport

@@ -57,7 +57,7 @@ from astate_store.errors import AStateError, CodecError
 from astate_store.get.kv import KeyInfo, keys
 from astate_store.hub import SessionHub
 from astate_store.model import codec
-from astate_store.model.layout import torch_dtype
+from astate_store.model.dtypes import torch_dtype
 from astate_store.put.registry import Registry
 from astate_store.put.serving import Serving
 from astate_store.store import Store

@@ -23,20 +23,19 @@ from hypothesis import strategies as st
 
 from astate_store.catalog import Catalog, CheckpointEntry
 from astate_store.catalog.blobs import blob_from_kvs, blob_requests
-from astate_store.catalog.records import (
-    DTYPE_TABLE,
-    _columns_id,
-    _layout_id,
+from astate_store.catalog.records import pad20, version_from_kvs
+from astate_store.catalog.shard_tables import (
     layout_from_record,
+    layout_id_of,
     layout_record,
     manifest_from_record,
+    manifest_id_of,
     manifest_record,
-    pad20,
-    version_from_kvs,
 )
 from astate_store.catalog.version_reads import _checked_blob_kvs
 from astate_store.errors import CatalogCorrupted, CodecError, VersionNotFound, WaitTimeout
 from astate_store.model import codec
+from astate_store.model.dtypes import DTYPE_CODES
 from astate_store.model.layout import Box, ShardRecord
 from astate_store.store import Store
 
@@ -186,13 +185,13 @@ def _bad_box_manifest() -> dict[str, Any]:
 
     cols = {
         "names": ["w"],
-        "dtypes": bytes([DTYPE_TABLE.index("float32")]),
+        "dtypes": bytes([DTYPE_CODES["float32"]]),
         "ndims": bytes([1]),
         "global_shapes": np.array([64], "<i8").tobytes(),
         "offsets": np.array([60], "<i8").tobytes(),
         "sizes": np.array([10], "<i8").tobytes(),
     }
-    return {"manifest_id": _columns_id(cols), **cols}
+    return {"manifest_id": manifest_id_of(cols), **cols}
 
 
 def _chunked_layout(w: World, step: int, member: str, *, tamper: bool) -> list[str]:
@@ -838,7 +837,7 @@ _columns = st.fixed_dictionaries(
 @_FUZZ
 @given(_columns, st.booleans())
 def test_fuzz_manifests(cols: dict[str, Any], honest_id: bool) -> None:
-    rec = {"manifest_id": _columns_id(cols) if honest_id else "0" * 24, **cols}
+    rec = {"manifest_id": manifest_id_of(cols) if honest_id else "0" * 24, **cols}
     try:
         m = manifest_from_record(rec, rec["manifest_id"])
     except CodecError:
@@ -876,7 +875,7 @@ def test_fuzz_layouts(
     }
     if packed is not None:
         rec["packed"] = packed
-    rec["layout_id"] = _layout_id(rec) if honest_id else "1" * 24
+    rec["layout_id"] = layout_id_of(rec) if honest_id else "1" * 24
     try:
         layout_from_record(rec, m, key_id=rec["layout_id"], epoch=0, rank=rank)
     except CodecError:

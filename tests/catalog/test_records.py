@@ -15,14 +15,16 @@ from astate_store.catalog.records import (
     Skips,
     counter_value,
     is_record_id,
-    layout_from_record,
-    layout_record,
-    manifest_from_record,
-    manifest_record,
     numbered_records,
     pad20,
     parse_pad20,
     version_from_kvs,
+)
+from astate_store.catalog.shard_tables import (
+    layout_from_record,
+    layout_record,
+    manifest_from_record,
+    manifest_record,
 )
 from astate_store.errors import CatalogCorrupted, CodecError, VersionNotFound
 from astate_store.model import codec
@@ -166,9 +168,9 @@ def test_a_manifest_whose_box_leaves_its_tensor_is_refused() -> None:
     rec = manifest_record(outside)
     rec["sizes"] = np.array([9, 4], dtype=np.int64).tobytes()
     rec["manifest_id"] = ""
-    from astate_store.catalog.records import _columns_id  # the honest id of the forged columns
+    from astate_store.catalog.shard_tables import manifest_id_of  # the honest id of the forged columns
 
-    rec["manifest_id"] = _columns_id(rec)
+    rec["manifest_id"] = manifest_id_of(rec)
     with pytest.raises(CodecError, match="outside its tensor's global shape"):
         manifest_from_record(rec, rec["manifest_id"])
 

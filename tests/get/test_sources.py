@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from astate_store.catalog import Layout, Manifest, Piece, Replica, Version
-from astate_store.catalog.records import manifest_from_record, manifest_record
+from astate_store.catalog.shard_tables import manifest_from_record, manifest_record
 from astate_store.errors import LayoutError, NoLiveSource
 from astate_store.get.sources import (
     PUBLISHERS,
@@ -206,7 +206,7 @@ def test_byte_spans_cover_the_pieces_the_buffers_may_read_per_region() -> None:
     ]
     # the same shards column-wise (``Layout.columns``, as decoded from records): the same runs,
     # and no record built for a buffer that takes whole shards
-    from astate_store.catalog.records import (
+    from astate_store.catalog.shard_tables import (
         layout_from_record,
         layout_record,
         manifest_from_record,

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astate_store.catalog.blobs import CHUNK_BYTES, blob_from_kvs, blob_requests
-from astate_store.catalog.records import (
+from astate_store.catalog.shard_tables import (
     layout_from_record,
     layout_record,
     manifest_from_record,

@@ -13,17 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from astate_store.errors import PlanError
-from astate_store.model.layout import (
-    Box,
-    ShardRecord,
-    TensorLayout,
-    contiguous_strides,
-    itemsize,
-    merge_tensor_layout,
-)
+from astate_store.model.dtypes import DTYPE_CODES, DTYPE_NAMES, itemsize
+from astate_store.model.layout import Box, ShardRecord, TensorLayout, contiguous_strides, merge_tensor_layout
 from astate_store.plan import (
     COPY_DTYPE,
-    DTYPE_CODES,
     READ_DTYPE,
     CostModel,
     Fabric,
@@ -89,8 +82,8 @@ def execute_checked(reads, sources: dict, dests: dict):
         so, do, ln = int(r["src_offset"]), int(r["dst_offset"]), int(r["length"])
         key = (int(r["src_rank"]), int(r["src_region"]))
         dreg = int(r["dst_region"])
-        sisz = itemsize(DTYPE_CODES[int(r["src_dtype"])])
-        disz = itemsize(DTYPE_CODES[int(r["dst_dtype"])])
+        sisz = itemsize(DTYPE_NAMES[int(r["src_dtype"])])
+        disz = itemsize(DTYPE_NAMES[int(r["dst_dtype"])])
         dl = ln // sisz * disz
         assert so >= 0 and so + ln <= len(sources[key])
         assert do >= 0 and do + dl <= len(dests[dreg])
@@ -406,8 +399,7 @@ def test_whole_tensor_one_read_and_zero_d_and_one_d():
     assert (
         r.tolist()
         == np.array(
-            [(8, 24, 8, 1, 2, 0, 0, 0, DTYPE_CODES.index("int64"), DTYPE_CODES.index("int64"), False)],
-            READ_DTYPE,
+            [(8, 24, 8, 1, 2, 0, 0, 0, DTYPE_CODES["int64"], DTYPE_CODES["int64"], False)], READ_DTYPE
         ).tolist()
     )
     v = merge_tensor_layout(
@@ -500,8 +492,8 @@ def test_conversion_flag_and_values():
         gp = plan_global({"w": lay}, {0: [d]})
         r = gp.reads(0)
         assert r["convert"].all() and (r["length"] == 2 * 6 * 4).all()  # source bytes
-        assert (r["src_dtype"] == DTYPE_CODES.index("float32")).all()
-        assert (r["dst_dtype"] == DTYPE_CODES.index(dt)).all()
+        assert (r["src_dtype"] == DTYPE_CODES["float32"]).all()
+        assert (r["dst_dtype"] == DTYPE_CODES[dt]).all()
         out = torch.zeros(24 * itemsize(dt), dtype=torch.uint8)
         execute_reads(r, sources, {0: out})
         assert torch.equal(out.view(tdt).view(shape).float(), vals.to(tdt).float())
@@ -930,7 +922,7 @@ def _ref_sources(layouts):
             out["rec_t"].append(ti)
         out["t_bc"].append(len(out["box_lo"]) - out["t_bs"][-1])
     out["t_shape"] = [pad(layouts[n].global_shape, 1) for n in names]
-    out["t_code"] = [DTYPE_CODES.index(layouts[n].dtype) for n in names]
+    out["t_code"] = [DTYPE_CODES[layouts[n].dtype] for n in names]
     out["tensor_salt"] = [zlib.crc32(n.encode()) for n in names]
     out.update(
         D=D,

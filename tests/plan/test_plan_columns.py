@@ -9,13 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from astate_store.catalog.records import (
+from astate_store.catalog.shard_tables import (
     layout_from_record,
     layout_record,
     manifest_from_record,
     manifest_record,
 )
-from astate_store.model.layout import DTYPE_CODES, Box, ShardColumns, ShardRecord, contiguous_strides
+from astate_store.model.dtypes import DTYPE_CODES
+from astate_store.model.layout import Box, ShardColumns, ShardRecord, contiguous_strides
 from astate_store.plan._planner.columns import whole_buffer_reads
 
 ITEM = {"float32": 4, "int8": 1, "bfloat16": 2}

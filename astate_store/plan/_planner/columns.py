@@ -16,7 +16,8 @@ from itertools import chain, repeat
 
 import numpy as np
 
-from astate_store.model.layout import ITEMSIZES, ShardColumns
+from astate_store.model.dtypes import ITEMSIZES
+from astate_store.model.layout import ShardColumns
 
 __all__ = ["whole_buffer_reads", "READ_COLUMNS"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from astate_store.plan.contracts import DTYPE_CODES
+from astate_store.model.dtypes import DTYPE_NAMES
 
 
 def execute_reads(
@@ -22,7 +22,7 @@ def execute_reads(
     read."""
     import torch
 
-    from astate_store.model.layout import torch_dtype
+    from astate_store.model.dtypes import torch_dtype
 
     for r in reads.tolist():
         so, do, ln, rk, sreg, dreg, _t, _i, sdt, ddt, conv = r
@@ -31,8 +31,8 @@ def execute_reads(
         if not conv:
             d[do : do + ln] = s[so : so + ln]
             continue
-        st = torch_dtype(DTYPE_CODES[sdt])
-        dt = torch_dtype(DTYPE_CODES[ddt])
+        st = torch_dtype(DTYPE_NAMES[sdt])
+        dt = torch_dtype(DTYPE_NAMES[ddt])
         sv = torch.as_tensor(s[so : so + ln]).clone().view(st)
         dv = sv.to(dt).view(torch.uint8)
         dl = len(dv)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from astate_store.errors import PlanError
+from astate_store.model.dtypes import ITEMSIZES
 from astate_store.plan._planner.requests import _Requests
 from astate_store.plan._planner.shards import _Sources
 from astate_store.plan._planner.util import _cat, _segment_arange
-from astate_store.plan.contracts import _ISZ
 
 #: Pieces per chunk of the join (bounds the temporaries of a 1T-parameter plan).
 _CHUNK = 1 << 22
@@ -125,8 +125,8 @@ def _intersect(src: _Sources, req: _Requests) -> _Pieces:
     _check_coverage(req, covered, numel_row)
     NP = len(P_row)
     P_numel = np.prod(P_sz, axis=1) if NP else np.zeros(0, np.int64)
-    P_sisz = _ISZ[req.scode[P_row]]
-    P_disz = _ISZ[req.code[P_row]]
+    P_sisz = ITEMSIZES[req.scode[P_row]]
+    P_disz = ITEMSIZES[req.code[P_row]]
     return _Pieces(
         n=NP,
         row=P_row,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from astate_store.model.layout import Box, TensorLayout, is_floating
+from astate_store.model.dtypes import is_floating
+from astate_store.model.layout import Box, TensorLayout
 from astate_store.model.validation import Entry
 from astate_store.plan.contracts import PackItem
 

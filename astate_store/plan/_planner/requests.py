@@ -12,10 +12,10 @@ from collections.abc import Hashable, Mapping, Sequence
 import numpy as np
 
 from astate_store.errors import PlanError
+from astate_store.model.dtypes import DTYPE_CODES, FLOATING
 from astate_store.model.layout import ShardRecord
 from astate_store.plan._planner.shards import _Sources
 from astate_store.plan._planner.util import _unique_rows
-from astate_store.plan.contracts import _CODE, _FLOAT
 
 
 def _dedupe_requests(
@@ -89,7 +89,7 @@ def _check_records(src: _Sources, recs: list[ShardRecord]) -> tuple[list[int], l
                 f"tensor {r.name!r}: destination global shape {tuple(r.global_shape)} disagrees "
                 f"with the layout {gs}"
             )
-    codes = [_CODE.get(r.dtype, -1) for r in recs]
+    codes = [DTYPE_CODES.get(r.dtype, -1) for r in recs]
     for r, c in zip(recs, codes):
         if c < 0:
             raise PlanError(f"tensor {r.name!r}: unknown destination dtype {r.dtype!r}")
@@ -164,7 +164,7 @@ class _Requests:
         # the data path converts only between float dtypes
         scode = self.scode
         diff = scode != self.code
-        bad = diff & ~(_FLOAT[scode] & _FLOAT[self.code])
+        bad = diff & ~(FLOATING[scode] & FLOATING[self.code])
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             r = self.recs[i]

@@ -16,9 +16,9 @@ from operator import attrgetter, is_, ne
 import numpy as np
 
 from astate_store.errors import PlanError
+from astate_store.model.dtypes import DTYPE_CODES
 from astate_store.model.layout import ShardRecord, TensorLayout
 from astate_store.plan._planner.util import _sorted_ids
-from astate_store.plan.contracts import _CODE
 
 _GET_META = attrgetter("name", "dtype", "global_shape")
 _GET_OFFS = attrgetter("box.offsets")
@@ -167,7 +167,7 @@ class _Sources:
         self.D = D
         self.shapes: list[tuple] = shapes
         self.dtypes: list[str] = dts
-        codes = np.fromiter(map(_CODE.get, dts, repeat(-1)), np.int64, T)
+        codes = np.fromiter(map(DTYPE_CODES.get, dts, repeat(-1)), np.int64, T)
         t_unknown = codes < 0
         self.t_code = np.where(t_unknown, 0, codes)
         self.t_shape = _padded(
