@@ -11,8 +11,8 @@ For one version and one set of source groups, :meth:`Batches.lookup` gives the b
    dtype conversions where no publisher-converted copy covers a buffer.
 
 The source groups of a version (``sources.source_groups``) and the order of group sets to fail
-over through (``sources.failover_order``, after ``sources.check_live`` when publishers are gone)
-are cached here too.
+over through (``sources.failover_order``, after ``sources.uncovered`` and ``check_live`` when
+publishers are gone) are cached here too.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from astate_store.get.sources import (
     publisher_peer,
     source_groups,
     to_transport_ops,
+    uncovered,
 )
 from astate_store.model.dtypes import DTYPE_CODES
 from astate_store.model.layout import Box, ShardRecord
@@ -110,8 +111,9 @@ class Batches:
         every byte asked for (``check_live``), else raise ``NoLiveSource`` naming what is lost."""
         key = (version.layout_key, version.missing, self.buffers.fingerprint)
         if self._tries[0] != key:
-            if version.missing:
-                check_live(version, groups, dests, lambda: self._gone_manifests(version))
+            short = uncovered(groups, dests) if version.missing else []
+            if short:  # the gone ranks' manifests are read only to name what is lost
+                check_live(version, groups, short, self._gone_manifests(version))
             if not groups:
                 raise PeerUnreachable(
                     f"namespace {self.ctx.namespace!r}: step {version.step}: publisher ranks "
@@ -237,9 +239,8 @@ class Batches:
                     cg = replace(g, layouts={e.name: ready}, packed=(), key=(g.key, "conv", e.name, e.dtype))
                     batches.append(self._rows(cg, base, self._plan(cg, dest_records([e])).reads, [e]))
                 else:
-                    conversions.append(
-                        self.converter.plan(g, base, e, lambda gg, recs: self._plan(gg, recs).reads)
-                    )
+                    recs = self.converter.chunk_records(g, e)  # every chunk in one planning call
+                    conversions.append(self.converter.plan(g, base, e, recs, self._plan(g, recs).reads))
             if self.ctx.options.prepack and gid == PUBLISHERS:
                 self._request_packs(g, same_recs, cp, convert)
         ops = np.concatenate(batches) if batches else np.empty((0, 5), dtype=np.int64)

@@ -247,7 +247,7 @@ class Consumer:
             # Python work per shard).
             t.plan += _now() - t0
             try:
-                return self._pull_from(version, None, dests, t)
+                return self._pull_from(version, None, None, dests, t)
             except TransportError:
                 self._afresh()
                 raise
@@ -256,7 +256,7 @@ class Consumer:
         t.plan += _now() - t0  # choosing and connecting sources counts with planning
         for i, gs in enumerate(tries):
             try:
-                return self._pull_from(version, gs, dests, t)
+                return self._pull_from(version, gs, groups, dests, t)
             except TransportError as exc:
                 self._afresh()
                 if i == len(tries) - 1:
@@ -311,9 +311,15 @@ class Consumer:
         self.links.warm(version, self.batches.wanted, self.buffers.fingerprint)
 
     def _pull_from(
-        self, version: Version, groups: Mapping[str, SourceGroup] | None, dests: list[Entry], t: PullTimes
+        self,
+        version: Version,
+        groups: Mapping[str, SourceGroup] | None,
+        every: Mapping[str, SourceGroup] | None,
+        dests: list[Entry],
+        t: PullTimes,
     ) -> frozenset[object]:
-        """One pull from ``groups`` (None: the version's publishers, its only source)."""
+        """One pull from ``groups``, a set of the version's source groups ``every`` (both None:
+        the version's publishers, its only source, whose groups are never merged)."""
         t0 = _now()
         work, built = self.batches.lookup(version, groups, dests)
         t1 = _now()
@@ -328,7 +334,7 @@ class Consumer:
                 _report(t, done, work.nbytes)
         t3 = _now()
         t.convert += t3 - t2
-        if self.links.disconnect_departed(version, lambda: self.batches.groups(version)):
+        if self.links.disconnect_departed(version, every):
             self.batches.clear()  # ready-made batches may name the departed peers' indices
         if (
             built

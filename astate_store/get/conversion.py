@@ -8,7 +8,7 @@ chunk k is converted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,9 +36,6 @@ class Conversion:
     chunks: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]
 
 
-PlanFn = Callable[[SourceGroup, tuple[ShardRecord, ...]], np.ndarray]
-
-
 class Converter:
     """Plans and runs local conversions; owns the conversion staging and its fetch thread."""
 
@@ -50,6 +47,11 @@ class Converter:
     @property
     def staging_bytes(self) -> int:
         return 0 if self._buf is None else int(self._buf.numel())
+
+    def _half(self) -> int:
+        """Bytes per staging half: half the cap, or a default when none is set."""
+        cap = self.ctx.options.staging_cap_bytes
+        return max(1, cap // 2) if cap else _DEFAULT_HALF
 
     def _row_chunks(self, e: Entry, isz: int, half: int) -> list[Box]:
         sizes = e.box.sizes
@@ -67,20 +69,35 @@ class Converter:
             for i in range(0, sizes[0], per)
         ]
 
-    def plan(self, g: SourceGroup, base: Mapping[int, int], e: Entry, plan: PlanFn) -> Conversion:
-        """The chunks of one buffer's conversion; ``plan`` plans reads of source records."""
+    def chunk_records(self, g: SourceGroup, e: Entry) -> tuple[ShardRecord, ...]:
+        """The chunks of whole rows one buffer's conversion reads, as records in the source dtype
+        (each fits a staging half), for the caller to plan in one planning call.
+
+        Raises:
+            LayoutError: one row is larger than a staging half.
+        """
         src_dtype = g.layouts[e.name].dtype
-        isz = itemsize(src_dtype)
-        cap = self.ctx.options.staging_cap_bytes
-        half = max(1, cap // 2) if cap else _DEFAULT_HALF
-        boxes = self._row_chunks(e, isz, half)
-        staging = self._staging(2 * min(half, e.box.numel * isz), e.tensor.device)
-        halves = (staging[: staging.numel() // 2], staging[staging.numel() // 2 :])
-        recs = tuple(
+        boxes = self._row_chunks(e, itemsize(src_dtype), self._half())
+        return tuple(
             ShardRecord(e.name, src_dtype, e.global_shape, c, contiguous_strides(c.sizes), -1, i, 0)
             for i, c in enumerate(boxes)
         )
-        reads = plan(g, recs)  # every chunk in one planning call
+
+    def plan(
+        self,
+        g: SourceGroup,
+        base: Mapping[int, int],
+        e: Entry,
+        recs: tuple[ShardRecord, ...],
+        reads: np.ndarray,
+    ) -> Conversion:
+        """One buffer's conversion, ready to run: ``recs`` from :meth:`chunk_records`, ``reads``
+        the planner's reads of them from ``g`` (``dst_region``: the chunk's index)."""
+        src_dtype = g.layouts[e.name].dtype
+        isz = itemsize(src_dtype)
+        boxes = [r.box for r in recs]
+        staging = self._staging(2 * min(self._half(), e.box.numel * isz), e.tensor.device)
+        halves = (staging[: staging.numel() // 2], staging[staging.numel() // 2 :])
         reads = reads[np.argsort(reads["dst_region"], kind="stable")]
         cuts = np.searchsorted(reads["dst_region"], np.arange(len(boxes) + 1))
         chunks = []

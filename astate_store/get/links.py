@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,12 +164,13 @@ class Links:
                     out.add(rank if rank is not None else replica_source(peer[1]))
         return frozenset(out)
 
-    def disconnect_departed(self, version: Version, groups: Callable[[], Mapping[str, SourceGroup]]) -> bool:
+    def disconnect_departed(self, version: Version, groups: Mapping[str, SourceGroup] | None) -> bool:
         """After a good pull: close the endpoints (rkeys, pidfds) of peers that no source group
         of the last ``_KEEP_PEERS`` pulled versions names (publishers that left or restarted,
         withdrawn re-servers), so connections and ``connected`` stay bounded. ``groups``: the
-        version's source groups (asked only when its sources changed). True when some peer was
-        disconnected: ready-made batches may name its index."""
+        version's source groups; None when its publishers are its only source (then they are
+        never merged: see ``Consumer._pull``). True when some peer was disconnected: ready-made
+        batches may name its index."""
         st, key = self._recent, (version.layout_key, version.missing)
         if st.key == key:
             st.streak += 1
@@ -179,8 +180,8 @@ class Links:
         else:
             peers = (
                 frozenset(publisher_peer(r, lay) for r, lay in version.layouts.items())
-                if not version.missing and not version.replica_layouts
-                else frozenset(peer for g in groups().values() for peer, _r, _l in g.sources.values())
+                if groups is None
+                else frozenset(peer for g in groups.values() for peer, _r, _l in g.sources.values())
             )
             st.key, st.streak = key, 1
         st.peers.append(peers)

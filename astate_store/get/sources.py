@@ -7,7 +7,7 @@ publishers' group holds only what the live ranks hold: a tensor some dead rank h
 is *partial* there, and serves only the buffers whose boxes its live shards cover. Each buffer
 is read from exactly one group that covers it, chosen per consumer by a stable rotation so that
 independent consumers spread over the groups; a buffer no group covers is named, with the dead
-ranks that held its bytes, before any byte moves (:func:`check_live`).
+ranks that held its bytes, before any byte moves (:func:`uncovered`, :func:`check_live`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ __all__ = [
     "read_spans",
     "Wanted",
     "covers",
+    "uncovered",
     "check_live",
 ]
 
@@ -217,26 +218,27 @@ def _covered(shards: Sequence[ShardRecord], box: Box) -> int:
     return n
 
 
+def uncovered(groups: Mapping[str, SourceGroup], dests: Sequence[Entry]) -> list[Entry]:
+    """The buffers no live group covers (under any of their names): what :func:`check_live`
+    checks against the gone ranks. Empty in the common case, where nothing more is read."""
+    order = sorted(groups)
+    return [e for e in dests if not any(covers(groups[g], x) for g in order for x in _names_of(e))]
+
+
 def check_live(
-    version: Version,
-    groups: Mapping[str, SourceGroup],
-    dests: Sequence[Entry],
-    gone: Callable[[], Mapping[int, Manifest]],
+    version: Version, groups: Mapping[str, SourceGroup], short: Sequence[Entry], gone: Mapping[int, Manifest]
 ) -> None:
-    """Before any byte moves: every buffer is covered by some live group, or raise naming each
-    tensor and box no live source holds and the gone ranks that held them. ``gone``: the
-    manifests (leaseless) of the ranks in ``version.missing``; read only when some buffer is not
-    covered. A buffer whose tensor no one, live or gone, ever published is left to :func:`assign`
-    (its ``LayoutError``).
+    """Before any byte moves: raise naming each tensor and box of the buffers no live group
+    covers (``short``, from :func:`uncovered`) and the gone ranks that held them. ``gone``: the
+    manifests (leaseless) of the ranks in ``version.missing``. A buffer whose tensor no one,
+    live or gone, ever published is left to :func:`assign` (its ``LayoutError``).
 
     Raises:
         NoLiveSource: naming (tensor, box, ranks) of every piece without a live source.
     """
-    order = sorted(groups)
-    short = [e for e in dests if not any(covers(groups[g], x) for g in order for x in _names_of(e))]
     if not short:
         return
-    held = _held_by(gone(), {n for e in short for n in (e.name, *e.aliases)})
+    held = _held_by(gone, {n for e in short for n in (e.name, *e.aliases)})
     holes: dict[tuple[str, Box], set[int]] = {}
     for e in short:
         names = [n for n in (e.name, *e.aliases) if n in held]

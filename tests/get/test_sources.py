@@ -18,6 +18,7 @@ from astate_store.get.sources import (
     failover_order,
     read_spans,
     source_groups,
+    uncovered,
 )
 from astate_store.model.layout import Box, Shard, ShardRecord, contiguous_strides
 from astate_store.model.validation import validate_tensors
@@ -102,29 +103,25 @@ def test_bytes_only_gone_ranks_held_are_named_before_any_read() -> None:
     v = _version(missing=frozenset({1}))
     groups = source_groups(v)
     gone = {1: _manifest(_rec("w", 1, (4, 0), (4, 4)), _rec("b", 1, (0, 0), SHAPE))}
-    asked: list[int] = []
 
-    def manifests() -> dict[int, Manifest]:
-        asked.append(1)
-        return gone
-
-    check_live(v, groups, _bufs(w=Shard(torch.zeros(4, 4), (0, 0), SHAPE), b=torch.zeros(SHAPE)), manifests)
-    assert not asked  # everything asked for is live: the gone ranks' manifests are not even read
+    # everything asked for is live: nothing is short, so the gone ranks' manifests are not read
+    assert uncovered(groups, _bufs(w=Shard(torch.zeros(4, 4), (0, 0), SHAPE), b=torch.zeros(SHAPE))) == []
+    short = uncovered(groups, _bufs(w=Shard(torch.zeros(2, 4), (3, 0), SHAPE), b=torch.zeros(SHAPE)))
+    assert [e.name for e in short] == ["w"]
     with pytest.raises(NoLiveSource, match=r"ranks \[1\] are gone.*'w' box \(4, 0\)\+\(1, 4\)") as err:
-        check_live(
-            v, groups, _bufs(w=Shard(torch.zeros(2, 4), (3, 0), SHAPE), b=torch.zeros(SHAPE)), manifests
-        )
+        check_live(v, groups, short, gone)
     # row 3 is rank 0's; only row 4 was rank 1's alone ("b" was replicated on rank 0 too)
     assert err.value.holes == [("w", (4, 0), (1, 4), (1,))] and err.value.step == 7
     # a tensor nobody ever published is still the buffer's LayoutError (from assign)
-    check_live(v, groups, _bufs(nope=torch.zeros(SHAPE)), manifests)
+    check_live(v, groups, uncovered(groups, _bufs(nope=torch.zeros(SHAPE))), gone)
     with pytest.raises(LayoutError, match=r"'nope' is not in"):
         assign(groups, _bufs(nope=torch.zeros(SHAPE)), 0)
     # with every publisher gone and no re-server, every byte asked for is named
     v2 = _version(missing=frozenset({0, 1}))
     both = {0: _manifest(_rec("w", 0, (0, 0), (4, 4)), _rec("b", 0, (0, 0), SHAPE)), **gone}
+    g2 = source_groups(v2)
     with pytest.raises(NoLiveSource) as err:
-        check_live(v2, source_groups(v2), _bufs(w=torch.zeros(SHAPE), b=torch.zeros(SHAPE)), lambda: both)
+        check_live(v2, g2, uncovered(g2, _bufs(w=torch.zeros(SHAPE), b=torch.zeros(SHAPE))), both)
     assert err.value.holes == [
         ("b", (0, 0), SHAPE, (0, 1)),
         ("w", (0, 0), (4, 4), (0,)),
