@@ -85,7 +85,7 @@ def _pull_case(
                 for i, (name, b) in enumerate(bufs.items())
                 if not torch.equal(b, _values(i, numel, dst_device))
             ]
-            peers = [store.transport.endpoint_info(x)[:300] for x in store.transport.peers]
+            peers = [store.transport.peer_info(x).lanes[:300] for x in store.transport.peers]
         steady = times[1:]
         med = statistics.median(steady)
         return {

@@ -59,7 +59,7 @@ def main() -> None:
             exact = bool(
                 torch.equal(cols["w"].tensor, want["w"][:, 512:]) and torch.equal(cols["b"], want["b"])
             )
-            peers = [s.transport.endpoint_info(p) for p in s.transport.peers]
+            peers = [s.transport.peer_info(p).lanes for p in s.transport.peers]
             streamed = [s.transport.peer_info(p).streamed for p in s.transport.peers]
             _emit(
                 got=got,

@@ -12,7 +12,7 @@ and chunks in one revision.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import xxhash
@@ -102,8 +102,3 @@ def blob_from_kvs(key: str, kvs: Iterable[tuple[bytes, Any]]) -> bytes | None:
     if len(data) != head["size"]:
         raise CodecError(f"blob {key}: {len(data)} bytes, head says {head['size']}")
     return data
-
-
-def chunk_keys(key: str, kvs: Sequence[tuple[bytes, Any]]) -> list[str]:
-    """Keys of a blob's chunks among ``kvs`` (for deleting a blob that has no lease)."""
-    return [m.key.decode() for _v, m in kvs if m.key.decode().startswith(key + "/")]

@@ -341,12 +341,6 @@ class Versions:
         """
         return self._latest.wait(min_step, timeout)
 
-    @property
-    def waits_seen(self) -> tuple[int | None, ...]:
-        """The newest step known each time a :meth:`wait_for` blocked (the last 16): what a waiter
-        had seen when it decided to keep waiting. For tools and tests."""
-        return tuple(self._latest.blocked_at)
-
     def flush_retention(self, timeout: float = 30.0) -> bool:
         """Wait until the background retention has caught up with every commit so far; True
         when it has (for tools and tests: nothing needs to wait for retention)."""

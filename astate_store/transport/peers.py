@@ -42,7 +42,8 @@ class PeerInfo:
     for callers that test for it). ``direct_regions``: per region of its descriptor,
     whether rows may take that path. ``mapped_regions``: per region, whether its memfd is
     mapped here (rows are then plain copies; ``memfd.py``). ``streamed``: rows of its host
-    regions are streamed over tcp (``stream/``) instead of read with UCX.
+    regions are streamed over tcp (``stream/``) instead of read with UCX. ``lanes``: UCX's
+    description of the lanes and transports the endpoint uses.
     """
 
     index: int
@@ -52,6 +53,7 @@ class PeerInfo:
     direct_regions: tuple[bool, ...]
     mapped_regions: tuple[bool, ...] = ()
     streamed: bool = False
+    lanes: str = ""
 
 
 @dataclass
@@ -199,11 +201,6 @@ class PeerTable:
 
     def __len__(self) -> int:
         return len(self._peers)
-
-    @property
-    def index_space(self) -> int:
-        """Size of the per-index tables (connected peers + freed indices not reused yet)."""
-        return self._next_index
 
     def get(self, key: Hashable) -> Peer | None:
         return self._peers.get(key)

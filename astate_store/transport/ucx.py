@@ -231,22 +231,18 @@ class UcxTransport(Transport):
         """UCX's description of the context and worker (transports, devices)."""
         return self._worker.info()
 
-    def endpoint_info(self, peer: Hashable) -> str:
-        """UCX's description of the lanes the endpoint to ``peer`` uses."""
-        with self._lock:
-            p = self._peers.require(peer)
-        return p.ep.info()
-
     def peer_info(self, peer: Hashable) -> PeerInfo:
         """What this transport decided for a connected peer (KeyError if unknown).
 
         A read-only copy: which endpoint is in use (``endpoint_id`` changes exactly when
-        ``connect`` makes a new one), its error mode, and whether the same-host
+        ``connect`` makes a new one), its error mode, its lanes, and whether the same-host
         ``process_vm_readv`` path serves it, per region too. See :class:`PeerInfo`.
         """
         with self._lock:
-            info = self._peers.require(peer).info()
-        return info if self.stream or not info.streamed else dataclasses.replace(info, streamed=False)
+            p = self._peers.require(peer)
+            info = p.info()
+        # UCX prints the lanes under its worker's lock: asked outside this transport's lock
+        return dataclasses.replace(info, streamed=info.streamed and self.stream, lanes=p.ep.info())
 
     def _check_open(self) -> None:
         if self._closed:
@@ -290,17 +286,6 @@ class UcxTransport(Transport):
         """Regions registered now (freed slots not counted): goes down with ``unregister``."""
         with self._lock:
             return self._regions.live
-
-    @property
-    def region_slots(self) -> int:
-        """Entries of the descriptor's ``regions`` (freed slots included; bounded)."""
-        with self._lock:
-            return len(self._regions)
-
-    @property
-    def open_pidfds(self) -> int:
-        """pidfds held for peers on the same-host path."""
-        return self._same_host.pidfds
 
     @property
     def streamed_bytes(self) -> int:

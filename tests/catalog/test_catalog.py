@@ -166,10 +166,10 @@ def test_watch_wakes_waiter(catalog_factory, monkeypatch) -> None:
     out: list[object] = []
     t = threading.Thread(target=lambda: out.append(cons.versions.wait_for(3, timeout=30)))
     t.start()
-    _until(lambda: None in cons.versions.waits_seen)  # found no version and blocked
+    _until(lambda: None in cons.versions._latest.blocked_at)  # found no version and blocked
     pub.versions.put_piece(2, lid)
     # The waiter learned of step 2 (from its watch), saw 2 < 3 and blocked again.
-    _until(lambda: 2 in cons.versions.waits_seen)
+    _until(lambda: 2 in cons.versions._latest.blocked_at)
     assert t.is_alive() and not out
     pub.versions.put_piece(3, lid)
     t.join(10)

@@ -293,7 +293,7 @@ def test_consumer_disconnects_publishers_that_left(etcd: Any) -> None:
             pub1.put(1, {"w": w})
             assert cons.get_into({"w": buf}, step=1, timeout=30) == 1
         old = cons.transport.peers
-        assert len(old) == 1 and cons.transport.open_pidfds == 1
+        assert len(old) == 1 and cons.transport._same_host.pidfds == 1
         with Store(ns, endpoint=etcd.endpoint, transport="shm", session_id="second") as pub2:
             for step in range(2, 8):
                 pub2.put(step, {"w": w + step})
@@ -301,4 +301,4 @@ def test_consumer_disconnects_publishers_that_left(etcd: Any) -> None:
                 assert torch.equal(buf, w + step)
             peers = cons.transport.peers
         assert len(peers) == 1 and old[0] not in peers  # the departed publisher's endpoint is closed
-        assert cons.transport.open_pidfds == 1
+        assert cons.transport._same_host.pidfds == 1

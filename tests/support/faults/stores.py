@@ -315,7 +315,7 @@ def op_peer_paths(state: dict[str, Any], key: str) -> list[dict[str, Any]]:
                 "peer": str(p),
                 "direct": info.direct,
                 "peer_error_mode": info.peer_error_handling,
-                "lanes": t.endpoint_info(p)[:300],
+                "lanes": info.lanes[:300],
             }
         )
     return out
