@@ -31,7 +31,7 @@ import torch
 
 from astate_store.errors import LayoutError
 
-__all__ = ["Piece", "Baked", "NotACopy", "Swap", "bake_with", "decode"]
+__all__ = ["Piece", "Baked", "NotACopy", "Swap", "bake_with", "decode", "zero_runs"]
 
 log = logging.getLogger("astate_store.integrations")
 
@@ -70,6 +70,9 @@ class Baked:
     uncovered: dict[str, int] = field(default_factory=dict)  # in-place parameter -> elements no tensor writes
     unwritten: list[str] = field(default_factory=list)  # parameters no published tensor writes
     unused: list[str] = field(default_factory=list)  # published tensors no parameter receives
+    # in-place parameter -> flat element ranges [start, end) the loaders fill with zeros, from no
+    # published tensor (padding rows of a vocabulary split, which SGLang's loader zero-fills)
+    zeroed: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 _CHUNK = 1 << 22  # elements scanned at a time: the decode's memory is bounded by this, not the parameter
@@ -118,6 +121,25 @@ def _scan(param: str, flat: torch.Tensor) -> tuple[dict[int, list[int]], int]:
                     st[0], st[3] = lo, p
                 st[1], st[2] = max(st[1], hi), st[2] + n
     return stats, untouched
+
+
+def zero_runs(flat: torch.Tensor) -> list[tuple[int, int]]:
+    """The ranges ``[start, end)`` of a placeholder parameter that hold 0 after the loaders ran (no
+    encoded value is 0: the loaders wrote a constant there), in chunks, merged across chunks."""
+    runs: list[tuple[int, int]] = []
+    for s in range(0, flat.numel(), _CHUNK):
+        at = (flat[s : s + _CHUNK] == 0).nonzero().squeeze(1)
+        if at.numel() == 0:
+            continue
+        breaks = (at[1:] != at[:-1] + 1).nonzero().squeeze(1)
+        starts = torch.cat([at[:1], at[breaks + 1]]).tolist()
+        ends = torch.cat([at[breaks], at[-1:]]).tolist()
+        for a, b in zip(starts, ends):
+            if runs and runs[-1][1] == s + a:
+                runs[-1] = (runs[-1][0], s + b + 1)
+            else:
+                runs.append((s + a, s + b + 1))
+    return runs
 
 
 def _positions(flat: torch.Tensor, wanted: Sequence[float]) -> dict[float, int]:
@@ -308,6 +330,9 @@ def bake_with(swap: Swap, published: Mapping[str, tuple[int, ...]], engine: str)
                 out.unwritten.append(pname)
             elif untouched:
                 out.uncovered[pname] = untouched
+            zeros = zero_runs(p.data.view(-1))
+            if zeros:
+                out.zeroed[pname] = zeros
         for mname, fresh in swap.fresh.items():
             got = []
             for pname, t in fresh.items():

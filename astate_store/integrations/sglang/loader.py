@@ -16,7 +16,8 @@ whole call). Per update, on each rank:
 4. build the views (``Shard`` s of the live parameters; inside the session they are in the loaders'
    format: ``begin_weight_update`` put back what SGLang packs) and check dtypes;
 5. one ``get_into`` (or ``restore``) per rank; the ranks agree on the step, a rank behind pulls again
-   at the newest;
+   at the newest; what the loaders fill with zeros from no tensor (vocabulary padding rows) is zeroed
+   again, as a load does;
 6. the model's ``post_load_weights`` (what its ``load_weights`` runs after loading: derived weights);
    SGLang's ``end_weight_update`` then post-processes as after any load, and the update call flushes
    the prefix cache.
@@ -83,11 +84,23 @@ class _Rank:
             got = _agreed(self.store.get_into, buffers, step=newest, timeout=request.timeout)
             newest = _all_max(got)
         t2 = time.perf_counter()
+        self._refill_zeros(model)
         _post_load(model)
         self.last_step = got
         self.last_seconds = {"prepare": t1 - t0, "pull": t2 - t1, "post": time.perf_counter() - t2}
         log.info("astate: step %d in %.3fs", got, time.perf_counter() - t0)
         return got
+
+    def _refill_zeros(self, model: torch.nn.Module) -> None:
+        """What the loaders fill with zeros from no published tensor (vocabulary padding rows), as a
+        load from disk does: the engine then equals a fresh one whatever those elements held."""
+        assert self.plan is not None
+        params = dict(model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, runs in self.plan.baked.zeroed.items():
+                flat = params[name].data.view(-1)
+                for start, end in runs:
+                    flat[start:end].zero_()
 
     def _connect(self, request: Request) -> astate_store.Store:
         source = (request.namespace, repr(request.etcd))
