@@ -67,7 +67,9 @@ def main() -> None:
     params = make_model(work / "model", args.small)
     tensors = load_tensors(work / "model")
     etcd = EmbeddedEtcd().start()
-    engine = S.OfflineEngine(work / "model", work / "engine.log", dtype="bfloat16", custom_weight_loader=[S.LOADER])
+    engine = S.OfflineEngine(
+        work / "model", work / "engine.log", dtype="bfloat16", custom_weight_loader=[S.LOADER]
+    )
     ns = "bench-" + uuid.uuid4().hex[:8]
     store = astate_store.connect(ns, etcd=etcd.endpoint)
     ref = engine.call("checksums")
