@@ -23,6 +23,7 @@ from tests._store_workers import STAGES, consumer_main, stage_names
 from tests.model.test_codec import _as_json
 from tests.store.test_sync import Group, assert_exact, whole_buffers
 
+from tests.support.waiting import wait_until
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -59,10 +60,12 @@ def _recover(g: Group, cmds: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 def _gone(cat: Catalog, epoch: int, timeout: float = 30.0) -> None:
     """Wait (bounded) until every rank of session ``epoch`` has lost its lease (it was killed)."""
-    deadline = time.monotonic() + timeout
-    while cat.sessions.live_ranks(epoch):
-        assert time.monotonic() < deadline, f"ranks of epoch {epoch} still alive after {timeout}s"
-        time.sleep(0.2)
+    wait_until(
+        lambda: not cat.sessions.live_ranks(epoch),
+        timeout,
+        interval=0.2,
+        message=f"ranks of epoch {epoch} still alive after {timeout}s",
+    )
 
 
 def _records(
