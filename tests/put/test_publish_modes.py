@@ -18,7 +18,6 @@ from tests.support.waiting import wait_until
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("retire_timeout", [5.0, 0.0], ids=["publisher-waits", "publisher-never-waits"])
 def test_zero_copy_publisher_mutating_never_yields_torn_versions(
     etcd: Any, transport: str, retire_timeout: float
