@@ -1,7 +1,8 @@
 """etcd with TLS and authentication: test certificates, root and per-namespace users.
 
 - :func:`make_test_certs` writes a CA, a server certificate for ``127.0.0.1`` / ``localhost`` and a
-  client certificate (for tests and single-host set-ups; use your own PKI in production).
+  client certificate (for tests and single-host set-ups; use your own PKI in production). It needs
+  ``cryptography``, which is in the ``test`` extra, not a dependency of the store.
 - :func:`enable_auth` creates etcd's ``root`` user and role and turns authentication on.
 - :func:`grant_namespace` gives a user a role limited to one namespace's keys
   (``/astate/<namespace>/``), read-write or read-only.
@@ -36,6 +37,10 @@ from astate_store.etcd.config import EtcdConfig
 __all__ = ["CertPaths", "make_test_certs", "enable_auth", "grant_namespace", "namespace_role", "ROOT_USER"]
 
 ROOT_USER = "root"
+_NO_CRYPTOGRAPHY = (
+    "test certificates need the 'cryptography' package, which is in astate-store's test extra: "
+    "pip install 'astate-store[test]' (or pip install cryptography)"
+)
 # What a consumer writes (catalog/readers.py, catalog/consumers.py): a read-only user may write these.
 _CONSUMER_WRITES = ("readers/", "delivered/", "consumers/")
 
@@ -178,8 +183,15 @@ def make_test_certs(
     directory: str | os.PathLike[str], *, days: int = 30, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
 ) -> CertPaths:
     """Write a fresh CA, a server certificate for ``hosts`` and a client certificate (ECDSA P-256)
-    into ``directory`` (created, mode 0700; keys mode 0600)."""
-    from cryptography import x509
+    into ``directory`` (created, mode 0700; keys mode 0600).
+
+    Raises:
+        ModuleNotFoundError: ``cryptography`` (the ``test`` extra) is not installed.
+    """
+    try:
+        from cryptography import x509
+    except ImportError as exc:
+        raise ModuleNotFoundError(_NO_CRYPTOGRAPHY, name="cryptography") from exc
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
     d = Path(directory)
