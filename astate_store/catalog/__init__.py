@@ -9,7 +9,6 @@
     consumers    Consumers         consumer records (pre-pack requests; who is alive)
     replicas     Replicas          consumers re-serving a version (P2P fan-out)
     checkpoints  CheckpointIndex   the checkpoint index
-    agreement    RecoveryAgreement the step a recovering session's ranks agree on
 
 Key layout under ``/astate/<namespace>/`` (see docs/protocol.md, "etcd key layout"):
 
@@ -34,6 +33,7 @@ size, compressed, never seen half-written.
     checkpoints/<step>                  checkpoint record
     recovery/<epoch>/<round>/plan       recovery_plan record: what every rank does, on the writer's lease
     recovery/<epoch>/<round>/ranks/<rank>  recovery_outcome record: that rank's result, on its lease
+                                        (both written by ``astate_store.recovery.agreement``)
 
 Steps and epochs are 20-digit zero-padded in keys and in the two counters, so lexical
 order is numeric order and etcd can compare counters inside transactions.
@@ -45,10 +45,7 @@ import logging
 import re
 from typing import Any
 
-from astate_store.catalog.agreement import RecoveryAgreement
 from astate_store.catalog.checkpoints import CheckpointIndex
-from astate_store.etcd.client import EtcdClient
-from astate_store.etcd.config import EtcdConfig
 from astate_store.catalog.consumers import Consumers
 from astate_store.catalog.readers import Readers
 from astate_store.catalog.records import CheckpointEntry, Layout, Manifest, Piece, Replica, Session, Version
@@ -56,6 +53,8 @@ from astate_store.catalog.replicas import Replicas
 from astate_store.catalog.sessions import Sessions
 from astate_store.catalog.versions import Versions
 from astate_store.errors import CatalogError
+from astate_store.etcd.client import EtcdClient
+from astate_store.etcd.config import EtcdConfig
 
 log = logging.getLogger("astate_store.catalog")
 
@@ -134,13 +133,12 @@ class Catalog:
         self.readers = Readers(self.client, self.sessions, consumers=self.consumers)
         self.replicas = Replicas(self.client, self.readers)
         self.checkpoints = CheckpointIndex(self.client)
-        self.agreement = RecoveryAgreement(self.client, self.sessions)
 
     @property
     def skipped_records(self) -> int:
         """Records read from etcd that failed their schema or key checks and were skipped
         (counted each time one is met, logged once per key and revision), over every role."""
-        roles = (self.sessions, self.versions, self.readers, self.consumers, self.checkpoints, self.agreement)
+        roles = (self.sessions, self.versions, self.readers, self.consumers, self.checkpoints)
         return sum(r.skips.count for r in roles)
 
     @property

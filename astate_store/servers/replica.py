@@ -448,11 +448,8 @@ class ReplicaServer:
             dt = torch_dtype(k.dtype, tensor=name)
             tensors[name] = flat[off : off + k.nbytes].view(dt).view(k.global_shape)
             off += _round(k.nbytes)
-        consumer = store._consumer
         # Each buffer set has its own registry and offer: withdrawing one leaves the other served.
-        serving = Serving(
-            ctx, Registry(lambda: ctx.transport), lambda: (consumer.delivered_step, consumer.buffers.entries)
-        )
+        serving = Serving(ctx, Registry(ctx), store._consumer)
         slot = _Slot(sig, need, tensors, serving)
         ns.slots.append(slot)
         return slot
