@@ -32,7 +32,7 @@ from pyetcd.etcdrpc import auth_pb2
 
 from astate_store.errors import CatalogRejected
 from astate_store.etcd.client import EtcdClient, range_end
-from astate_store.etcd.config import EtcdConfig
+from astate_store.etcd.config import EtcdConfig, check_namespace
 
 __all__ = ["CertPaths", "make_test_certs", "enable_auth", "grant_namespace", "namespace_role", "ROOT_USER"]
 
@@ -384,11 +384,9 @@ def grant_namespace(
         CatalogError: a bad namespace.
         CatalogAuthError: ``admin_config`` is not allowed to manage users and roles.
     """
-    from astate_store.catalog import _NS_RE
     from astate_store.errors import CatalogError
 
-    if not isinstance(namespace, str) or not _NS_RE.match(namespace):
-        raise CatalogError(f"bad namespace {namespace!r}: use 1-128 characters from [A-Za-z0-9_.-]")
+    check_namespace(namespace)
     if not user or not password:
         raise CatalogError("grant_namespace needs a user name and a password")
     role = namespace_role(namespace, read_only=read_only)

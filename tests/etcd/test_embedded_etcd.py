@@ -172,7 +172,7 @@ def _join(host: Host) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def _healthy(endpoint: str) -> bool:
-    from astate_store.etcd.embedded import _healthy as healthy
+    from astate_store.etcd.embedded import etcd_healthy as healthy
 
     return healthy(endpoint)
 

@@ -27,7 +27,7 @@ from astate_store.plan import (
     plan_consumer,
     plan_global,
 )
-from astate_store.plan._planner.shards import _Sources
+from astate_store.plan._planner.shards import Sources
 
 NOPACK = CostModel(prepack=False)
 PROP = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -897,7 +897,7 @@ def test_balance_bound_property(R, C, rows, splits):
 
 
 def _ref_sources(layouts):
-    """What ``_Sources`` holds, tensor by tensor in plain Python: non-empty records sorted by (box
+    """What ``Sources`` holds, tensor by tensor in plain Python: non-empty records sorted by (box
     offsets, box sizes, rank, region, byte offset), identical boxes grouped, dims left-padded."""
     import zlib
 
@@ -996,7 +996,7 @@ def raw_layouts(draw):
 @PROP
 @given(raw_layouts())
 def test_sources_match_reference(layouts):
-    src = _Sources(layouts)
+    src = Sources(layouts)
     ref = _ref_sources(layouts)
     for k in ("D", "names", "shapes", "dtypes", "n_layout_recs"):
         assert getattr(src, k) == ref[k], k
@@ -1059,11 +1059,11 @@ def test_sources_errors_name_the_first_bad_tensor():
             "c.w": lay("c.w", [rec("c.w", box=Box((9, 9), (1, 1)))]),
         }
         with pytest.raises(PlanError, match=msg):
-            _Sources(layouts)
+            Sources(layouts)
     with pytest.raises(PlanError, match="'b.w': layout must be a TensorLayout"):
-        _Sources({"a.w": lay("a.w", [rec("a.w", off=-8)]), "b.w": [rec("b.w")]})
+        Sources({"a.w": lay("a.w", [rec("a.w", off=-8)]), "b.w": [rec("b.w")]})
     with pytest.raises(PlanError, match="'b.w': layout mapping key differs"):
-        _Sources({"a.w": lay("a.w", [rec("a.w", off=-8)]), "b.w": lay("z.w")})
+        Sources({"a.w": lay("a.w", [rec("a.w", off=-8)]), "b.w": lay("z.w")})
     # tensors with no shards or only empty boxes compile to no boxes
-    src = _Sources({"e.w": lay("e.w", []), "f.w": lay("f.w", [rec("f.w", box=Box((0, 0), (0, 4)))])})
+    src = Sources({"e.w": lay("e.w", []), "f.w": lay("f.w", [rec("f.w", box=Box((0, 0), (0, 4)))])})
     assert src.t_bc.tolist() == [0, 0] and src.t_bs.tolist() == [0, 0] and src.n_layout_recs == 0
