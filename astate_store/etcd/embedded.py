@@ -351,15 +351,6 @@ class EmbeddedEtcd:
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def pause(self) -> None:
-        """SIGSTOP the server (tests: etcd unreachable)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
     def __enter__(self) -> EmbeddedEtcd:
         return self.start()
 

@@ -144,12 +144,6 @@ class ShardRecord:
     def contiguous(self) -> bool:
         return _is_dense(self.box.sizes, self.strides)
 
-    @property
-    def span_bytes(self) -> int:
-        """Bytes from the first to one past the last element in memory."""
-        lo, hi = self.byte_range(self.box)
-        return hi - lo
-
     def byte_range(self, piece: Box) -> tuple[int, int]:
         """``[first, one past the last)`` byte of ``piece`` (a box inside this record's) in its
         region, from ``byte_offset``; an empty piece occupies nothing."""

@@ -293,12 +293,12 @@ def test_etcd_unreachable_raises_typed_error_without_hanging() -> None:
     with EmbeddedEtcd() as server:
         cat = Catalog(server.endpoint, "down", op_timeout=0.5, retry_deadline=2.0)
         lid = _publisher(cat, 0, 1)
-        server.pause()
+        server.proc.send_signal(signal.SIGSTOP)  # etcd unreachable
         try:
             with pytest.raises(CatalogUnavailable, match="unreachable"):
                 cat.versions.put_piece(1, lid)
         finally:
-            server.resume()
+            server.proc.send_signal(signal.SIGCONT)
         # Back up: the same catalog object works again (no client stuck in a failed state).
         assert cat.versions.put_piece(2, lid)
         cat.close(revoke=False)
@@ -308,8 +308,8 @@ def test_etcd_restart_is_retried(catalog_factory, etcd) -> None:
     with EmbeddedEtcd() as server:
         cat = Catalog(server.endpoint, "restart", op_timeout=0.5, retry_deadline=20.0)
         lid = _publisher(cat, 0, 1)
-        server.pause()
-        threading.Timer(1.0, server.resume).start()
+        server.proc.send_signal(signal.SIGSTOP)  # etcd unreachable
+        threading.Timer(1.0, server.proc.send_signal, (signal.SIGCONT,)).start()
         assert cat.versions.put_piece(1, lid) is True
         cat.close()
 
