@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from astate_store.etcd.client import EtcdClient, range_end
-from astate_store.etcd.config import EtcdConfig
 from astate_store.catalog.replicas import server_group
 from astate_store.errors import AStateError, CodecError
+from astate_store.etcd.client import EtcdClient, range_end
+from astate_store.etcd.config import EtcdConfig
 from astate_store.get.kv import KeyInfo, keys
 from astate_store.hub import SessionHub
 from astate_store.model import codec
