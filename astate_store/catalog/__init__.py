@@ -42,19 +42,19 @@ order is numeric order and etcd can compare counters inside transactions.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from astate_store.catalog.checkpoints import CheckpointIndex
 from astate_store.catalog.consumers import Consumers
 from astate_store.catalog.readers import Readers
-from astate_store.catalog.records import CheckpointEntry, Layout, Manifest, Piece, Replica, Session, Version
+from astate_store.catalog.records import CheckpointEntry, Piece, Replica, Session, Version
 from astate_store.catalog.replicas import Replicas
 from astate_store.catalog.sessions import Sessions
+from astate_store.catalog.shard_tables import Layout, Manifest
 from astate_store.catalog.versions import Versions
 from astate_store.errors import CatalogError
 from astate_store.etcd.client import EtcdClient
-from astate_store.etcd.config import EtcdConfig
+from astate_store.etcd.config import EtcdConfig, check_namespace
 
 log = logging.getLogger("astate_store.catalog")
 
@@ -70,9 +70,6 @@ __all__ = [
     "EtcdClient",
     "EtcdConfig",
 ]
-
-# The namespace becomes a key path segment: no '/' (it would reach into another namespace's keys).
-_NS_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
 class Catalog:
@@ -103,8 +100,7 @@ class Catalog:
         client: EtcdClient | None = None,
         retention_runner: Any = None,
     ):
-        if not isinstance(namespace, str) or not _NS_RE.match(namespace):
-            raise CatalogError(f"bad namespace {namespace!r}: use 1-128 characters from [A-Za-z0-9_.-]")
+        check_namespace(namespace)  # it becomes a key path segment: no '/' into another namespace
         if retention < 1:
             raise CatalogError(f"retention must be >= 1, got {retention}")
         self.etcd = EtcdConfig.parse(endpoint)
