@@ -352,6 +352,22 @@ class Store:
         """
         self._serving.serve(step, normalize(buffers, "serve(buffers)"), group)
 
+    def offer(self) -> Serving:
+        """A further re-serving offer over this store's pulls, independent of :meth:`serve`'s: its own
+        registrations, its own ``serve(step, buffers, group)`` and ``withdraw()``. A process that
+        holds several buffer sets of one namespace (a replica server: one being read while the next
+        fills) offers each on its own, withdrawing one while the other stays served."""
+        return Serving(self._ctx, Registry(self._ctx), self._consumer)
+
+    def serving_memory(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory to pull into and re-serve from: on this store's NUMA node and
+        memfd-backed, so same-host readers map it instead of copying through a socket."""
+        import torch
+
+        cpu = torch.device("cpu")
+        self._ctx.ensure_transport(cpu)
+        return self._ctx.alloc(nbytes, cpu, shared=True)
+
     def unserve(self) -> int:
         """Withdraw every re-served step; returns readers that had not finished within the wait."""
         return self._serving.withdraw()
