@@ -19,7 +19,7 @@ SGL_DEPS := transformers==5.19.0 tokenizers==0.23.2 openai==2.8.0 openai-harmony
 	python-multipart setproctitle einops numpy packaging pillow prometheus-client partial_json_parser \
 	interegular tqdm regex tiktoken xxhash zstandard scipy anthropic safetensors ipython gguf jsonschema
 
-.PHONY: demo test lint bench bench-peers clean sglang-env
+.PHONY: demo test test-fast lint bench bench-peers clean sglang-env
 
 $(STAMP): pyproject.toml $(wildcard setup.py native/*.c native/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,11 @@ demo: $(STAMP)
 # worker (xdist's loadgroup does not group under pytest 9 here: measured, its tests split).
 test: $(STAMP) $(SGL_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+
+# The suite less the real vLLM and SGLang tests (markers vllm, sglang) and the slow crash and soak cases
+# (marker slow): the quick check while editing. `make test` stays the full suite.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow and not vllm and not sglang"
 
 # One formatter and linter (configured in pyproject.toml) and the docs' relative links; CI runs it
 # before the tests.

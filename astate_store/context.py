@@ -125,26 +125,13 @@ class StoreContext:
         # Consumers spread over replicas and groups without talking to each other.
         self.rotation = zlib.crc32(self.reader_id.encode()) & 0xFFFF
         # The figures behind Store.stats and /metrics (``metrics``); ``registrations`` is kept
-        # current by the publisher and serving; ``staging_bytes`` is set by the store.
-        self.stats = StoreMetrics(namespace, rank, self._live_figures)
-        self.staging_bytes: Callable[[], tuple[int, int]] = lambda: (0, 0)  # (snapshot, conversion)
+        # current by the publisher and serving; the figures other objects own (catalog, staging)
+        # are read through ``stats.live``, which the store gives those objects once they exist.
+        self.stats = StoreMetrics(namespace, rank)
         self.affinity: AffinityChoice | None = None
         self._affinity_cfg = affinity
         self._factory = transport_factory
         self._transport: Transport | None = None
-
-    def _live_figures(self) -> dict[str, int]:
-        """The figures owned by the catalog and the staging, read when stats are taken."""
-        client = self.catalog.client
-        snapshot, conversion = self.staging_bytes()
-        return {
-            "bad_records": self.catalog.skipped_records,
-            "etcd_rpcs": client.rpcs,
-            "etcd_background_rpcs": client.background_rpcs,
-            "etcd_retries": client.retries,
-            "snapshot_bytes": snapshot,
-            "conversion_bytes": conversion,
-        }
 
     @property
     def transport(self) -> Transport:

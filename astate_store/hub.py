@@ -6,9 +6,9 @@ own retention thread and its own UCX worker (with a progress thread). For an age
 process holding one small state per agent session that is thousands of each. A
 :class:`SessionHub` opens ordinary ``Store`` objects that share instead:
 
-    one etcd connection    ``_NamespaceClient``: a per-namespace view (its own key prefix and
-                           request counters) over one :class:`EtcdClient` (channel, auth token,
-                           watch stream)
+    one etcd connection    ``_NamespaceClient``: a per-namespace :class:`EtcdClient` (its own key
+                           prefix and request counters) over the hub client's
+                           :class:`EtcdConnection` (channel, auth token, watch stream)
     one lease              every session's ``session`` / ``members`` / ``layouts`` records (each
                            namespace still has its own epoch counter and fence) — and one more
                            for consumer records, created when a store first reads
@@ -34,10 +34,10 @@ import numpy as np
 
 from astate_store.catalog import Catalog
 from astate_store.catalog.background import Runner
-from astate_store.etcd.client import EtcdClient
-from astate_store.etcd.config import EtcdConfig
 from astate_store.catalog.record_drops import RecordDrops
 from astate_store.errors import CatalogError, TransportError
+from astate_store.etcd.client import EtcdClient
+from astate_store.etcd.config import EtcdConfig
 from astate_store.etcd.supervisor import shared_endpoint
 from astate_store.transport import Transport, UcxTransport
 from astate_store.transport.base import RegionInfo
@@ -52,94 +52,108 @@ _SHARED_OPTIONS = ("lease_ttl", "transport", "window")
 
 # ---- etcd: one connection, one lease ---------------------------------------------------------------
 
-# EtcdClient attributes that belong to the connection, not to a namespace: a view reads and
-# writes the hub client's (so a token refreshed by one namespace serves all).
-_CONNECTION_ATTRS = (
-    "raw",
-    "_keepalives",
-    "_lock",
-    "_auth_lock",
-    "_token",
-    "_auth_off",
-    "authentications",
-    "_verified",
-    "_probed",
-    "_retry_logged",
-    "_outage",
-)
 
+class _SharedLeases:
+    """The leases a hub's namespaces share on its one connection: the session lease every
+    session's ``session`` / ``members`` / ``layouts`` records hang on, and the connection's reader
+    lease. A namespace lets go of its records on them by deleting those records, never by
+    revoking a lease the others hang on."""
 
-def _shared(name: str) -> property:
-    def get(self: _NamespaceClient) -> Any:
-        return getattr(self._conn, name)
+    def __init__(self, client: EtcdClient):
+        self.client = client  # the hub's: its connection is every namespace's
+        self.drops = RecordDrops(client)  # closing namespaces' records, batched (a group commit)
+        self.lock = threading.Lock()
+        self.session: int | None = None  # the session lease (None before the first session)
+        self.closing = False  # set when the hub closes: its leases go next, every record with them
 
-    def put(self: _NamespaceClient, value: Any) -> None:
-        setattr(self._conn, name, value)
+    def session_lease(self) -> int:
+        """The shared session lease; a fresh one once it was lost (the sessions on the lost one
+        are fenced already: their member records expired)."""
+        with self.lock:
+            if self.session is None or self.client.connection.lost(self.session):
+                self.session = self.client.new_lease()
+            return self.session
 
-    return property(get, put)
+    def take_session(self) -> int | None:
+        """The session lease, no longer handed out (the hub revokes it as it closes)."""
+        with self.lock:
+            lease, self.session = self.session, None
+            return lease
 
+    def ids(self) -> set[int]:
+        """The shared leases that exist now."""
+        reader = self.client.connection.reader_lease_id
+        return {x for x in (self.session, reader) if x is not None}
 
-class _NamespaceClient(EtcdClient):
-    """One namespace's :class:`EtcdClient` over the hub's connection: its own key prefix and
-    request counters; ``new_lease`` hands out the hub's session lease, ``reader_lease`` the
-    hub's reader lease; ``revoke`` / ``close`` delete this namespace's records on them instead
-    of revoking leases other namespaces hang on."""
-
-    def __init__(self, hub: SessionHub, namespace: str):  # noqa: D107 (no EtcdClient.__init__: no channel)
-        conn = hub.client
-        self._conn, self._hub = conn, hub
-        self.config, self.endpoint, self.namespace = conn.config, conn.endpoint, namespace
-        self.lease_ttl, self.op_timeout, self.retry_deadline = (
-            conn.lease_ttl,
-            conn.op_timeout,
-            conn.retry_deadline,
-        )
-        self.prefix = f"/astate/{namespace}/"
-        self.rpcs = self.background_rpcs = self.retries = 0
-        self._closed = False
-
-    def new_lease(self) -> int:
-        return self._hub._session_lease()
-
-    def reader_lease(self) -> int:
-        return self._conn.reader_lease()
-
-    def revoke(self, lease_id: int) -> None:
-        if self._hub._closing:
-            return  # the hub revokes its leases next: every record on them goes at once
-        if lease_id in self._hub._shared_leases():
-            self._drop_records({lease_id})
-        else:
-            super().revoke(lease_id)
-
-    def close(self, revoke: bool = True) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if revoke and not self._hub._closing:  # a closing hub revokes the leases themselves
-            self._drop_records(self._hub._shared_leases())
-        self._hub._forget(self)
-
-    def _drop_records(self, leases: set[int]) -> None:
-        """Delete this namespace's keys held by ``leases``: what revoking a lease of its own
-        would do (members, session and layouts vanish at once), in a few transactions.
-        Errors are logged: the records then go when the hub's lease does."""
+    def drop(self, namespace: str, prefix: str, leases: set[int]) -> None:
+        """Delete namespace ``namespace``'s keys (under ``prefix``) held by ``leases``: what
+        revoking a lease of its own would do (members, session and layouts vanish at once), in a
+        few transactions. Errors are logged: the records then go when the hub's lease does."""
         if not leases:
             return
         try:
-            # Closes that overlap share the round trips (``RecordDrops``: a group commit).
-            self._hub._drops.drop(self.prefix, frozenset(leases))
+            self.drops.drop(prefix, frozenset(leases))  # closes that overlap share the round trips
         except CatalogError as exc:
             log.warning(
                 "namespace %s: could not delete its records on the shared lease (%s); they go when "
                 "the hub closes or dies",
-                self.namespace,
+                namespace,
                 exc,
             )
 
 
-for _name in _CONNECTION_ATTRS:
-    setattr(_NamespaceClient, _name, _shared(_name))
+class _OpenStores:
+    """The stores a hub has open, by namespace (None while one opens): one writer per namespace."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stores: dict[str, Any] = {}
+        self.closed = False  # the hub closed: no more opens
+
+    def forget(self, namespace: str, client: EtcdClient) -> None:
+        """The store of ``namespace`` over ``client`` closed: the namespace may be opened again."""
+        with self.lock:
+            store = self.stores.get(namespace)
+            if store is not None and store.catalog.client is client:
+                del self.stores[namespace]
+
+
+class _NamespaceClient(EtcdClient):
+    """One namespace's :class:`EtcdClient` over the hub's connection (channel, auth token, watch
+    stream, reader lease): its own key prefix and request counters; ``new_lease`` hands out the
+    hub's session lease; ``revoke`` / ``close`` delete this namespace's records on the shared
+    leases instead of revoking leases other namespaces hang on."""
+
+    def __init__(self, hub_client: EtcdClient, namespace: str, leases: _SharedLeases, stores: _OpenStores):
+        super().__init__(
+            hub_client.config,
+            namespace,
+            lease_ttl=hub_client.lease_ttl,
+            op_timeout=hub_client.op_timeout,
+            retry_deadline=hub_client.retry_deadline,
+            connection=hub_client.connection,
+        )
+        self.leases, self.stores = leases, stores
+        self.closed = False
+
+    def new_lease(self) -> int:
+        return self.leases.session_lease()
+
+    def revoke(self, lease_id: int) -> None:
+        if self.leases.closing:
+            return  # the hub revokes its leases next: every record on them goes at once
+        if lease_id in self.leases.ids():
+            self.leases.drop(self.namespace, self.prefix, {lease_id})
+        else:
+            super().revoke(lease_id)
+
+    def close(self, revoke: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if revoke and not self.leases.closing:  # a closing hub revokes the leases themselves
+            self.leases.drop(self.namespace, self.prefix, self.leases.ids())
+        self.stores.forget(self.namespace, self)
 
 
 # ---- one UCX worker ---------------------------------------------------------------------------------
@@ -375,22 +389,17 @@ class SessionHub:
             self.config, "_hub", lease_ttl=lease_ttl, op_timeout=op_timeout, retry_deadline=retry_deadline
         )
         """The one etcd connection (its key prefix is unused: each store has a namespace view)."""
-        self._drops = RecordDrops(self.client)  # closing stores' shared-lease records, batched
+        self._leases = _SharedLeases(self.client)
+        self._open = _OpenStores()
         self._runner = Runner("astate-retention-hub")
         self._transport = _SharedTransport()
-        self._lock = threading.Lock()
-        self._lease: int | None = None
-        self._stores: dict[str, Any] = {}
-        self._views: set[_NamespaceClient] = set()
-        self._closed = False
-        self._closing = False  # set by close(): the stores' records go with the leases
 
     # ---- shared parts ---------------------------------------------------------------------
 
     @property
     def lease_id(self) -> int | None:
         """The lease every session of the hub hangs on (None before the first session)."""
-        return self._lease
+        return self._leases.session
 
     @property
     def transport(self) -> UcxTransport | None:
@@ -400,32 +409,11 @@ class SessionHub:
     @property
     def namespaces(self) -> list[str]:
         """Namespaces open in this hub now."""
-        with self._lock:
-            return list(self._stores)
+        with self._open.lock:
+            return list(self._open.stores)
 
     def __len__(self) -> int:
-        return len(self._stores)
-
-    def _session_lease(self) -> int:
-        """The shared session lease; a fresh one once it was lost (the sessions on the lost one
-        are fenced already: their member records expired)."""
-        with self._lock:
-            lost = any(k.lost for k in self.client._keepalives if k.lease_id == self._lease)
-            if self._lease is None or lost:
-                self._lease = self.client.new_lease()
-            return self._lease
-
-    def _shared_leases(self) -> set[int]:
-        return {x for x in (self._lease, self.client._reader_lease) if x is not None}
-
-    def _forget(self, view: _NamespaceClient) -> None:
-        with self._lock:
-            self._views.discard(view)
-            if (
-                self._stores.get(view.namespace) is not None
-                and self._stores[view.namespace].catalog.client is view
-            ):
-                del self._stores[view.namespace]
+        return len(self._open.stores)
 
     def _transport_factory(self, namespace: str) -> Callable[[str, int], Transport]:
         def make(mode: str, window: int) -> Transport:
@@ -455,43 +443,38 @@ class SessionHub:
             TypeError: an option :class:`Store` does not take, or one the hub fixes.
         """
         _check_options(options, self._store_cls)
-        with self._lock:
-            if self._closed:
+        stores = self._open
+        with stores.lock:
+            if stores.closed:
                 raise CatalogError("the session hub is closed")
-            if namespace in self._stores:
+            if namespace in stores.stores:
                 raise CatalogError(
                     f"namespace {namespace!r} is already open in this hub (one writer per namespace)"
                 )
-            self._stores[namespace] = None  # reserved while it opens
+            stores.stores[namespace] = None  # reserved while it opens
         try:
             store = self._make(namespace, rank, world_size, retention, {**self.options, **options})
         except BaseException:
-            with self._lock:
-                self._stores.pop(namespace, None)
+            with stores.lock:
+                stores.stores.pop(namespace, None)
             raise
-        with self._lock:
-            self._stores[namespace] = store
+        with stores.lock:
+            stores.stores[namespace] = store
         return store
 
     def _make(
         self, namespace: str, rank: int, world_size: int, retention: int | None, options: dict[str, Any]
     ) -> Any:
         keep = options.pop("retention", 4) if retention is None else retention
-        view = _NamespaceClient(self, namespace)
-        try:
-            catalog = Catalog(
-                self.config,
-                namespace,
-                retention=keep,
-                lease_ttl=self.lease_ttl,
-                client=view,
-                retention_runner=self._runner.job,
-            )
-        except BaseException:
-            view._closed = True
-            raise
-        with self._lock:
-            self._views.add(view)
+        view = _NamespaceClient(self.client, namespace, self._leases, self._open)
+        catalog = Catalog(
+            self.config,
+            namespace,
+            retention=keep,
+            lease_ttl=self.lease_ttl,
+            client=view,
+            retention_runner=self._runner.job,
+        )
         return self._store_cls(
             namespace,
             catalog=catalog,
@@ -507,12 +490,12 @@ class SessionHub:
     def close(self) -> None:
         """Close every store of the hub (their records vanish), then the shared parts: the
         retention thread, the UCX worker, the leases and the etcd connection."""
-        with self._lock:
-            if self._closed:
+        with self._open.lock:
+            if self._open.closed:
                 return
-            self._closed = self._closing = True
-            stores = [s for s in self._stores.values() if s is not None]
-            lease, self._lease = self._lease, None
+            self._open.closed = self._leases.closing = True
+            stores = [s for s in self._open.stores.values() if s is not None]
+        lease = self._leases.take_session()
         if lease is not None:
             # First, as each store's close would revoke its own: every session's members and
             # layouts vanish in one revision, so no new reader plans on memory about to be freed.

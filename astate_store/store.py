@@ -1,12 +1,14 @@
 """The public façade: ``connect`` -> ``Store.put`` / ``Store.get_into`` / ``Store.latest``.
 
-A ``Store`` holds one namespace's roles and delegates to them (docs/architecture.md):
+A ``Store`` owns one namespace's roles, each an object given what it uses, and delegates to them
+(docs/architecture.md):
 
-    put:      publisher (layout -> snapshot slot / in place / streamed -> catalog)
-    get_into: consumer (catalog -> sources -> plan -> transport -> buffers), conversion
-    serve:    serving (re-serving pulled buffers as a source)
-    checkpoint / restore / recover: recovery (its façade part: recovery.StoreRecovery)
-    stats, staging, meta, latest, wait, keys: store_state.StoreState (read-only)
+    put:        publisher (layout -> snapshot slot / in place / streamed -> catalog)
+    get_into:   pulls -> consumer (catalog -> sources -> plan -> transport -> buffers), converter
+    serve:      serving (re-serving pulled buffers as a source)
+    checkpoint / restore / meta: checkpointing (``recovery/checkpointing.py``)
+    recover:    recovery (``recovery/recovery.py``), agreeing through ``recovery/agreement.py``
+    latest, wait, keys, stats, staging: read from the catalog and the roles
 """
 
 from __future__ import annotations
@@ -14,26 +16,32 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from astate_store import metrics
-from astate_store.catalog import Catalog, Version
-from astate_store.etcd.config import EtcdConfig
+from astate_store.catalog import Catalog
 from astate_store.context import StoreContext, StoreOptions, TransportFactory
 from astate_store.errors import LayoutError
+from astate_store.etcd.config import EtcdConfig
 from astate_store.etcd.supervisor import shared_endpoint
 from astate_store.get import kv
 from astate_store.get.consumer import Consumer
 from astate_store.get.conversion import Converter
+from astate_store.metrics import Stats
 from astate_store.model.layout import TensorLike, check_step
 from astate_store.model.progress import Progress
 from astate_store.model.state_dict import NonTensors, StateDictConverter, normalize
-from astate_store.model.usermeta import encode_meta
+from astate_store.model.usermeta import decode_meta, encode_meta
+from astate_store.pulls import Pulls
 from astate_store.put.publisher import Publisher
 from astate_store.put.registry import Registry
 from astate_store.put.serving import Serving
-from astate_store.recovery import Recovery, StoreRecovery
-from astate_store.store_state import StagingInfo, StoreState, check_wait
+from astate_store.recovery.agreement import RecoveryAgreement
+from astate_store.recovery.checkpointing import Checkpointing
+from astate_store.recovery.recovery import Recovery
+from astate_store.transport import Transport
+from astate_store.transport.topology import AffinityChoice
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +49,17 @@ if TYPE_CHECKING:
 __all__ = ["connect", "Store", "StagingInfo"]
 
 log = logging.getLogger("astate_store")
+
+
+@dataclass(frozen=True)
+class StagingInfo:
+    """Staging memory a store holds: the snapshot pool (``snapshot_slots`` versions of this
+    rank's tensors, on ``device``) and the consumer's conversion staging."""
+
+    snapshot_bytes: int
+    snapshot_slots: int
+    device: str | None
+    conversion_bytes: int
 
 
 def connect(
@@ -111,7 +130,7 @@ def connect(
     )
 
 
-class Store(StoreState, StoreRecovery):
+class Store:
     """A namespace's versioned tensors: publish with :meth:`put`, pull with :meth:`get_into`.
 
     Args:
@@ -186,19 +205,19 @@ class Store(StoreState, StoreRecovery):
             affinity=opts.affinity_config(),
             **({} if transport_factory is None else {"transport_factory": transport_factory}),
         )
-        registry = Registry(lambda: self._ctx.transport)
+        # The roles, each given the objects it uses (caller memory is registered by one registry,
+        # shared by the publisher and serving).
+        registry = Registry(self._ctx)
         self._publisher = Publisher(self._ctx, registry)
         self._converter = Converter(self._ctx)
         self._consumer = Consumer(self._ctx, self._converter)
-        self._ctx.staging_bytes = lambda: (self._publisher.staging[0], self._converter.staging_bytes)
-        self._serving = Serving(
-            self._ctx, registry, lambda: (self._consumer.delivered_step, self._consumer.buffers.entries)
-        )
-        self._recovery = Recovery(
-            self._ctx,
-            self._publisher,
-            lambda bufs, step, timeout: self.get_into(bufs, step=step, timeout=timeout),
-        )
+        self._serving = Serving(self._ctx, registry, self._consumer)
+        self._pulls = Pulls(self._consumer, self._serving)
+        self._checkpointing = Checkpointing(self._ctx, self._publisher)
+        agreement = RecoveryAgreement(self.catalog.client, self.catalog.sessions)
+        self._recovery = Recovery(self._ctx, self._publisher, self._pulls, agreement, self._checkpointing)
+        # Store.stats and /metrics read the figures these objects own when they are taken.
+        self._ctx.stats.live = LiveFigures(self.catalog, agreement, self._publisher, self._converter)
         # put / get_into take state_dict()-like mappings (DTensors, nested dicts): converted once per
         # call, reusing last call's objects so the validation caches hit (state_dict.py)
         self._put_sd, self._get_sd = (
@@ -319,9 +338,7 @@ class Store(StoreState, StoreRecovery):
         """
         step, timeout = check_wait(step, timeout, "get_into")
         buffers = self._get_sd.convert(buffers, non_tensors)
-        if self._serving.active:
-            self._serving.withdraw()  # these buffers may be among the re-served ones: withdraw before writing
-        return self._consumer.get_into(buffers, step, timeout, progress)
+        return self._pulls.get_into(buffers, step, timeout, progress)  # withdraws a re-served offer first
 
     def serve(self, step: int, buffers: Mapping[str, TensorLike], *, group: str | None = None) -> None:
         """Offer buffers that :meth:`get_into` just filled with ``step`` as an extra source of that
@@ -334,6 +351,22 @@ class Store(StoreState, StoreRecovery):
             LayoutError: the buffers were not all filled with ``step`` by this store.
         """
         self._serving.serve(step, normalize(buffers, "serve(buffers)"), group)
+
+    def offer(self) -> Serving:
+        """A further re-serving offer over this store's pulls, independent of :meth:`serve`'s: its own
+        registrations, its own ``serve(step, buffers, group)`` and ``withdraw()``. A process that
+        holds several buffer sets of one namespace (a replica server: one being read while the next
+        fills) offers each on its own, withdrawing one while the other stays served."""
+        return Serving(self._ctx, Registry(self._ctx), self._consumer)
+
+    def serving_memory(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory to pull into and re-serve from: on this store's NUMA node and
+        memfd-backed, so same-host readers map it instead of copying through a socket."""
+        import torch
+
+        cpu = torch.device("cpu")
+        self._ctx.ensure_transport(cpu)
+        return self._ctx.alloc(nbytes, cpu, shared=True)
 
     def unserve(self) -> int:
         """Withdraw every re-served step; returns readers that had not finished within the wait."""
@@ -364,8 +397,184 @@ class Store(StoreState, StoreRecovery):
         """
         step, timeout = check_wait(step, timeout, "get")
         return kv.get(
-            self.catalog, _GetReads(self), names, step=step, timeout=timeout, device=device, progress=progress
+            self.catalog, self._pulls, names, step=step, timeout=timeout, device=device, progress=progress
         )
+
+    # ---- state (read-only) -----------------------------------------------------------------
+
+    @property
+    def transport(self) -> Transport:
+        return self._ctx.transport
+
+    @property
+    def stats(self) -> Stats:
+        """This store's figures now, as a frozen :class:`~astate_store.Stats`: cumulative counters
+        (pulls, bytes, torn retries, failovers, plans, puts, bad records, etcd requests and
+        retries), gauges (staging, registrations, latest and delivered step) and ``last_pull``
+        (the last ``get_into``'s step, bytes, reads and seconds per phase). The same figures as
+        ``/metrics`` (docs/metrics.md)."""
+        return self._ctx.stats.snapshot()
+
+    @property
+    def affinity(self) -> AffinityChoice | None:
+        """The NUMA/NIC choice made when the transport was created (None before)."""
+        return self._ctx.affinity
+
+    @property
+    def consumer_id(self) -> str:
+        """This store's id as a consumer (its ``readers/`` and ``consumers/`` keys)."""
+        return self._ctx.reader_id
+
+    @property
+    def staging(self) -> StagingInfo:
+        nbytes, slots, device = self._publisher.staging
+        return StagingInfo(nbytes, slots, device, self._converter.staging_bytes)
+
+    def meta(
+        self, step: int | None = None, *, rank: int | None = None, uri: str | None = None
+    ) -> dict[str, Any]:
+        """The small dict publisher rank ``rank`` (default: this store's rank) gave as
+        ``put(step, ..., meta=...)``; ``{}`` when it gave none.
+
+        Args:
+            step: the version (None: the newest committed one, or with ``uri`` the newest
+                checkpoint there).
+            uri: read it from the checkpoint at ``uri`` instead of the catalog. Without it, a step
+                the catalog no longer holds is read from the checkpoint :meth:`restore` (or
+                :meth:`recover`) filled the buffers from.
+
+        Raises:
+            VersionNotFound: the step is not committed (nor restored here).
+            CheckpointNotFound, CheckpointCorrupted: reading it from a checkpoint failed.
+            CatalogCorrupted: its record in etcd is bad.
+        """
+        if step is not None:
+            step = check_step(step, LayoutError)
+        r = self.rank if rank is None else rank
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise LayoutError(f"meta(rank={rank!r}): a rank is an int >= 0")
+        data = self._checkpointing.meta(step, r, uri)
+        return {} if data is None else decode_meta(data, f"meta of step {step} rank {r}")
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None before the first commit.
+
+        Raises:
+            CatalogUnavailable: etcd unreachable within the retry budget.
+        """
+        return self.catalog.versions.latest()
+
+    def wait(self, step: int | None = None, timeout: float | None = None) -> int:
+        """Block until a version >= ``step`` is committed (any when None); returns the newest step.
+
+        Raises:
+            WaitTimeout: none within ``timeout`` seconds.
+        """
+        step, timeout = check_wait(step, timeout, "wait")
+        return self.catalog.versions.wait_for(step, timeout=timeout)
+
+    def keys(self, step: int | None = None) -> dict[str, kv.KeyInfo]:
+        """What committed version ``step`` holds (the newest when None; ``{}`` before the first
+        commit): name -> :class:`~astate_store.get.kv.KeyInfo` (``global_shape``, ``dtype``,
+        ``nbytes``), read from the version's manifests — so it works after its writer is gone.
+
+        Raises:
+            VersionNotFound: ``step`` is not committed (or retention dropped it).
+        """
+        if step is not None:
+            step = check_step(step, LayoutError)
+        return kv.keys(self.catalog, step)
+
+    # ---- checkpoints and recovery --------------------------------------------------------
+
+    def checkpoint(
+        self,
+        step: int,
+        uri: str,
+        *,
+        asynchronous: bool = False,
+        progress: Progress | None = None,
+        timeout: float = 60.0,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+    ) -> Any:
+        """Write this rank's shards of version ``step`` to storage (any ``pyarrow.fs`` URI or local
+        path); the rank that completes the set commits it and records it in the catalog. Every
+        publisher rank calls it, right after its ``put(step)``: it first waits (up to ``timeout``)
+        for the other ranks' pieces to commit the step. Replicated shards are written by one rank only.
+
+        Args:
+            asynchronous: wait for the commit and snapshot the shards now, write in a background
+                thread; returns a ``concurrent.futures.Future`` of the same result.
+            progress: ``progress(done_bytes, total_bytes)`` as this rank's part is written
+                (:mod:`astate_store.model.progress`).
+            timeout: seconds to wait for ``step`` to commit.
+            keep_last: retention: once this checkpoint is complete, remove older complete
+                checkpoints under ``uri`` (storage and catalog) except the ``keep_last`` newest;
+                the newest, any a restore is reading, and incomplete ones are never removed
+                (docs/checkpoint.md "Retention"). None: keep everything.
+            keep_every: with ``keep_last``, also keep the oldest checkpoint of every window of
+                ``keep_every`` steps (the steps ``n * keep_every`` when checkpoints fall on them).
+
+        Returns:
+            True if the checkpoint is complete after this call (it is then in the catalog).
+
+        Raises:
+            CheckpointNotCommitted: ``step`` did not commit within ``timeout``, or never can (the
+                session was fenced, a newer step committed, a rank whose piece is missing is gone);
+                it names the ranks whose pieces are missing.
+            CheckpointError: this rank no longer holds the step, bad arguments, or a storage error.
+        """
+        return self._checkpointing.checkpoint(
+            step, uri, asynchronous, progress, timeout, keep_last, keep_every
+        )
+
+    def restore(
+        self,
+        buffers: Mapping[str, Any],
+        *,
+        uri: str | None = None,
+        step: int | None = None,
+        progress: Progress | None = None,
+        non_tensors: NonTensors = "error",
+    ) -> int:
+        """Fill preallocated buffers of any layout from a checkpoint: ``uri`` (newest complete step
+        there, or ``step``), else the newest complete checkpoint the catalog knows. ``progress``:
+        ``progress(done_bytes, total_bytes)`` as bytes are copied (:mod:`astate_store.model.progress`).
+
+        Raises:
+            CheckpointNotFound: no complete checkpoint; CheckpointCorrupted: checksum or file errors;
+            LayoutError: a buffer that does not fit.
+        """
+        buffers = normalize(buffers, "restore(buffers)", non_tensors)
+        return self._checkpointing.restore(buffers, uri, step, progress)
+
+    def recover(
+        self,
+        tensors: Mapping[str, Any],
+        *,
+        timeout: float = 60.0,
+        uri: str | None = None,
+        non_tensors: NonTensors = "error",
+    ) -> int | None:
+        """For a (re)started publisher rank: fence the previous session, fill this rank's
+        preallocated ``tensors`` with the newest committed state — from live sources (surviving
+        replicas, consumers that re-serve it) or else the newest complete checkpoint — and
+        republish it in the new session so consumers carry on.
+
+        Every rank of the new session agrees on one step through etcd first (docs/protocol.md,
+        "Session model"). A checkpoint older than the newest committed step is restored but not
+        republished (it can never commit again); the next ``put`` must then use a step > ``latest()``.
+
+        Returns:
+            The recovered step, or None when nothing was ever committed or checkpointed.
+
+        Raises:
+            RecoveryError: no step every rank could fetch (naming the ranks and why), or a rank
+                did not report within ``timeout``.
+        """
+        tensors = normalize(tensors, "recover(tensors)", non_tensors)
+        return self._recovery.recover(tensors, timeout, uri)
 
     # ---- lifetime ------------------------------------------------------------------------
 
@@ -414,7 +623,7 @@ class Store(StoreState, StoreRecovery):
                 release()
             except Exception as exc:  # closing goes on; readers of that memory then fail or retry
                 log.warning("close(): could not withdraw %s: %s", what, exc)
-        self._recovery.close()
+        self._checkpointing.close()
         self._converter.close()
         self._consumer.close()
         # the converters keep the last call's tensors: drop them with the store (see Publisher.close)
@@ -442,23 +651,43 @@ def _torchrun_session() -> str | None:
     return None
 
 
-class _GetReads:
-    """What ``kv.get`` pulls with: the store's consumer, withdrawing the store's re-served offer
-    before a pull as ``get_into`` does."""
+def check_wait(step: object, timeout: object, what: str) -> tuple[int | None, float | None]:
+    """A call's ``step`` (None or a step number) and ``timeout`` (None or seconds >= 0), checked
+    before anything is waited on.
 
-    def __init__(self, store: Store):
-        self._store, self._consumer = store, store._consumer
-        self.begin, self.end = self._consumer.begin, self._consumer.end
+    Raises:
+        LayoutError: naming the call and the bad argument.
+    """
+    if step is not None:
+        step = check_step(step, LayoutError)
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise LayoutError(
+                f"{what}(timeout=...) must be None or a number of seconds >= 0, got {timeout!r}"
+            )
+        timeout = float(timeout)
+    return step, timeout  # type: ignore[return-value]
 
-    def get_into(
-        self,
-        buffers: Mapping[str, Any],
-        step: int,
-        timeout: float | None,
-        progress: Progress | None,
-        *,
-        begun: Version,
-    ) -> int:
-        if self._store._serving.active:
-            self._store._serving.withdraw()
-        return self._consumer.get_into(buffers, step, timeout, progress, begun=begun)
+
+class LiveFigures:
+    """The figures of ``Store.stats`` and ``/metrics`` that other objects own, read from them
+    each time stats are taken (``StoreMetrics.live``): the etcd request counters and skipped
+    records of the catalog and the recovery agreement, and the staging memory the publisher and
+    the converter hold now."""
+
+    def __init__(
+        self, catalog: Catalog, agreement: RecoveryAgreement, publisher: Publisher, converter: Converter
+    ):
+        self.catalog, self.agreement = catalog, agreement
+        self.publisher, self.converter = publisher, converter
+
+    def __call__(self) -> dict[str, int]:
+        client = self.catalog.client
+        return {
+            "bad_records": self.catalog.skipped_records + self.agreement.skips.count,
+            "etcd_rpcs": client.rpcs,
+            "etcd_background_rpcs": client.background_rpcs,
+            "etcd_retries": client.retries,
+            "snapshot_bytes": self.publisher.staging[0],
+            "conversion_bytes": self.converter.staging_bytes,
+        }

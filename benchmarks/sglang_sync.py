@@ -59,12 +59,16 @@ def main() -> None:
     args = ap.parse_args()
     if not S.available():
         raise SystemExit("SGLang's environment (.venv-sglang) is not made: run `make sglang-env`")
+    from safetensors.torch import save_file
+
     import astate_store
     from astate_store.etcd.embedded import EmbeddedEtcd
-    from safetensors.torch import save_file
 
     work = Path(tempfile.mkdtemp(prefix="sglang_sync-"))
     params = make_model(work / "model", args.small)
+    config = json.loads((work / "model" / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForCausalLM"]  # SGLang picks the model class by it
+    (work / "model" / "config.json").write_text(json.dumps(config))
     tensors = load_tensors(work / "model")
     etcd = EmbeddedEtcd().start()
     engine = S.OfflineEngine(

@@ -78,7 +78,7 @@ def consumer(endpoint: str, ns: str, gib: float, pulls: int, lanes: int, out: An
         store.get_into(bufs, step=1)
         ref = torch.arange(n, dtype=torch.float32)
         ok = all(bool(torch.equal(bufs[f"w{i}"], ref + i)) for i in range(TENSORS))
-        transport = store._ctx.transport
+        transport = store.transport
         # no pull fell back to UCX: every pull streamed its bytes and then its publisher's 8-byte step word
         streamed = transport.streamed_bytes == (pulls + 2) * (n * 4 * TENSORS + 8)
         out.put(

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,20 +24,13 @@ import torch
 import astate_store
 from astate_store import Shard
 from astate_store.process import exited
+from tests.support.waiting import wait_until
 
 ROWS, COLS = 8, 16
 
 
 def value(step: int) -> torch.Tensor:
     return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * 0.25 + step
-
-
-def wait_for(pred: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:.0f}s for {what}")
-        time.sleep(0.05)
 
 
 def main() -> int:
@@ -50,7 +41,7 @@ def main() -> int:
     rendezvous = Path(os.environ["ASTATE_HOME"]) / "embedded-etcd.json"
     assert "ASTATE_ETCD" not in os.environ
     if rank != starter_rank:
-        wait_for(rendezvous.exists, "the other rank to start the embedded etcd")
+        wait_until(rendezvous.exists, 60, message="waited 60 s for the other rank to start the embedded etcd")
 
     store = astate_store.connect("quickstart")  # the README quick start: no etcd given
     info = json.loads(rendezvous.read_text())
@@ -68,14 +59,20 @@ def main() -> int:
     result["step1"] = store.get_into({"w": full}, step=1, timeout=30)
     result["step1_exact"] = torch.equal(full, value(1))
     (out / f"pulled-{rank}").touch()
-    wait_for(lambda: (out / f"pulled-{1 - rank}").exists(), "the other rank's pull of step 1")
+    wait_until(
+        lambda: (out / f"pulled-{1 - rank}").exists(),
+        60,
+        message="waited 60 s for the other rank's pull of step 1",
+    )
 
     if result["starter"]:  # exit first, right after the commit
         (out / f"result-{rank}.json").write_text(json.dumps(result))
         store.close()
         return 0
 
-    wait_for(lambda: exited(int(info["starter"])), "the rank that started etcd to exit")
+    wait_until(
+        lambda: exited(int(info["starter"])), 60, message="waited 60 s for the rank that started etcd to exit"
+    )
     mine = torch.zeros(rows, COLS)
     result["own_step1"] = store.get_into({"w": Shard(mine, box, (ROWS, COLS))}, step=1, timeout=30)
     result["own_step1_exact"] = torch.equal(mine, value(1)[rank * rows : (rank + 1) * rows])

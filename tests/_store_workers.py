@@ -163,7 +163,8 @@ def publisher_main(
             out.put(("error", rank, step, f"{type(exc).__name__}: {exc}"))
     store.close()
     out.put(("bye", rank))
-    time.sleep(0.1)
+    out.close()
+    out.join_thread()  # the queue's feeder thread has written every message
 
 
 def _die_before_piece(store: Any, rank: int, step: int, out: Any) -> None:
@@ -173,7 +174,8 @@ def _die_before_piece(store: Any, rank: int, step: int, out: Any) -> None:
 
     def die(*_a: Any, **_k: Any) -> bool:
         out.put(("dying", rank, step))
-        time.sleep(0.2)  # let the queue's feeder thread deliver the message
+        out.close()
+        out.join_thread()  # the queue's feeder thread has written the message: SIGKILL loses nothing
         os.kill(os.getpid(), signal.SIGKILL)
         return False  # not reached
 

@@ -68,6 +68,34 @@ def store_factory(etcd: EmbeddedEtcd, namespace: str) -> Iterator[Callable[..., 
         s.close()
 
 
+# The transports a behaviour that depends on the transport runs over: same-host shared memory, and
+# tcp (the streamed path a consumer on another host takes).
+TRANSPORTS = ("shm", "tcp")
+
+
+@pytest.fixture(params=TRANSPORTS, ids=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """This test's transport: the test runs once over each of :data:`TRANSPORTS`."""
+    return str(request.param)
+
+
+@pytest.fixture
+def transport_store_factory(store_factory: Callable[..., Any], transport: str) -> Callable[..., Any]:
+    """``make(ns=None, **options)``: ``store_factory``'s store over this test's ``transport``, for the
+    behaviours that depend on it (put and get_into, resharding, conversion, torn reads, failover)."""
+
+    def make(ns: str | None = None, **options: Any) -> Any:
+        return store_factory(ns, transport=transport, **options)
+
+    return make
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Next to pyproject's markers (gpu, slow); ``make test-fast`` leaves out slow, vllm and sglang.
+    config.addinivalue_line("markers", "vllm: starts or imports real vLLM (minutes each)")
+    config.addinivalue_line("markers", "sglang: starts a real SGLang engine from .venv-sglang (minutes each)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The real-engine tests (``xdist_group("vllm")``, ``xdist_group("sglang")``) first: their files,
     minutes of engine start-up each, start while the rest of the suite is still queued, instead of

@@ -9,7 +9,6 @@
     consumers    Consumers         consumer records (pre-pack requests; who is alive)
     replicas     Replicas          consumers re-serving a version (P2P fan-out)
     checkpoints  CheckpointIndex   the checkpoint index
-    agreement    RecoveryAgreement the step a recovering session's ranks agree on
 
 Key layout under ``/astate/<namespace>/`` (see docs/protocol.md, "etcd key layout"):
 
@@ -34,6 +33,7 @@ size, compressed, never seen half-written.
     checkpoints/<step>                  checkpoint record
     recovery/<epoch>/<round>/plan       recovery_plan record: what every rank does, on the writer's lease
     recovery/<epoch>/<round>/ranks/<rank>  recovery_outcome record: that rank's result, on its lease
+                                        (both written by ``astate_store.recovery.agreement``)
 
 Steps and epochs are 20-digit zero-padded in keys and in the two counters, so lexical
 order is numeric order and etcd can compare counters inside transactions.
@@ -42,20 +42,19 @@ order is numeric order and etcd can compare counters inside transactions.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
-from astate_store.catalog.agreement import RecoveryAgreement
 from astate_store.catalog.checkpoints import CheckpointIndex
-from astate_store.etcd.client import EtcdClient
-from astate_store.etcd.config import EtcdConfig
 from astate_store.catalog.consumers import Consumers
 from astate_store.catalog.readers import Readers
-from astate_store.catalog.records import CheckpointEntry, Layout, Manifest, Piece, Replica, Session, Version
+from astate_store.catalog.records import CheckpointEntry, Piece, Replica, Session, Version
 from astate_store.catalog.replicas import Replicas
 from astate_store.catalog.sessions import Sessions
+from astate_store.catalog.shard_tables import Layout, Manifest
 from astate_store.catalog.versions import Versions
 from astate_store.errors import CatalogError
+from astate_store.etcd.client import EtcdClient
+from astate_store.etcd.config import EtcdConfig, check_namespace
 
 log = logging.getLogger("astate_store.catalog")
 
@@ -71,9 +70,6 @@ __all__ = [
     "EtcdClient",
     "EtcdConfig",
 ]
-
-# The namespace becomes a key path segment: no '/' (it would reach into another namespace's keys).
-_NS_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
 class Catalog:
@@ -104,8 +100,7 @@ class Catalog:
         client: EtcdClient | None = None,
         retention_runner: Any = None,
     ):
-        if not isinstance(namespace, str) or not _NS_RE.match(namespace):
-            raise CatalogError(f"bad namespace {namespace!r}: use 1-128 characters from [A-Za-z0-9_.-]")
+        check_namespace(namespace)  # it becomes a key path segment: no '/' into another namespace
         if retention < 1:
             raise CatalogError(f"retention must be >= 1, got {retention}")
         self.etcd = EtcdConfig.parse(endpoint)
@@ -134,13 +129,12 @@ class Catalog:
         self.readers = Readers(self.client, self.sessions, consumers=self.consumers)
         self.replicas = Replicas(self.client, self.readers)
         self.checkpoints = CheckpointIndex(self.client)
-        self.agreement = RecoveryAgreement(self.client, self.sessions)
 
     @property
     def skipped_records(self) -> int:
         """Records read from etcd that failed their schema or key checks and were skipped
         (counted each time one is met, logged once per key and revision), over every role."""
-        roles = (self.sessions, self.versions, self.readers, self.consumers, self.checkpoints, self.agreement)
+        roles = (self.sessions, self.versions, self.readers, self.consumers, self.checkpoints)
         return sum(r.skips.count for r in roles)
 
     @property

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 from pyetcd import transactions as tx
 
-from astate_store.etcd.client import EtcdClient
 from astate_store.errors import CatalogError
+from astate_store.etcd.client import EtcdClient
 
 __all__ = ["RecordDrops"]
 

@@ -18,10 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from astate_store.catalog.shard_tables import (
-    Layout,
-    Manifest,  # noqa: F401 -- catalog/__init__.py still imports it here
-)
+from astate_store.catalog.shard_tables import Layout
 from astate_store.errors import CatalogCorrupted, CodecError, VersionNotFound
 from astate_store.model import codec
 

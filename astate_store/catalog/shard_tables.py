@@ -19,7 +19,14 @@ import numpy as np
 
 from astate_store.errors import CodecError, LayoutError
 from astate_store.model.dtypes import DTYPE_CODES, DTYPE_NAMES
-from astate_store.model.layout import Box, GCPaused, ShardColumns, ShardRecord, _frozen, contiguous_strides
+from astate_store.model.layout import (
+    Box,
+    GCPaused,
+    ShardColumns,
+    ShardRecord,
+    contiguous_strides,
+    frozen_instance,
+)
 
 __all__ = [
     "Layout",
@@ -153,9 +160,9 @@ class Manifest:
                 a, b = st[i], st[i + 1]
                 sizes = tuple(sz[a:b])
                 rec_strides = tuple(strs[a:b]) if strs is not None else contiguous_strides(sizes)
-                box = _frozen(Box, {"offsets": tuple(of[a:b]), "sizes": sizes})
+                box = frozen_instance(Box, {"offsets": tuple(of[a:b]), "sizes": sizes})
                 out.append(
-                    _frozen(
+                    frozen_instance(
                         ShardRecord,
                         {
                             "name": name,

@@ -34,7 +34,7 @@ from astate_store.model.progress import Progress, ProgressCounter
 from astate_store.model.validation import Entry, check_fit, validate_tensors
 from astate_store.plan import plan_consumer
 
-__all__ = ["ITEM_BYTES", "restore"]
+__all__ = ["ITEM_BYTES", "restore", "checksum_arrays"]
 
 #: Source bytes per restore work item: large enough to amortize a task, small enough to spread a
 #: big shard over the worker threads.
@@ -205,7 +205,7 @@ def _data_files(
     return files
 
 
-def _checksum_arrays(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+def checksum_arrays(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """Every row's checksums flat, and row ``r``'s span ``[offsets[r], offsets[r + 1])`` in them."""
     sumcol = table.column("checksums").combine_chunks()  # .values + absolute .offsets stay consistent
     sums = (
@@ -228,7 +228,7 @@ def _index_shards(
             placed past the end of their file.
     """
     cols = table.select(["name", "offsets", "file", "byte_offset", "length", "block_size"]).to_pydict()
-    sums, sum_off = _checksum_arrays(table)
+    sums, sum_off = checksum_arrays(table)
     findex = {f.name: i for i, f in enumerate(files) if f is not None}
     per_file: dict[int, list[int]] = {}
     for r, fname in enumerate(cols["file"]):

@@ -16,7 +16,7 @@ import pyarrow.fs as pafs
 from astate_store.checkpoint.checksum import CHECKSUMS
 from astate_store.checkpoint.index import load_manifest, load_marker
 from astate_store.checkpoint.leases import ReaderLease
-from astate_store.checkpoint.restore import _checksum_arrays
+from astate_store.checkpoint.restore import checksum_arrays
 from astate_store.checkpoint.storage import URI, Location, resolve
 from astate_store.errors import CheckpointCorrupted, CheckpointError
 from astate_store.model.layout import check_step
@@ -67,7 +67,7 @@ def _verify(loc: Location, step: int, progress: Progress | None) -> VerifyResult
     algo = CHECKSUMS[marker["checksum"]]()
     block = int(marker["block_size"])
     cols = table.select(["name", "offsets", "file", "byte_offset", "length"]).to_pydict()
-    sums, sum_off = _checksum_arrays(table)
+    sums, sum_off = checksum_arrays(table)
     sdir = loc.step_dir(step)
     problems: list[str] = []
     usable = _check_files(loc.fs, sdir, dict(marker["files"]), problems)

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from astate_store.cli.common import err, guarded, out
 
@@ -24,7 +25,7 @@ def run_etcd(
         False,
         "--tls",
         help="serve https with fresh certificates (a CA, a server "
-        "and a client certificate) written under the data dir",
+        "and a client certificate) written under the data dir; needs the test extra's cryptography",
     ),
 ) -> None:
     """Run etcd in the foreground until Ctrl-C / SIGTERM; prints the endpoint to use (and, with
@@ -38,9 +39,13 @@ def run_etcd(
         if tls:
             from astate_store.etcd.security import make_test_certs
 
-            certs = make_test_certs(
-                base / "certs", hosts=tuple(dict.fromkeys((host, "127.0.0.1", "localhost")))
-            )
+            try:
+                certs = make_test_certs(
+                    base / "certs", hosts=tuple(dict.fromkeys((host, "127.0.0.1", "localhost")))
+                )
+            except ModuleNotFoundError as exc:  # cryptography: the test extra's, not a dependency
+                err.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
+                raise typer.Exit(1) from None
         server = EmbeddedEtcd(data_dir=str(base), host=host, tls=certs, port=port)
         server._own_dir = data_dir is None  # a temporary dir goes with the server, a given one stays
         stop = threading.Event()

@@ -1,7 +1,9 @@
 """The etcd connection of one namespace: keys, bounded retries, transactions, leases, watches.
 
 Everything else in the catalog goes through :class:`EtcdClient`; it knows nothing of sessions,
-versions or readers, only how to talk to etcd without hanging and without leaking leases.
+versions or readers, only how to talk to etcd without hanging and without leaking leases. Its
+:class:`EtcdConnection` (channel, token, leases) is its own, or shared with the clients of other
+namespaces (``SessionHub``).
 
 Its parts, by role: ``failures`` (what an etcd error means), ``tls_probe`` (telling a TLS
 mismatch from an etcd that does not answer), ``leases`` (keep-alive threads), ``watches``
@@ -43,7 +45,7 @@ from astate_store.etcd.tls_probe import HANDSHAKE_WORDS, tls_problem
 from astate_store.etcd.watches import new_watcher, wait_for_event
 from astate_store.model import codec
 
-__all__ = ["EtcdClient", "RETRYABLE", "range_end", "WatchRefused", "WatchStreamEnded"]
+__all__ = ["EtcdClient", "EtcdConnection", "RETRYABLE", "range_end", "WatchRefused", "WatchStreamEnded"]
 
 log = logging.getLogger("astate_store.catalog")
 T = TypeVar("T")
@@ -113,6 +115,95 @@ class _Attempts:
     retried: int = 0  # attempts retried after a backoff
 
 
+class EtcdConnection:
+    """One connection to etcd, shared by the clients built over it (one client per namespace; a
+    ``SessionHub``'s stores share one connection): the gRPC channel (pyetcd's client), the
+    authentication token, which endpoints answered, the outage log, and the leases kept alive on
+    the channel.
+
+    Args:
+        config: endpoints, TLS, credentials.
+        op_timeout: seconds for one etcd request.
+    """
+
+    def __init__(self, config: EtcdConfig, op_timeout: float):
+        self.config, self.op_timeout, self.endpoint = config, op_timeout, config.url
+        several = len(config.endpoints) > 1
+        # pyetcd starts on a random member: clients spread over the cluster. Credentials are not given
+        # to pyetcd: it would authenticate once, untyped and unretried, and never refresh the token.
+        self.raw = MultiEndpointEtcd3Client(
+            endpoints=_endpoints(config), timeout=op_timeout, failover=several
+        )
+        self.raw.get_watcher = functools.partial(new_watcher, self.raw)  # type: ignore[method-assign]
+        self.keepalives: list[KeepAlive] = []  # the leases kept alive on this channel
+        self.reader_lease_id: int | None = None  # the one lease all consumer records hang on
+        # Guards the reader lease: several consumer threads may register at once.
+        self.reader_lock = threading.Lock()
+        self.retry_logged = -1e9  # when an outage was last logged at WARNING (rate limit)
+        self.outage = False  # a retry was logged and no request has succeeded since
+        # Authentication: the current token (None before the first request), and whether etcd said
+        # its authentication is off (then requests go without a token, as etcd's own client does).
+        self.auth_lock = threading.Lock()
+        self.token: str | None = None
+        self.auth_off = False
+        self.authentications = 0
+        # Endpoints that answered once (their TLS settings work: no more probing) and when each was
+        # last probed after a failure.
+        self.verified: set[str] = set()
+        self.probed: dict[str, float] = {}
+
+    def lost(self, lease_id: int) -> bool:
+        """Whether the keep-alive of ``lease_id`` found the lease gone (it expired meanwhile)."""
+        return any(k.lost for k in self.keepalives if k.lease_id == lease_id)
+
+    # ---- authentication ----------------------------------------------------------------------
+
+    def _authenticate(self) -> None:
+        """Get a token for the configured user. ``auth_lock`` held."""
+        token = request_token(self.raw, self.config, self.op_timeout, self.endpoint)
+        if token is None:
+            self.auth_off = True
+            return
+        self.authentications += 1
+        self.token = token
+        self.raw.metadata = (("token", token),)
+        self.raw.call_credentials = None  # metadata works on plain and TLS channels alike
+        # A watch stream keeps the token it was opened with: later watches open a new stream; the old
+        # one is ended (its callbacks get the error and their owners re-watch).
+        old = self.raw._stubs.pop("watcher", None)
+        if old is not None:
+            old.close()
+
+    def ensure_token(self) -> None:
+        """Authenticate first, when the connection has a user and no token yet."""
+        if self.config.user is None or self.token is not None or self.auth_off:
+            return
+        with self.auth_lock:
+            if self.token is None and not self.auth_off:
+                self._authenticate()
+
+    def reauthenticate(self, stale: str | None) -> None:
+        """Replace the token ``stale`` (unless another thread already did)."""
+        with self.auth_lock:
+            if self.token == stale:
+                log.info(
+                    "etcd at %s rejected the auth token of %r; authenticating again",
+                    self.endpoint,
+                    self.config.user,
+                )
+                self.token, self.auth_off = None, False
+                self._authenticate()
+
+    def reauth_quietly(self, exc: BaseException) -> None:
+        """For the keep-alive threads: a fresh token, errors logged (the refresh is retried anyway)."""
+        if self.config.user is None:
+            return
+        try:
+            self.reauthenticate(self.token)
+        except (CatalogError, *RETRYABLE) as err:
+            log.warning("re-authenticating to etcd at %s failed: %s", self.endpoint, err)
+
+
 class EtcdClient:
     """One namespace's connection to etcd.
 
@@ -124,6 +215,8 @@ class EtcdClient:
         lease_ttl: seconds without keep-alive after which a lease (a rank, a reader) expires.
         op_timeout: seconds for one etcd request.
         retry_deadline: seconds of retries with backoff before :class:`CatalogUnavailable`.
+        connection: an :class:`EtcdConnection` another client opened, to share (a ``SessionHub``'s
+            namespaces); its owner closes it and the leases on it. None: a connection of its own.
 
     With a user, the client authenticates on its first request and sends the token with every
     request, watch and lease keep-alive; a token etcd no longer accepts (simple tokens expire after
@@ -138,86 +231,26 @@ class EtcdClient:
         lease_ttl: float,
         op_timeout: float,
         retry_deadline: float,
+        connection: EtcdConnection | None = None,
     ):
         self.config = EtcdConfig.parse(endpoint)
         self.endpoint, self.namespace = self.config.url, namespace
         self.lease_ttl, self.op_timeout, self.retry_deadline = lease_ttl, op_timeout, retry_deadline
         self.prefix = f"/astate/{namespace}/"
-        several = len(self.config.endpoints) > 1
-        # pyetcd starts on a random member: clients spread over the cluster. Credentials are not given
-        # to pyetcd: it would authenticate once, untyped and unretried, and never refresh the token.
-        self.raw = MultiEndpointEtcd3Client(
-            endpoints=_endpoints(self.config), timeout=op_timeout, failover=several
-        )
-        self.raw.get_watcher = functools.partial(new_watcher, self.raw)  # type: ignore[method-assign]
-        self._keepalives: list[KeepAlive] = []
-        self._reader_lease: int | None = None
+        self._owner = connection is None  # closes the connection (and revokes its leases) at close()
+        self.connection = EtcdConnection(self.config, op_timeout) if connection is None else connection
+        self.raw = self.connection.raw
         self.rpcs = 0  # etcd requests (attempts) made on callers' paths, for the control-plane figures
         self.background_rpcs = 0  # ... and by background work (retention)
         self.retries = 0  # attempts etcd did not answer, retried after a backoff (Store.stats, metrics)
-        self._retry_logged = -1e9  # when an outage was last logged at WARNING (rate limit)
-        self._outage = False  # a retry was logged and no request has succeeded since
-        # Guards the shared reader lease: several consumer threads may register at once.
-        self._lock = threading.Lock()
-        # Authentication: the current token (None before the first request), and whether etcd said
-        # its authentication is off (then requests go without a token, as etcd's own client does).
-        self._auth_lock = threading.Lock()
-        self._token: str | None = None
-        self._auth_off = False
-        self.authentications = 0
-        # Endpoints that answered once (their TLS settings work: no more probing) and when each was
-        # last probed after a failure.
-        self._verified: set[str] = set()
-        self._probed: dict[str, float] = {}
+
+    @property
+    def authentications(self) -> int:
+        """Tokens the connection obtained from etcd (the first, and each replacement)."""
+        return self.connection.authentications
 
     def key(self, *parts: str) -> str:
         return self.prefix + "/".join(parts)
-
-    # ---- authentication ----------------------------------------------------------------------
-
-    def _authenticate(self) -> None:
-        """Get a token for the configured user. ``_auth_lock`` held."""
-        token = request_token(self.raw, self.config, self.op_timeout, self.endpoint)
-        if token is None:
-            self._auth_off = True
-            return
-        self.authentications += 1
-        self._token = token
-        self.raw.metadata = (("token", token),)
-        self.raw.call_credentials = None  # metadata works on plain and TLS channels alike
-        # A watch stream keeps the token it was opened with: later watches open a new stream; the old
-        # one is ended (its callbacks get the error and their owners re-watch).
-        old = self.raw._stubs.pop("watcher", None)
-        if old is not None:
-            old.close()
-
-    def _ensure_token(self) -> None:
-        if self.config.user is None or self._token is not None or self._auth_off:
-            return
-        with self._auth_lock:
-            if self._token is None and not self._auth_off:
-                self._authenticate()
-
-    def _reauthenticate(self, stale: str | None) -> None:
-        """Replace the token ``stale`` (unless another thread already did)."""
-        with self._auth_lock:
-            if self._token == stale:
-                log.info(
-                    "etcd at %s rejected the auth token of %r; authenticating again",
-                    self.endpoint,
-                    self.config.user,
-                )
-                self._token, self._auth_off = None, False
-                self._authenticate()
-
-    def _reauth_quietly(self, exc: BaseException) -> None:
-        """For the keep-alive threads: a fresh token, errors logged (the refresh is retried anyway)."""
-        if self.config.user is None:
-            return
-        try:
-            self._reauthenticate(self._token)
-        except (CatalogError, *RETRYABLE) as err:
-            log.warning("re-authenticating to etcd at %s failed: %s", self.endpoint, err)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -245,10 +278,10 @@ class EtcdClient:
                 self.background_rpcs += 1
             else:
                 self.rpcs += 1
-            token = self._token
+            token = self.connection.token
             try:
-                self._ensure_token()
-                token = self._token  # the token this attempt carries
+                self.connection.ensure_token()
+                token = self.connection.token  # the token this attempt carries
                 result = fn()
             except (WatchRefused, etcd_exc.WatchTimedOut, *RETRYABLE) as exc:  # type: ignore[misc]
                 verdict, error = self._classify(what, exc, attempts)
@@ -256,7 +289,7 @@ class EtcdClient:
                     raise error from exc
                 if verdict is _Verdict.REAUTHENTICATE:
                     attempts.reauthenticated = True
-                    self._reauthenticate(token)  # (a no-op when another thread already replaced it)
+                    self.connection.reauthenticate(token)  # (a no-op when another thread already replaced it)
                     continue
                 attempts.retried += 1
                 self._retrying(what, exc, attempts.delay)
@@ -317,8 +350,8 @@ class EtcdClient:
         # An endpoint that answered before has working TLS settings: no probing it.
         tls = (
             None
-            if netloc is None or netloc in self._verified
-            else tls_problem(self.config, netloc, self._probed, exc, attempts.handshake_failures)
+            if netloc is None or netloc in self.connection.verified
+            else tls_problem(self.config, netloc, self.connection.probed, exc, attempts.handshake_failures)
         )
         if tls is not None:
             return _Verdict.REFUSED, CatalogAuthError(tls)
@@ -331,22 +364,24 @@ class EtcdClient:
 
     def _answered(self, what: str, retried: int) -> None:
         """etcd answered: end a logged outage, and stop probing this endpoint's TLS settings."""
-        if retried and self._outage:
-            self._outage = False  # once per outage, not once per caller that waited it out
+        conn = self.connection
+        if retried and conn.outage:
+            conn.outage = False  # once per outage, not once per caller that waited it out
             log.info("etcd at %s answers again (%s after %d retries)", self.endpoint, what, retried)
-        if len(self._verified) < len(self.config.endpoints):
+        if len(conn.verified) < len(self.config.endpoints):
             label = getattr(self.raw, "_current_ep_label", None)
             if label is not None:
-                self._verified.add(label)
+                conn.verified.add(label)
 
     def _retrying(self, what: str, exc: BaseException, delay: float) -> None:
         """Count a retry; an outage is logged at WARNING at most every ``_RETRY_LOG_EVERY`` seconds
         per client (each retry at DEBUG), so a long one does not flood the log."""
         self.retries += 1
-        self._outage = True
+        conn = self.connection
+        conn.outage = True
         now = time.monotonic()
-        if now - self._retry_logged >= _RETRY_LOG_EVERY:
-            self._retry_logged = now
+        if now - conn.retry_logged >= _RETRY_LOG_EVERY:
+            conn.retry_logged = now
             log.warning(
                 "etcd at %s did not answer %s (%s: %s); retrying with backoff for up to %.0fs",
                 self.endpoint,
@@ -368,20 +403,23 @@ class EtcdClient:
 
     def new_lease(self) -> int:
         """A fresh lease of ``lease_ttl`` seconds, kept alive by a thread until :meth:`close`."""
+        return self._grant()
+
+    def _grant(self) -> int:
         lease = self.call("lease grant", lambda: self.raw.lease(max(1, int(round(self.lease_ttl)))))
-        ka = KeepAlive(self.raw, lease.id, self.lease_ttl, reauth=self._reauth_quietly)
+        ka = KeepAlive(self.raw, lease.id, self.lease_ttl, reauth=self.connection.reauth_quietly)
         ka.start()
-        self._keepalives.append(ka)
+        self.connection.keepalives.append(ka)
         return int(lease.id)
 
     def reader_lease(self) -> int:
-        """The one lease all consumer records of this client hang on; re-created once lost, so a
-        consumer that was cut off from etcd comes back instead of writing on a dead lease."""
-        with self._lock:
-            lost = any(k.lost for k in self._keepalives if k.lease_id == self._reader_lease)
-            if self._reader_lease is None or lost:
-                self._reader_lease = self.new_lease()
-            return self._reader_lease
+        """The one lease all consumer records of this connection hang on; re-created once lost, so
+        a consumer that was cut off from etcd comes back instead of writing on a dead lease."""
+        conn = self.connection
+        with conn.reader_lock:
+            if conn.reader_lease_id is None or conn.lost(conn.reader_lease_id):
+                conn.reader_lease_id = self._grant()
+            return conn.reader_lease_id
 
     def ping(self) -> None:
         """Raises CatalogUnavailable when etcd does not answer within the retry budget."""
@@ -442,22 +480,28 @@ class EtcdClient:
 
     def revoke(self, lease_id: int) -> None:
         """Revoke one lease now (its records vanish at once) and stop keeping it alive."""
-        for ka in [k for k in self._keepalives if k.lease_id == lease_id]:
+        keepalives = self.connection.keepalives
+        for ka in [k for k in keepalives if k.lease_id == lease_id]:
             ka.stop_event.set()
-            self._keepalives.remove(ka)
+            keepalives.remove(ka)
         self._revoke(lease_id)
 
     def close(self, revoke: bool = True) -> None:
-        """Stop keep-alives and (by default) revoke the leases, so every record on them vanishes at once."""
-        for ka in self._keepalives:
+        """Stop keep-alives and (by default) revoke the leases, so every record on them vanishes at
+        once. A client over another's connection leaves the connection and its leases to that one."""
+        if not self._owner:
+            return
+        keepalives = self.connection.keepalives
+        for ka in keepalives:
             ka.stop_event.set()
             if revoke:
                 self._revoke(ka.lease_id)
-        self._keepalives.clear()
+        keepalives.clear()
         self.raw.close()
 
     def _revoke(self, lease_id: int) -> None:
         """One revoke attempt (errors ignored: the lease then expires on its own), and one more with a
         fresh token when etcd rejected the token (an idle client's token may have expired)."""
-        reauth = None if self.config.user is None else (lambda: self._reauthenticate(self._token))
+        conn = self.connection
+        reauth = None if self.config.user is None else (lambda: conn.reauthenticate(conn.token))
         revoke_lease(self.raw, lease_id, reauth)

@@ -22,13 +22,38 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from astate_store.errors import CatalogError
 
-__all__ = ["EtcdConfig", "ENV_ENDPOINT", "ENV_CA", "ENV_CERT", "ENV_KEY", "ENV_USER", "ENV_PASSWORD"]
+__all__ = [
+    "EtcdConfig",
+    "ENV_ENDPOINT",
+    "ENV_CA",
+    "ENV_CERT",
+    "ENV_KEY",
+    "ENV_USER",
+    "ENV_PASSWORD",
+    "check_namespace",
+]
+
+# A namespace is one etcd key segment: every key of it lives under ``/astate/<namespace>/``.
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$").match  # the catalog's rule, as it was
+
+
+def check_namespace(namespace: object) -> str:
+    """``namespace`` when it is a valid namespace name.
+
+    Raises:
+        CatalogError: not a str of 1-128 characters from ``[A-Za-z0-9_.-]``.
+    """
+    if not isinstance(namespace, str) or not _NAMESPACE(namespace):
+        raise CatalogError(f"bad namespace {namespace!r}: use 1-128 characters from [A-Za-z0-9_.-]")
+    return namespace
+
 
 ENV_ENDPOINT = "ASTATE_ETCD"
 ENV_CA = "ASTATE_ETCD_CA"

@@ -80,7 +80,7 @@ def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def _healthy(endpoint: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
+def etcd_healthy(endpoint: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
     """``/health`` of ``host:port`` (plain) or ``https://host:port`` (TLS, checked with ``context``)."""
     url = endpoint if "://" in endpoint else f"http://{endpoint}"
     try:
@@ -168,7 +168,7 @@ def _stop_process(proc: subprocess.Popen[bytes] | None, grace: float = 5.0) -> N
         proc.wait(5)
 
 
-def _log_tail(path: str | Path, n: int = 2000) -> str:
+def log_tail(path: str | Path, n: int = 2000) -> str:
     try:
         return Path(path).read_text(errors="replace")[-n:]
     except OSError:
@@ -313,7 +313,7 @@ class EmbeddedEtcd:
             self.endpoint = c if self.tls is not None else f"{self.host}:{self.client_port}"
             deadline = time.monotonic() + self.start_timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
-                if _healthy(self.endpoint, 0.5, context):
+                if etcd_healthy(self.endpoint, 0.5, context):
                     atexit.register(self.stop)
                     if self.root_password is not None:
                         self._enable_auth()
@@ -326,7 +326,7 @@ class EmbeddedEtcd:
                     )
                     return self
                 time.sleep(0.05)
-            last = _log_tail(log_path)
+            last = log_tail(log_path)
             self._kill()
         raise CatalogUnavailable(f"embedded etcd did not become healthy; its log ends:\n{last}")
 
@@ -350,15 +350,6 @@ class EmbeddedEtcd:
         self._kill()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    def pause(self) -> None:
-        """SIGSTOP the server (tests: etcd unreachable)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
 
     def __enter__(self) -> EmbeddedEtcd:
         return self.start()

@@ -1,7 +1,8 @@
 """etcd with TLS and authentication: test certificates, root and per-namespace users.
 
 - :func:`make_test_certs` writes a CA, a server certificate for ``127.0.0.1`` / ``localhost`` and a
-  client certificate (for tests and single-host set-ups; use your own PKI in production).
+  client certificate (for tests and single-host set-ups; use your own PKI in production). It needs
+  ``cryptography``, which is in the ``test`` extra, not a dependency of the store.
 - :func:`enable_auth` creates etcd's ``root`` user and role and turns authentication on.
 - :func:`grant_namespace` gives a user a role limited to one namespace's keys
   (``/astate/<namespace>/``), read-write or read-only.
@@ -31,11 +32,15 @@ from pyetcd.etcdrpc import auth_pb2
 
 from astate_store.errors import CatalogRejected
 from astate_store.etcd.client import EtcdClient, range_end
-from astate_store.etcd.config import EtcdConfig
+from astate_store.etcd.config import EtcdConfig, check_namespace
 
 __all__ = ["CertPaths", "make_test_certs", "enable_auth", "grant_namespace", "namespace_role", "ROOT_USER"]
 
 ROOT_USER = "root"
+_NO_CRYPTOGRAPHY = (
+    "test certificates need the 'cryptography' package, which is in astate-store's test extra: "
+    "pip install 'astate-store[test]' (or pip install cryptography)"
+)
 # What a consumer writes (catalog/readers.py, catalog/consumers.py): a read-only user may write these.
 _CONSUMER_WRITES = ("readers/", "delivered/", "consumers/")
 
@@ -178,8 +183,15 @@ def make_test_certs(
     directory: str | os.PathLike[str], *, days: int = 30, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
 ) -> CertPaths:
     """Write a fresh CA, a server certificate for ``hosts`` and a client certificate (ECDSA P-256)
-    into ``directory`` (created, mode 0700; keys mode 0600)."""
-    from cryptography import x509
+    into ``directory`` (created, mode 0700; keys mode 0600).
+
+    Raises:
+        ModuleNotFoundError: ``cryptography`` (the ``test`` extra) is not installed.
+    """
+    try:
+        from cryptography import x509
+    except ImportError as exc:
+        raise ModuleNotFoundError(_NO_CRYPTOGRAPHY, name="cryptography") from exc
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
     d = Path(directory)
@@ -372,11 +384,9 @@ def grant_namespace(
         CatalogError: a bad namespace.
         CatalogAuthError: ``admin_config`` is not allowed to manage users and roles.
     """
-    from astate_store.catalog import _NS_RE
     from astate_store.errors import CatalogError
 
-    if not isinstance(namespace, str) or not _NS_RE.match(namespace):
-        raise CatalogError(f"bad namespace {namespace!r}: use 1-128 characters from [A-Za-z0-9_.-]")
+    check_namespace(namespace)
     if not user or not password:
         raise CatalogError("grant_namespace needs a user name and a password")
     role = namespace_role(namespace, read_only=read_only)

@@ -53,8 +53,8 @@ from astate_store.process import pid_alive
 if TYPE_CHECKING:  # the supervisor imports this module alone: nothing above errors/process at run time
     pass
 
-from astate_store.etcd.embedded import ENV_ENDPOINT, _healthy, _log_tail, find_etcd_binary
-from astate_store.etcd.supervisor_loop import _RENDEZVOUS, _read_info, _run_dir, _Supervisor
+from astate_store.etcd.embedded import ENV_ENDPOINT, etcd_healthy, find_etcd_binary, log_tail
+from astate_store.etcd.supervisor_loop import RENDEZVOUS_FILE, Supervisor, read_info, run_dir_of
 
 __all__ = ["shared_endpoint", "main", "ENV_HOME", "ENV_IDLE_GRACE"]
 
@@ -123,7 +123,7 @@ def _home() -> Path:
 
 
 def _rendezvous_file(home: Path | None = None) -> Path:
-    return (home or _home()) / _RENDEZVOUS
+    return (home or _home()) / RENDEZVOUS_FILE
 
 
 def _idle_grace() -> float:
@@ -153,7 +153,7 @@ def _flock_held(path: Path) -> bool:
 
 
 def _supervisor_alive(home: Path, supervisor_pid: int) -> bool:
-    return _flock_held(_run_dir(home, supervisor_pid) / "supervisor.lock")
+    return _flock_held(run_dir_of(home, supervisor_pid) / "supervisor.lock")
 
 
 def _write_info(path: Path, info: dict[str, Any]) -> None:
@@ -185,7 +185,7 @@ def _live_info(home: Path, path: Path) -> dict[str, Any] | None:
     Raises:
         CatalogUnavailable: a supervisor runs but its etcd stays unhealthy.
     """
-    info = _read_info(path)
+    info = read_info(path)
     if info is None:
         return None
     try:
@@ -198,7 +198,7 @@ def _live_info(home: Path, path: Path) -> dict[str, Any] | None:
         if not _supervisor_alive(home, sup) or not pid_alive(pid):
             log.info("embedded etcd of supervisor %d is gone; starting a new one", sup)
             return None
-        if _healthy(endpoint):
+        if etcd_healthy(endpoint):
             return info
         if time.monotonic() > deadline:
             raise CatalogUnavailable(
@@ -292,7 +292,7 @@ def _start_supervisor(home: Path) -> dict[str, Any]:
             proc.terminate()
         raise CatalogUnavailable(
             f"the embedded etcd supervisor (pid {proc.pid}) did not start etcd; {log_path} ends:\n"
-            f"{_log_tail(log_path)}"
+            f"{log_tail(log_path)}"
         ) from None
     info.update(starter=os.getpid(), started_at=time.time(), log=str(log_path), idle_grace=grace)
     return info
@@ -302,7 +302,7 @@ def _register(home: Path, info: dict[str, Any]) -> _Participation:
     """Hold an flock on participants/<pid> of this supervisor for the rest of this process's life.
     Rendezvous lock held, so the supervisor cannot be deciding to stop meanwhile."""
     sup = int(info["supervisor"])
-    pdir = _run_dir(home, sup) / "participants"
+    pdir = run_dir_of(home, sup) / "participants"
     tmp = pdir / f".{os.getpid()}.{uuid.uuid4().hex[:8]}"
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     home = Path(args.home) if args.home else _home()
     grace = _idle_grace() if args.grace is None else max(0.0, args.grace)
-    return _Supervisor(home, grace, args.etcd_binary).run(args.ready_fd)
+    return Supervisor(home, grace, args.etcd_binary).run(args.ready_fd)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The detached supervisor of the shared embedded etcd (see :mod:`astate_store.etcd.supervisor`).
 
-:class:`_Supervisor` owns one etcd (:class:`_SupervisedEtcd`, which gets SIGTERM if the supervisor
+:class:`Supervisor` owns one etcd (:class:`_SupervisedEtcd`, which gets SIGTERM if the supervisor
 dies) and stops it once no participant has held its lock for the idle grace. It runs in the process
 :func:`astate_store.etcd.supervisor.main` starts, which imports the package without its ``__init__``:
 this module imports only the stdlib, :mod:`astate_store.errors` and :mod:`astate_store.etcd.embedded`.
-:mod:`astate_store.etcd.supervisor` imports it (for :class:`_Supervisor` and the rendezvous record's
+:mod:`astate_store.etcd.supervisor` imports it (for :class:`Supervisor` and the rendezvous record's
 reader), never the other way round.
 """
 
@@ -27,20 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from astate_store.errors import UnsafeRendezvousError
-from astate_store.etcd.embedded import EmbeddedEtcd, _log_tail
+from astate_store.etcd.embedded import EmbeddedEtcd, log_tail
 
 log = logging.getLogger("astate_store.etcd")
 
 # The rendezvous file in the rendezvous dir; both this module and the processes that join read it.
-_RENDEZVOUS = "embedded-etcd.json"
+RENDEZVOUS_FILE = "embedded-etcd.json"
 
 
-def _run_dir(home: Path, supervisor_pid: int) -> Path:
+def run_dir_of(home: Path, supervisor_pid: int) -> Path:
     # Derived from the pid, never read from the rendezvous file.
     return home / f"embedded-etcd-{int(supervisor_pid)}"
 
 
-def _read_info(path: Path) -> dict[str, Any] | None:
+def read_info(path: Path) -> dict[str, Any] | None:
     """The rendezvous record; None when absent or unreadable.
 
     Raises:
@@ -106,14 +106,14 @@ class _SupervisedEtcd(EmbeddedEtcd):
         )
 
 
-class _Supervisor:
+class Supervisor:
     """Owns one etcd; stops it once no participant has been alive for ``grace`` seconds."""
 
     def __init__(self, home: Path, grace: float, binary: str | None = None):
         self.home, self.grace, self.me, self.binary = home, grace, os.getpid(), binary
-        self.run_dir = _run_dir(home, self.me)
+        self.run_dir = run_dir_of(home, self.me)
         self.pdir = self.run_dir / "participants"
-        self.rendezvous = home / _RENDEZVOUS  # as supervisor._rendezvous_file(home)
+        self.rendezvous = home / RENDEZVOUS_FILE  # as supervisor._rendezvous_file(home)
         self.stopping = threading.Event()
         self.etcd: _SupervisedEtcd | None = None
         self.withdrawn = False
@@ -124,7 +124,7 @@ class _Supervisor:
     def _withdraw(self) -> None:
         """Remove the rendezvous file if it names this supervisor. Rendezvous lock held."""
         try:
-            info = _read_info(self.rendezvous)
+            info = read_info(self.rendezvous)
         except UnsafeRendezvousError as exc:  # not ours to remove
             log.warning("%s", exc)
             return
@@ -245,7 +245,7 @@ class _Supervisor:
                     "etcd (pid %d) exited with %s; its log ends:\n%s",
                     self.etcd.proc.pid,
                     rc,
-                    _log_tail(os.path.join(self.etcd.data_dir, "etcd.log")),
+                    log_tail(os.path.join(self.etcd.data_dir, "etcd.log")),
                 )
                 return 1
             now = time.monotonic()

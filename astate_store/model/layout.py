@@ -7,8 +7,8 @@ Consumers describe their buffers with the same records (``rank`` is then the
 consumer's buffer index space, ``region`` the buffer).
 
 Validating what a user hands in (``validate_tensors``, ``Entry``, tied-weight aliases) lives in
-:mod:`astate_store.model.validation`; those names are still importable from here. This module
-imports nothing of the package but ``errors`` and the dtype table (``model/dtypes.py``).
+:mod:`astate_store.model.validation`. This module imports nothing of the package but ``errors``
+and the dtype table (``model/dtypes.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ __all__ = [
     "MAX_STEP",
     "check_step",
     "merge_tensor_layout",
+    "frozen_instance",
+    "ZEROS",
 ]
 
 # Names become etcd key segments and file names: keep them printable and slash-free at the ends.
@@ -108,7 +110,7 @@ class Box:
             return None
         if sizes == self.sizes and lo == self.offsets:
             return self  # other holds all of self (frozen: sharing it is safe)
-        return _frozen(Box, {"offsets": lo, "sizes": sizes})
+        return frozen_instance(Box, {"offsets": lo, "sizes": sizes})
 
     def within(self, shape: Sequence[int]) -> bool:
         return len(shape) == self.ndim and all(
@@ -141,12 +143,6 @@ class ShardRecord:
     @property
     def contiguous(self) -> bool:
         return _is_dense(self.box.sizes, self.strides)
-
-    @property
-    def span_bytes(self) -> int:
-        """Bytes from the first to one past the last element in memory."""
-        lo, hi = self.byte_range(self.box)
-        return hi - lo
 
     def byte_range(self, piece: Box) -> tuple[int, int]:
         """``[first, one past the last)`` byte of ``piece`` (a box inside this record's) in its
@@ -286,23 +282,7 @@ def _is_dense(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
-def _check_non_overlapping(name: str, sizes: Sequence[int], strides: Sequence[int]) -> None:
-    """Reject memory where two elements share an address (expanded views): a read into it
-    would write the same byte twice and a published one has no single value per element."""
-    dims = sorted((st, sz) for sz, st in zip(sizes, strides) if sz > 1)
-    span = 1
-    for stride, size in dims:
-        if stride < span:
-            raise LayoutError(
-                f"tensor {name!r}: memory with strides {tuple(strides)} for sizes {tuple(sizes)} "
-                "overlaps itself (an expanded or aliased view); pass a .contiguous() copy"
-            )
-        span += stride * (size - 1)
-
-
-# One match for the common case of ``validate_name`` (a str of allowed characters and length, no
-# ".." segment); anything it rejects goes through ``validate_name`` for the verdict and the message.
-def _frozen(cls: type, fields: dict) -> object:
+def frozen_instance(cls: type, fields: dict) -> object:
     """An instance of a frozen dataclass with ``fields`` already checked: what ``cls(**fields)`` builds,
     without the per-field ``object.__setattr__`` calls (and ``__post_init__``)."""
     obj = object.__new__(cls)
@@ -324,7 +304,7 @@ class GCPaused:
 
 
 class _Repeated(dict):
-    """ndim -> (value,) * ndim, built on first use (``_ZEROS[n]`` is one C-level lookup)."""
+    """ndim -> (value,) * ndim, built on first use (``ZEROS[n]`` is one C-level lookup)."""
 
     def __init__(self, value: int) -> None:
         super().__init__()
@@ -335,7 +315,7 @@ class _Repeated(dict):
         return z
 
 
-_ZEROS, _ONES = _Repeated(0), _Repeated(1)
+ZEROS, _ONES = _Repeated(0), _Repeated(1)
 # Steps are 20-digit zero-padded in etcd keys, counters and checkpoint paths, and the commit
 # transaction compares against ``step + 1``, which must still fit in 20 digits.
 MAX_STEP = 10**19 - 1
@@ -368,7 +348,7 @@ def merge_tensor_layout(name: str, shards: Iterable[ShardRecord]) -> TensorLayou
         raise LayoutError(f"tensor {name!r}: no shards")
     first = shards[0]
     if _tiles_fast(shards, first):
-        return _frozen(
+        return frozen_instance(
             TensorLayout,
             {"name": name, "dtype": first.dtype, "global_shape": first.global_shape, "shards": tuple(shards)},
         )
@@ -418,7 +398,7 @@ def _tiles_fast(shards: list[ShardRecord], first: ShardRecord) -> bool:
     if min(shape, default=0) < 0:
         return False
     nd = len(shape)
-    zeros = _ZEROS[nd]
+    zeros = ZEROS[nd]
     if n == 1:
         box = first.box
         if box.offsets == zeros and box.sizes == shape:
@@ -501,7 +481,7 @@ def _group_layouts(recs: list[ShardRecord]) -> dict[str, TensorLayout]:
         if rs is not None:
             out[n] = merge_tensor_layout(n, rs)
         elif whole:  # one record holding the whole tensor: what merge_tensor_layout returns
-            out[n] = _frozen(
+            out[n] = frozen_instance(
                 TensorLayout, {"name": n, "dtype": r.dtype, "global_shape": r.global_shape, "shards": (r,)}
             )
         else:
@@ -518,6 +498,6 @@ def _whole_boxes(recs: list[ShardRecord]) -> list[bool]:
     shapes = list(map(_GLOBAL_SHAPE, recs))
     if min(chain.from_iterable(shapes), default=0) < 0:
         return [False] * len(recs)
-    offs = map(eq, map(_OFFSETS, recs), map(_ZEROS.__getitem__, map(len, shapes)))
+    offs = map(eq, map(_OFFSETS, recs), map(ZEROS.__getitem__, map(len, shapes)))
     sizes = map(eq, map(_SIZES, recs), shapes)
     return list(map(and_, offs, sizes))

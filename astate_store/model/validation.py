@@ -32,16 +32,15 @@ import torch
 from astate_store.errors import LayoutError
 from astate_store.model.dtypes import TORCH_NAMES, dtype_name, is_floating
 from astate_store.model.layout import (
-    _ZEROS,
     MAX_NAME_LEN,
+    ZEROS,
     Box,
     GCPaused,
     Shard,
     ShardRecord,
     TensorLayout,
     TensorLike,
-    _check_non_overlapping,
-    _frozen,
+    frozen_instance,
     validate_name,
 )
 
@@ -54,13 +53,27 @@ _NAME_FAST = re.compile(rf"(?=[^\n]{{1,{MAX_NAME_LEN}}}\Z){_NAME_SEG}(?:/{_NAME_
 _WHOLE: dict[tuple[int, ...], Box] = {}  # shape -> Box(zeros, shape); Boxes are immutable, so shared
 
 
+def _check_non_overlapping(name: str, sizes: Sequence[int], strides: Sequence[int]) -> None:
+    """Reject memory where two elements share an address (expanded views): a read into it
+    would write the same byte twice and a published one has no single value per element."""
+    dims = sorted((st, sz) for sz, st in zip(sizes, strides) if sz > 1)
+    span = 1
+    for stride, size in dims:
+        if stride < span:
+            raise LayoutError(
+                f"tensor {name!r}: memory with strides {tuple(strides)} for sizes {tuple(sizes)} "
+                "overlaps itself (an expanded or aliased view); pass a .contiguous() copy"
+            )
+        span += stride * (size - 1)
+
+
 def _whole_box(shape: tuple[int, ...]) -> Box:
     """``Box((0,) * len(shape), shape)``, the box of a plain tensor: one object per shape."""
     box = _WHOLE.get(shape)
     if box is None:
         if len(_WHOLE) >= 1 << 14:
             _WHOLE.clear()
-        box = _WHOLE[shape] = _frozen(Box, {"offsets": _ZEROS[len(shape)], "sizes": shape})
+        box = _WHOLE[shape] = frozen_instance(Box, {"offsets": ZEROS[len(shape)], "sizes": shape})
     return box
 
 
@@ -105,7 +118,7 @@ def _local_box(name: str, value: object) -> tuple[torch.Tensor, Box, tuple[int, 
                 f"tensor {name!r}: global_shape {global_shape} has {len(global_shape)} dims, "
                 f"the local tensor has {nd} (shape {sizes})"
             )
-        box = _frozen(Box, {"offsets": offsets, "sizes": sizes})
+        box = frozen_instance(Box, {"offsets": offsets, "sizes": sizes})
         for o, z, g in zip(offsets, sizes, global_shape):
             if o < 0 or o + z > g:
                 raise LayoutError(
@@ -167,7 +180,7 @@ class Entry:
             "region": region,
             "byte_offset": byte_offset,
         }
-        return _frozen(ShardRecord, fields)  # type: ignore[return-value]  (checked fields: no __init__ needed)
+        return frozen_instance(ShardRecord, fields)  # type: ignore[return-value]  (checked fields: no __init__ needed)
 
 
 def validate_tensors(tensors: Mapping[str, TensorLike | Sequence[Shard]], what: str) -> list[Entry]:
@@ -213,7 +226,8 @@ def _entry(name: str, value: object) -> Entry:
     t, box, gshape, dtype = _local_box(name, value)
     if not (t.is_cpu or t.is_cuda):
         raise LayoutError(f"tensor {name!r}: device {t.device} is not supported (cpu or cuda)")
-    return _frozen(Entry, {"name": name, "tensor": t, "box": box, "global_shape": gshape, "dtype": dtype})
+    fields = {"name": name, "tensor": t, "box": box, "global_shape": gshape, "dtype": dtype}
+    return frozen_instance(Entry, fields)
 
 
 def _is_dtensor(value: object) -> bool:
@@ -302,7 +316,7 @@ def _tie(entries: list[Entry]) -> list[Entry]:
         return entries
     for j, names in tied.items():
         e = entries[j]
-        entries[j] = _frozen(Entry, {**e.__dict__, "aliases": tuple(names)})
+        entries[j] = frozen_instance(Entry, {**e.__dict__, "aliases": tuple(names)})
     gone = set(drop)
     return [e for i, e in enumerate(entries) if i not in gone]
 
@@ -315,7 +329,7 @@ def with_aliases(entries: Sequence[Entry], records: list[ShardRecord]) -> list[S
     out = []
     for e, r in zip(entries, records):
         out.append(r)
-        out.extend(_frozen(ShardRecord, {**r.__dict__, "name": a}) for a in e.aliases)
+        out.extend(frozen_instance(ShardRecord, {**r.__dict__, "name": a}) for a in e.aliases)
     return out
 
 

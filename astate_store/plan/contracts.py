@@ -11,8 +11,8 @@ import numpy as np
 
 from astate_store.model.dtypes import itemsize
 from astate_store.model.layout import Box, ShardRecord, contiguous_strides
-from astate_store.plan._planner.templates import _rel_offsets, _template
-from astate_store.plan._planner.util import _sort_key
+from astate_store.plan._planner.templates import rel_offsets, run_template
+from astate_store.plan._planner.util import sort_key
 
 #: One read: copy ``length`` source bytes from ``src_offset`` of region ``src_region`` of
 #: publisher ``src_rank`` to ``dst_offset`` of the consumer's buffer ``dst_region``. With
@@ -101,7 +101,7 @@ class Fabric:
         object.__setattr__(
             self,
             "consumers",
-            tuple(sorted(((k, v) for k, v in (consumers or {}).items()), key=lambda kv: _sort_key(kv[0]))),
+            tuple(sorted(((k, v) for k, v in (consumers or {}).items()), key=lambda kv: sort_key(kv[0]))),
         )
 
     def source_map(self) -> dict:
@@ -155,8 +155,8 @@ class PackItem:
         isz = itemsize(s.dtype)
         if self.box.numel == 0:
             return np.zeros(0, COPY_DTYPE)
-        tm = _template(self.box.sizes, tuple(s.strides), contiguous_strides(self.box.sizes))
-        src_rel, dst_rel = _rel_offsets(tm, isz, isz)
+        tm = run_template(self.box.sizes, tuple(s.strides), contiguous_strides(self.box.sizes))
+        src_rel, dst_rel = rel_offsets(tm, isz, isz)
         base = s.byte_offset + isz * sum(
             (self.box.offsets[d] - s.box.offsets[d]) * s.strides[d] for d in range(nd)
         )

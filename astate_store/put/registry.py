@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import mmap
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -28,7 +29,7 @@ from astate_store.model.layout import ShardRecord
 from astate_store.model.validation import Entry
 from astate_store.transport import Transport
 
-__all__ = ["Registry", "storage_span", "PAGE"]
+__all__ = ["Registry", "TransportHolder", "storage_span", "PAGE"]
 
 PAGE = mmap.PAGESIZE
 
@@ -39,6 +40,14 @@ def storage_span(t: torch.Tensor) -> tuple[int, int]:
         return t.data_ptr(), 0
     last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     return t.data_ptr(), (last + 1) * t.element_size()
+
+
+class TransportHolder(Protocol):
+    """What holds the transport a registry registers with: ``context.StoreContext``, which
+    creates it lazily, near the first tensors it moves."""
+
+    @property
+    def transport(self) -> Transport: ...
 
 
 @dataclass
@@ -56,8 +65,8 @@ class Registry:
     Not thread-safe: the store calls it from the thread that puts / serves.
     """
 
-    def __init__(self, transport: Callable[[], Transport]):
-        self._transport = transport
+    def __init__(self, holder: TransportHolder):
+        self._holder = holder  # the transport is read at each use: the context creates it lazily
         self._regs: dict[int, _Registration] = {}  # region -> registration
         self._by_storage: dict[tuple[int, int], list[_Registration]] = {}
         self._idle: set[int] = set()  # registered, refs == 0
@@ -144,7 +153,7 @@ class Registry:
         todo = list(self._idle) if regions is None else [r for r in regions if r in self._idle]
         if not todo:
             return 0
-        tr = self._transport()
+        tr = self._holder.transport
         for r in todo:
             self._idle.discard(r)
             reg = self._regs.pop(r)
@@ -217,7 +226,7 @@ class Registry:
         return best
 
     def _register(self, key: tuple[int, int], t: torch.Tensor, lo: int, hi: int) -> _Registration:
-        tr = self._transport()
+        tr = self._holder.transport
         region = tr.register_range(t, lo, hi - lo)
         reg = self._regs.get(region)
         if reg is None:  # the transport may return an existing slot for the same range

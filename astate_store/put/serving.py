@@ -9,7 +9,8 @@ withdrawn, its readers waited for, and the registrations only the offer held are
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from astate_store.context import StoreContext
 from astate_store.errors import LayoutError
@@ -17,6 +18,9 @@ from astate_store.model import codec
 from astate_store.model.layout import TensorLike
 from astate_store.model.validation import Entry, validate_tensors, with_aliases
 from astate_store.put.registry import Registry
+
+if TYPE_CHECKING:
+    from astate_store.get.consumer import Consumer
 
 __all__ = ["Serving"]
 
@@ -28,11 +32,9 @@ _HOLDER = "serve"  # the registry's holder name for offered buffers
 class Serving:
     """The steps this process re-serves, as (step, group, layout id)."""
 
-    def __init__(
-        self, ctx: StoreContext, registry: Registry, delivered: Callable[[], tuple[int | None, list[Entry]]]
-    ):
+    def __init__(self, ctx: StoreContext, registry: Registry, consumer: Consumer):
         self.ctx, self.registry = ctx, registry
-        self._delivered = delivered  # (step, entries) the consumer last filled
+        self.consumer = consumer  # whose last get_into filled the buffers that may be offered
         self._offers: list[tuple[int, str, str]] = []
 
     @property
@@ -46,7 +48,7 @@ class Serving:
             LayoutError: a buffer that this store's last ``get_into`` did not fill with ``step``.
         """
         entries = validate_tensors(buffers, "serve(buffers)")
-        got, filled = self._delivered()
+        got, filled = self.consumer.delivered_step, self.consumer.buffers.entries
         # The very views get_into filled, under the same names: a view of the same first byte with
         # other strides or another box would offer other bytes as this step's.
         delivered = {e.name: _identity(e) for e in filled} if step == got else {}

@@ -50,15 +50,14 @@ from typing import Any
 
 import torch
 
-from astate_store.etcd.client import EtcdClient, range_end
-from astate_store.etcd.config import EtcdConfig
 from astate_store.catalog.replicas import server_group
 from astate_store.errors import AStateError, CodecError
+from astate_store.etcd.client import EtcdClient, range_end
+from astate_store.etcd.config import EtcdConfig
 from astate_store.get.kv import KeyInfo, keys
 from astate_store.hub import SessionHub
 from astate_store.model import codec
 from astate_store.model.dtypes import torch_dtype
-from astate_store.put.registry import Registry
 from astate_store.put.serving import Serving
 from astate_store.store import Store
 
@@ -339,7 +338,7 @@ class ReplicaServer:
             slot = self._slot_for(ns, info, step)
             if slot is None:
                 return
-            got = store._consumer.get_into(slot.tensors, step, self.pull_timeout)
+            got = store.get_into(slot.tensors, step=step, timeout=self.pull_timeout)
             old = ns.served
             slot.step, slot.offered = got, True  # before the offer is visible (``held`` is read by others)
             try:
@@ -439,21 +438,14 @@ class ReplicaServer:
 
     def _new_slot(self, ns: _Namespace, sig: tuple[Any, ...], info: dict[str, KeyInfo], need: int) -> _Slot:
         store = self._store(ns)
-        ctx = store._ctx
-        cpu = torch.device("cpu")
-        ctx.ensure_transport(cpu)
-        flat = ctx.alloc(need, cpu, shared=True)  # page-aligned and NUMA-local to the server's transport
+        flat = store.serving_memory(need)  # page-aligned and NUMA-local to the server's transport
         tensors, off = {}, 0
         for name, k in info.items():
             dt = torch_dtype(k.dtype, tensor=name)
             tensors[name] = flat[off : off + k.nbytes].view(dt).view(k.global_shape)
             off += _round(k.nbytes)
-        consumer = store._consumer
         # Each buffer set has its own registry and offer: withdrawing one leaves the other served.
-        serving = Serving(
-            ctx, Registry(lambda: ctx.transport), lambda: (consumer.delivered_step, consumer.buffers.entries)
-        )
-        slot = _Slot(sig, need, tensors, serving)
+        slot = _Slot(sig, need, tensors, store.offer())
         ns.slots.append(slot)
         return slot
 

@@ -14,8 +14,8 @@ from pyetcd import transactions as tx
 
 from astate_store.catalog import Catalog
 from astate_store.catalog.blobs import CHUNK_BYTES, blob_from_kvs, blob_range, blob_requests
-from astate_store.etcd.client import EtcdClient
 from astate_store.errors import CodecError
+from astate_store.etcd.client import EtcdClient
 from astate_store.model import codec
 
 

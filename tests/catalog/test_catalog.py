@@ -9,7 +9,6 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
 
 import pytest
 
@@ -28,6 +27,7 @@ from astate_store.etcd.embedded import EmbeddedEtcd
 from astate_store.model.layout import Box, ShardRecord
 from tests._catalog_workers import commit_racer, hold_session, publish, row_shard
 from tests._procs import CTX
+from tests.support.waiting import wait_until
 
 
 def _watches(client: EtcdClient, monkeypatch: pytest.MonkeyPatch) -> queue.Queue[tuple[str, int | None]]:
@@ -152,24 +152,17 @@ def test_latest_does_not_move_back_for_an_older_step(catalog_factory) -> None:
     assert cat.versions.committed_steps() == [10]
 
 
-def _until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Wait (bounded) for a state that must come about; fails the test if it never does."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "the expected state never came about"
-        time.sleep(0.01)
-
-
 def test_watch_wakes_waiter(catalog_factory, monkeypatch) -> None:
     pub, cons = catalog_factory(), catalog_factory()
     lid = _publisher(pub, 0, 1)
     out: list[object] = []
     t = threading.Thread(target=lambda: out.append(cons.versions.wait_for(3, timeout=30)))
     t.start()
-    _until(lambda: None in cons.versions._latest.blocked_at)  # found no version and blocked
+    # found no version and blocked
+    wait_until(lambda: None in cons.versions._latest.blocked_at, 30, interval=0.01)
     pub.versions.put_piece(2, lid)
     # The waiter learned of step 2 (from its watch), saw 2 < 3 and blocked again.
-    _until(lambda: 2 in cons.versions._latest.blocked_at)
+    wait_until(lambda: 2 in cons.versions._latest.blocked_at, 30, interval=0.01)
     assert t.is_alive() and not out
     pub.versions.put_piece(3, lid)
     t.join(10)
@@ -219,10 +212,9 @@ def test_lease_expiry_marks_session_dead(etcd, namespace, catalog_factory) -> No
     assert cons.sessions.live_ranks(epoch) == {0}
     os.kill(pid, signal.SIGKILL)
     p.join(10)
-    deadline = time.monotonic() + 15
-    while cons.sessions.live_ranks(epoch) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert cons.sessions.live_ranks(epoch) == set()
+    wait_until(
+        lambda: not cons.sessions.live_ranks(epoch), 15, interval=0.2, message="the dead rank stayed live"
+    )
     assert cons.sessions.record() is None
 
 
@@ -301,12 +293,12 @@ def test_etcd_unreachable_raises_typed_error_without_hanging() -> None:
     with EmbeddedEtcd() as server:
         cat = Catalog(server.endpoint, "down", op_timeout=0.5, retry_deadline=2.0)
         lid = _publisher(cat, 0, 1)
-        server.pause()
+        server.proc.send_signal(signal.SIGSTOP)  # etcd unreachable
         try:
             with pytest.raises(CatalogUnavailable, match="unreachable"):
                 cat.versions.put_piece(1, lid)
         finally:
-            server.resume()
+            server.proc.send_signal(signal.SIGCONT)
         # Back up: the same catalog object works again (no client stuck in a failed state).
         assert cat.versions.put_piece(2, lid)
         cat.close(revoke=False)
@@ -316,8 +308,8 @@ def test_etcd_restart_is_retried(catalog_factory, etcd) -> None:
     with EmbeddedEtcd() as server:
         cat = Catalog(server.endpoint, "restart", op_timeout=0.5, retry_deadline=20.0)
         lid = _publisher(cat, 0, 1)
-        server.pause()
-        threading.Timer(1.0, server.resume).start()
+        server.proc.send_signal(signal.SIGSTOP)  # etcd unreachable
+        threading.Timer(1.0, server.proc.send_signal, (signal.SIGCONT,)).start()
         assert cat.versions.put_piece(1, lid) is True
         cat.close()
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from astate_store.etcd.config import EtcdConfig
 from astate_store.errors import CatalogError
+from astate_store.etcd.config import EtcdConfig
 
 
 @pytest.fixture

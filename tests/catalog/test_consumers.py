@@ -3,24 +3,15 @@ watch that says when to re-read, and records that are not what their key says.""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from astate_store.catalog import Catalog
 from astate_store.model import codec
 from astate_store.model.layout import Box
+from tests.support.waiting import wait_until
 
 Factory = Callable[..., Catalog]
 WAIT = 30.0
-
-
-def _until(cond: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + WAIT
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_pack_requests_are_per_rank_and_sorted(catalog_factory: Factory) -> None:
@@ -43,13 +34,13 @@ def test_a_watch_says_when_the_records_changed(catalog_factory: Factory) -> None
     pub, a = catalog_factory(), catalog_factory()
     assert pub.consumers.changed()  # never read
     pub.consumers.pack_requests(0)
-    assert _until(lambda: not pub.consumers.changed())  # read, and the watch is up
+    wait_until(lambda: not pub.consumers.changed(), WAIT)  # read, and the watch is up
     a.consumers.register("a", [(0, "w", Box((0,), (4,)), None)])
-    assert _until(pub.consumers.changed)
+    wait_until(pub.consumers.changed, WAIT)
     assert [r[0] for r in pub.consumers.pack_requests(0)] == ["a"]
-    assert _until(lambda: not pub.consumers.changed())
+    wait_until(lambda: not pub.consumers.changed(), WAIT)
     a.close()  # the record goes with the lease: a change too
-    assert _until(pub.consumers.changed)
+    wait_until(pub.consumers.changed, WAIT)
     assert pub.consumers.pack_requests(0) == ()
 
 
@@ -63,7 +54,7 @@ def test_a_consumer_registers_once_and_again_on_a_new_lease(catalog_factory: Fac
     old = cons.client.reader_lease()
     cons.client.raw.revoke_lease(old)  # the lease is gone behind the client's back: so is the record
     assert pub.consumers.ids() == set()
-    assert _until(lambda: cons.client.reader_lease() != old)  # the keep-alive noticed: a new lease
+    wait_until(lambda: cons.client.reader_lease() != old, WAIT)  # the keep-alive noticed: a new lease
     # The record comes back on the new lease, with the requests it last sent.
     assert cons.consumers.ensure_registered("me") is True
     assert pub.consumers.ids() == {"me"}

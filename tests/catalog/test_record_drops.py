@@ -8,8 +8,8 @@ import threading
 import uuid
 from typing import Any
 
-from astate_store.etcd.client import EtcdClient
 from astate_store.catalog.record_drops import RecordDrops
+from astate_store.etcd.client import EtcdClient
 
 N = 12
 

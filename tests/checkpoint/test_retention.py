@@ -5,7 +5,6 @@ ends or its lease expires, a half-written step another process is writing is nev
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from tests._checkpoint_workers import SPEC, expected, rank_shards
 from tests._procs import CTX
 from tests._store_workers import SPECS, local_tensors
 from tests.checkpoint._lifecycle_workers import paused_part, paused_restore, restore_oldest_loop
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -143,11 +143,12 @@ def test_a_dead_restorer_pins_its_step_only_until_its_lease_expires(tmp_path: Pa
     p.kill()
     p.join(10)
     assert ckpt.apply_retention(uri, ckpt.RetentionPolicy(1)).busy.keys() == {1}
-    deadline = time.monotonic() + 30
-    while ckpt.list_checkpoints(uri) != [2]:
-        assert time.monotonic() < deadline, "the dead restorer's lease never expired"
-        time.sleep(0.5)
+
+    def retained() -> bool:
         ckpt.apply_retention(uri, ckpt.RetentionPolicy(1))
+        return ckpt.list_checkpoints(uri) == [2]
+
+    wait_until(retained, 30, interval=0.5, message="the dead restorer's lease never expired")
     assert not (tmp_path / "c" / f"step-{1:020d}").exists()
 
 

@@ -26,12 +26,12 @@ import torch
 import astate_store
 from astate_store import Shard, Store
 from astate_store.catalog import Catalog
-from astate_store.etcd.config import EtcdConfig
-from astate_store.etcd.tls_probe import probe_tls as _probe_tls
 from astate_store.errors import CatalogAuthError, CatalogError, UnsafeRendezvousError
+from astate_store.etcd.config import EtcdConfig
 from astate_store.etcd.embedded import EmbeddedEtcd
 from astate_store.etcd.security import CertPaths, grant_namespace, make_test_certs, namespace_role
 from astate_store.etcd.supervisor import _home
+from astate_store.etcd.tls_probe import probe_tls as _probe_tls
 
 TOKEN_TTL = 2  # seconds an idle auth token stays valid on the test etcd
 BUDGET = 600.0  # retry budget of the catalogs that must fail at once

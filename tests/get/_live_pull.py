@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 import astate_store
 from astate_store import NoLiveSource, Shard
 from astate_store.process import exited
+from tests.support.waiting import wait_until
 
 ROWS, COLS = 8, 16
 
@@ -42,14 +42,6 @@ def w_value(step: int) -> torch.Tensor:
 
 def norm_value(step: int) -> torch.Tensor:
     return torch.linspace(0.0, 1.0, COLS) + step
-
-
-def wait_for(pred: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:.0f}s for {what}")
-        time.sleep(0.05)
 
 
 def rows_of(lo: int, hi: int) -> Shard:
@@ -85,7 +77,7 @@ def main() -> int:
     out = Path(os.environ["LP_OUT"])
     rendezvous = Path(os.environ["ASTATE_HOME"]) / "embedded-etcd.json"
     if rank != 0:
-        wait_for(rendezvous.exists, "rank 0 to start the embedded etcd")
+        wait_until(rendezvous.exists, 60, message="waited 60 s for rank 0 to start the embedded etcd")
     store = astate_store.connect("live")
     rows = ROWS // world
     for step in (1, 2, 3):
@@ -100,7 +92,11 @@ def main() -> int:
         )
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid()}
     if rank == 1:
-        wait_for(lambda: (out / "watched").exists(), "rank 0's watcher to pull while rank 1 is alive")
+        wait_until(
+            lambda: (out / "watched").exists(),
+            60,
+            message="waited 60 s for rank 0's watcher to pull while rank 1 is alive",
+        )
         store.close()
         (out / "result-1.json").write_text(json.dumps(result))
         return 0
@@ -111,9 +107,11 @@ def main() -> int:
     # lived must not be reused once it is gone
     result["watcher_own_before"] = attempt(watcher, 0, rows, True)
     (out / "watched").touch()
-    wait_for(lambda: (out / "result-1.json").exists(), "rank 1 to close its store")
+    wait_until(
+        lambda: (out / "result-1.json").exists(), 60, message="waited 60 s for rank 1 to close its store"
+    )
     pid1 = int(json.loads((out / "result-1.json").read_text())["pid"])
-    wait_for(lambda: exited(pid1), "rank 1 to exit")
+    wait_until(lambda: exited(pid1), 60, message="waited 60 s for rank 1 to exit")
     result["own"] = attempt(store, 0, rows, True)
     result["watcher_own"] = attempt(watcher, 0, rows, True)
     result["full"] = attempt(store, 0, ROWS, False)

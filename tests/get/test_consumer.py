@@ -1,6 +1,6 @@
 """The consuming side (get/consumer.py) through real stores on real etcd, in one process: pulls
-deliver exactly one step, reshard, reuse their plan, retry past a torn read, and fail with a
-typed error that leaves the buffers as they were."""
+deliver exactly one step, reshard, convert, reuse their plan, retry past a torn read (each over
+shared memory and over tcp), and fail with a typed error that leaves the buffers as they were."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def _holds(bufs: dict[str, torch.Tensor], step: int) -> bool:
     return all(torch.equal(bufs[n], value(n, *SPEC[n], step)) for n in SPEC)
 
 
-def test_a_pull_delivers_the_newest_step_and_reuses_its_plan(store_factory: Factory) -> None:
-    pub, cons = store_factory(**OPTIONS), store_factory(**OPTIONS)
+def test_a_pull_delivers_the_newest_step_and_reuses_its_plan(transport_store_factory: Factory) -> None:
+    pub, cons = transport_store_factory(**OPTIONS), transport_store_factory(**OPTIONS)
     bufs = _bufs()
     for step in (1, 2, 3):
         pub.put(step, _tensors(step))
@@ -47,12 +47,12 @@ def test_a_pull_delivers_the_newest_step_and_reuses_its_plan(store_factory: Fact
     assert st.last_pull.step == 3  # type: ignore[union-attr]
 
 
-def test_a_pull_reshards_rows_into_columns(store_factory: Factory) -> None:
+def test_a_pull_reshards_rows_into_columns_and_converts_dtypes(transport_store_factory: Factory) -> None:
     whole = value("w", (16, 12), "float32", 5)
-    ranks = [store_factory(rank=r, world_size=2, session_id="rs", **OPTIONS) for r in (0, 1)]
+    ranks = [transport_store_factory(rank=r, world_size=2, session_id="rs", **OPTIONS) for r in (0, 1)]
     ranks[0].put(5, {"w": Shard(whole[:7], (0, 0), (16, 12))})
     ranks[1].put(5, {"w": Shard(whole[7:], (7, 0), (16, 12))})
-    cons = store_factory(**OPTIONS)
+    cons = transport_store_factory(**OPTIONS)
     left, right = torch.zeros(16, 5), torch.zeros(16, 7)
     assert (
         cons.get_into({"w": [Shard(left, (0, 0), (16, 12)), Shard(right, (0, 5), (16, 12))]}, timeout=30) == 5
@@ -64,9 +64,11 @@ def test_a_pull_reshards_rows_into_columns(store_factory: Factory) -> None:
     assert torch.equal(half, whole.to(torch.bfloat16))
 
 
-def test_a_read_torn_by_the_publisher_is_discarded_and_retried(store_factory: Factory) -> None:
-    pub = store_factory(staging_depth=2, retire_timeout=0.0, read_timeout=60.0)  # never waits for readers
-    cons = store_factory(**OPTIONS)
+def test_a_read_torn_by_the_publisher_is_discarded_and_retried(transport_store_factory: Factory) -> None:
+    pub = transport_store_factory(
+        staging_depth=2, retire_timeout=0.0, read_timeout=60.0
+    )  # never waits for readers
+    cons = transport_store_factory(**OPTIONS)
     pub.put(1, _tensors(1))
     fired: list[int] = []
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 
 from astate_store.catalog.records import pad20
@@ -25,12 +24,9 @@ def _keys(store: Store, *parts: str) -> list[str]:
     return [kv.key.decode() for kv in kvs]
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_pull_from_staging_slots_ends_its_read_in_the_background(
-    store_factory: Factory, transport: str
-) -> None:
-    pub = store_factory(transport=transport, **OPTIONS)
-    cons = store_factory(transport=transport, **OPTIONS)
+def test_a_pull_from_staging_slots_ends_its_read_in_the_background(transport_store_factory: Factory) -> None:
+    pub = transport_store_factory(**OPTIONS)
+    cons = transport_store_factory(**OPTIONS)
     bufs = _bufs()
     for step in (1, 2, 3, 4):  # steps 1-2 set up (the reader lease, the watch on latest)
         pub.put(step, _tensors(step))

@@ -35,6 +35,7 @@ def ray_cluster(etcd: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.slow  # a Ray cluster's start and the sync: about a minute
 @pytest.mark.timeout(240)
 def test_ray_trainer_and_rollout_actors_sync_through_the_store(ray_cluster: str, namespace: str) -> None:
     o = rl_loop.LoopOptions(etcd="", namespace=namespace, steps=STEPS, timeout=120.0, tied=True)

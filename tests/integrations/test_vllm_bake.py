@@ -62,6 +62,7 @@ def test_a_transforming_loader_is_refused(how: str) -> None:
         decode("param", param, ["w"], [(4, 4)])
 
 
+@pytest.mark.vllm
 def test_a_trainer_process_finds_the_backend_by_importing_its_init_info() -> None:
     # vLLM's plugin loader runs only in vLLM's own processes; a trainer process that imports
     # AstateTrainerInitInfo must find "astate" in the trainer factory without it (a fresh interpreter:

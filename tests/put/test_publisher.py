@@ -1,6 +1,7 @@
 """The publishing side (put/publisher.py) through real stores on real etcd, in one process: what
 a put publishes (a snapshot slot, the tensors in place, or a stream of them), what the publisher
-still holds, retiring, and the staging it reports."""
+still holds, retiring, and the staging it reports. What a consumer reads is read over shared memory and
+over tcp (the ``transport`` fixture)."""
 
 from __future__ import annotations
 
@@ -44,12 +45,15 @@ def _retired(store: Store, step: int) -> set[str]:
 
 
 @pytest.fixture
-def cons(store_factory: Factory) -> Store:
-    return _open(store_factory)
+def cons(transport_store_factory: Factory) -> Store:
+    """A consumer over this test's transport (its publisher opens with ``transport_store_factory``)."""
+    return _open(transport_store_factory)
 
 
-def test_a_snapshot_put_publishes_a_copy_the_caller_may_change(store_factory: Factory, cons: Store) -> None:
-    with _open(store_factory, staging_depth=2) as pub:
+def test_a_snapshot_put_publishes_a_copy_the_caller_may_change(
+    transport_store_factory: Factory, cons: Store
+) -> None:
+    with _open(transport_store_factory, staging_depth=2) as pub:
         assert pub.staging.snapshot_slots == 0 and pub.staging.device is None  # nothing before the first put
         tensors = _tensors(1)
         assert pub.put(1, tensors) is True
@@ -68,8 +72,10 @@ def test_a_snapshot_put_publishes_a_copy_the_caller_may_change(store_factory: Fa
         assert stats.put_bytes == 16 * 8 * 4 + 8 * 2 + 3 * 8
 
 
-def test_steady_puts_reuse_the_layout_and_rotate_the_slots(store_factory: Factory, cons: Store) -> None:
-    with _open(store_factory, staging_depth=2) as pub:
+def test_steady_puts_reuse_the_layout_and_rotate_the_slots(
+    transport_store_factory: Factory, cons: Store
+) -> None:
+    with _open(transport_store_factory, staging_depth=2) as pub:
         tensors = _tensors(1)
         for step in (1, 2, 3):
             for n, t in tensors.items():
@@ -107,9 +113,9 @@ def test_held_gives_the_slot_contents_until_the_slot_is_reused(store_factory: Fa
 
 
 def test_tied_weights_are_staged_once_and_published_under_each_name(
-    store_factory: Factory, cons: Store
+    transport_store_factory: Factory, cons: Store
 ) -> None:
-    with _open(store_factory) as pub:
+    with _open(transport_store_factory) as pub:
         w = value("tied", (6, 4), "float32", 2)
         pub.put(2, {"embed.weight": w, "lm_head.weight": w})
         assert sorted(r.name for r, _t in pub._publisher.held(2)) == ["embed.weight", "lm_head.weight"]
@@ -121,9 +127,9 @@ def test_tied_weights_are_staged_once_and_published_under_each_name(
 
 
 def test_an_in_place_put_publishes_the_callers_memory_until_retired(
-    store_factory: Factory, cons: Store
+    transport_store_factory: Factory, cons: Store
 ) -> None:
-    with _open(store_factory) as pub:
+    with _open(transport_store_factory) as pub:
         tensors = _tensors(5)
         assert pub.put(5, tensors, copy=False) is True
         assert pub.staging.snapshot_slots == 0  # no staging for an in-place put
@@ -147,8 +153,10 @@ def test_an_in_place_put_publishes_the_callers_memory_until_retired(
         assert step == 7 and all(torch.equal(got[n], other[n]) for n in SPEC)
 
 
-def test_a_snapshot_over_the_cap_is_streamed_from_the_tensors(store_factory: Factory, cons: Store) -> None:
-    with _open(store_factory, staging_cap_bytes=256) as pub:
+def test_a_snapshot_over_the_cap_is_streamed_from_the_tensors(
+    transport_store_factory: Factory, cons: Store
+) -> None:
+    with _open(transport_store_factory, staging_cap_bytes=256) as pub:
         assert pub.put(1, _tensors(1)) is True
         assert pub.stats.streamed_puts == 1 and pub.staging.snapshot_bytes == 0
         # Streamed puts retire their step before returning: nobody reads the caller's memory after.
@@ -156,9 +164,9 @@ def test_a_snapshot_over_the_cap_is_streamed_from_the_tensors(store_factory: Fac
         assert cons.latest() == 1
 
 
-def test_the_cap_shrinks_the_pool_to_what_fits(store_factory: Factory, cons: Store) -> None:
+def test_the_cap_shrinks_the_pool_to_what_fits(transport_store_factory: Factory, cons: Store) -> None:
     one_slot = 256 * 3 + 512 + WORDS_BYTES  # comfortably one slot of SPEC and its step words, less than two
-    with _open(store_factory, staging_depth=3, staging_cap_bytes=one_slot) as pub:
+    with _open(transport_store_factory, staging_depth=3, staging_cap_bytes=one_slot) as pub:
         pub.put(1, _tensors(1))
         assert pub.staging.snapshot_slots == 1 and pub.staging.snapshot_bytes <= one_slot
         assert pub.stats.streamed_puts == 0
@@ -166,8 +174,10 @@ def test_the_cap_shrinks_the_pool_to_what_fits(store_factory: Factory, cons: Sto
         assert step == 1 and all(torch.equal(got[n], value(n, *SPEC[n], 1)) for n in SPEC)
 
 
-def test_closing_the_publisher_marks_its_steps_torn_for_its_rank(store_factory: Factory, cons: Store) -> None:
-    pub = _open(store_factory)
+def test_closing_the_publisher_marks_its_steps_torn_for_its_rank(
+    transport_store_factory: Factory, cons: Store
+) -> None:
+    pub = _open(transport_store_factory)
     pub.put(1, _tensors(1))
     pub.put(2, _tensors(2))
     pub.close()

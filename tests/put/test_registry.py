@@ -7,6 +7,7 @@ the transport itself (``region``, ``num_regions``).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def transport() -> Iterator[UcxTransport]:
 
 @pytest.fixture
 def registry(transport: UcxTransport) -> Registry:
-    return Registry(lambda: transport)
+    return Registry(SimpleNamespace(transport=transport))  # what holds the transport (a StoreContext)
 
 
 def _entries(**tensors: torch.Tensor) -> list[Entry]:

@@ -1,6 +1,7 @@
 """Re-serving (put/serving.py) through real stores on real etcd, in one process: a consumer offers
 the buffers it just pulled as a source of that step, others read from it after the publisher is
-gone, and the offer is withdrawn (and its registrations released) at unserve or the next pull."""
+gone, and the offer is withdrawn (and its registrations released) at unserve or the next pull. Each
+over shared memory and over tcp (the ``transport`` fixture)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def _bufs() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def stores(store_factory: Callable[..., Store]) -> tuple[Store, Store, Store]:
-    """(publisher, the re-serving consumer, another consumer)."""
-    pub, server, late = (store_factory(retire_timeout=5.0, read_timeout=60.0) for _ in range(3))
+def stores(transport_store_factory: Callable[..., Store]) -> tuple[Store, Store, Store]:
+    """(publisher, the re-serving consumer, another consumer), over this test's transport."""
+    pub, server, late = (transport_store_factory(retire_timeout=5.0, read_timeout=60.0) for _ in range(3))
     return pub, server, late
 
 

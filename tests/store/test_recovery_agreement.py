@@ -17,11 +17,13 @@ import torch
 from astate_store.catalog import Catalog
 from astate_store.errors import RecoveryError, StaleSessionError, StaleStepError
 from astate_store.model import codec
+from astate_store.recovery.agreement import RecoveryAgreement
 from astate_store.store import Store
 from tests._procs import CTX
 from tests._store_workers import STAGES, consumer_main, stage_names
 from tests.model.test_codec import _as_json
 from tests.store.test_sync import Group, assert_exact, whole_buffers
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -59,10 +61,12 @@ def _recover(g: Group, cmds: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 def _gone(cat: Catalog, epoch: int, timeout: float = 30.0) -> None:
     """Wait (bounded) until every rank of session ``epoch`` has lost its lease (it was killed)."""
-    deadline = time.monotonic() + timeout
-    while cat.sessions.live_ranks(epoch):
-        assert time.monotonic() < deadline, f"ranks of epoch {epoch} still alive after {timeout}s"
-        time.sleep(0.2)
+    wait_until(
+        lambda: not cat.sessions.live_ranks(epoch),
+        timeout,
+        interval=0.2,
+        message=f"ranks of epoch {epoch} still alive after {timeout}s",
+    )
 
 
 def _records(
@@ -306,7 +310,9 @@ def test_a_rank_that_never_reports_fails_the_others_in_bounded_time(etcd: Any) -
             ) as r1:
                 with pytest.raises(RecoveryError, match="rank 0 wrote no recovery plan for round 0"):
                     r1.recover({"w": torch.zeros(4096)}, timeout=1)
-                late = c0.agreement.decide(0, "fetch", "too late", step=1, source="live")
+                late = RecoveryAgreement(c0.client, c0.sessions).decide(
+                    0, "fetch", "too late", step=1, source="live"
+                )
                 assert (late.action, late.rank) == ("fail", 1)
 
 
@@ -316,7 +322,7 @@ def test_agreement_records_once_per_round_skip_bad_records_and_fence(
     c0, c1 = catalog_factory(), catalog_factory()
     s0 = c0.sessions.open(rank=0, world_size=2, session_id="s")
     c1.sessions.open(rank=1, world_size=2, session_id="s")
-    a0, a1 = c0.agreement, c1.agreement
+    a0, a1 = RecoveryAgreement(c0.client, c0.sessions), RecoveryAgreement(c1.client, c1.sessions)
     assert a0.next_round() == 0
     plan = a0.decide(0, "fetch", "newest", step=5, source="live")
     # Create-if-absent: a later writer of the round gets the plan that holds.

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from astate_store import SessionHub, Store, connect
-from astate_store.etcd.client import EtcdClient
 from astate_store.errors import CatalogError
+from astate_store.etcd.client import EtcdClient
 from tests._procs import CTX
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 N = 50
@@ -117,14 +118,13 @@ def test_many_sessions_one_process(etcd: Any, namespace: str) -> None:
         # SIGKILL: the one lease expires, and every session goes with it in one revision
         os.kill(writer.pid, signal.SIGKILL)
         writer.join(10)
-        seen = []
-        deadline = time.monotonic() + 10 * TTL
-        while time.monotonic() < deadline:
+        seen: list[int] = []
+
+        def all_gone() -> bool:
             seen.append(_session_records(client, prefix))
-            if seen[-1] == 0:
-                break
-            time.sleep(0.05)
-        assert seen[-1] == 0, seen
+            return seen[-1] == 0
+
+        wait_until(all_gone, 10 * TTL, message="the sessions outlived the writer's lease")
         assert set(seen) <= {N - 1, 0}, seen  # never some sessions gone and others not
         assert all(r.latest() in (2, 3) for r in readers[1:])  # committed versions outlive the writer
     finally:

@@ -17,8 +17,6 @@ from astate_store.store import Store
 from tests._procs import CTX
 from tests._store_workers import SPECS, STAGES, publisher_main, split, value, whole
 
-TRANSPORTS = ["shm", "tcp"]
-
 
 class Group:
     """A publisher group of separate processes driven through queues."""
@@ -72,11 +70,6 @@ class Group:
             p.join(20)
             if p.is_alive():
                 p.kill()
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request: Any) -> str:
-    return str(request.param)
 
 
 @pytest.fixture

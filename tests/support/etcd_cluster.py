@@ -22,10 +22,10 @@ if TYPE_CHECKING:  # the supervisor imports this module alone: nothing above err
 from astate_store.etcd.embedded import (
     _etcd_command,
     _free_ports,
-    _healthy,
-    _log_tail,
     _stop_process,
+    etcd_healthy,
     find_etcd_binary,
+    log_tail,
     tied_to_caller,
 )
 
@@ -123,7 +123,7 @@ class EtcdCluster:
             deadline = time.monotonic() + self.start_timeout
             pending = list(self.members)
             while pending and time.monotonic() < deadline and all(m.alive for m in self.members):
-                pending = [m for m in pending if not _healthy(m.endpoint, 0.5)]
+                pending = [m for m in pending if not etcd_healthy(m.endpoint, 0.5)]
                 if pending:
                     time.sleep(0.05)
             if not pending:
@@ -136,7 +136,7 @@ class EtcdCluster:
                 )
                 return self
             last = "\n".join(
-                f"{m.name}: {_log_tail(os.path.join(m.data_dir, 'etcd.log'), 800)}" for m in pending
+                f"{m.name}: {log_tail(os.path.join(m.data_dir, 'etcd.log'), 800)}" for m in pending
             )
             self._stop_members()
         shutil.rmtree(self.base_dir, ignore_errors=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from astate_store.errors import PeerUnreachable, TransportError
 from astate_store.transport import UcxTransport, memfd
 from astate_store.transport.ucx import native
 from tests._transport_peer import pattern
+from tests.support.waiting import wait_until
 from tests.transport.test_transport import Peer, _with_region0, ops_for
 
 N = 4 << 20
@@ -305,8 +305,5 @@ def test_a_dropped_peer_mapping_is_unmapped_off_the_callers_thread() -> None:
 
     assert mapped()
     del m
-    deadline = time.monotonic() + 30
-    while mapped() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not mapped()
+    wait_until(lambda: not mapped(), 30, interval=0.01, message="the mapping outlived its last user")
     assert any(t.name == "astate-unmap" for t in threading.enumerate())

@@ -7,7 +7,6 @@ Real processes, real UCX endpoints, real memfds (the publisher helper of test_tr
 from __future__ import annotations
 
 import gc
-import time
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from astate_store.errors import TransportError
 from astate_store.transport import UcxTransport
 from astate_store.transport import ucx as ucx_module
 from tests._transport_peer import pattern
+from tests.support.waiting import wait_until
 from tests.transport.test_mapped_reads import _spy, _strided_ops
 from tests.transport.test_transport import Peer, ops_for
 
@@ -103,9 +103,8 @@ def test_a_replay_keeps_no_mapping_of_a_disconnected_peer() -> None:
             assert mapped()
             t.disconnect("pub")
             gc.collect()
-            deadline = time.monotonic() + 30
-            while mapped() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert not mapped()
+            wait_until(
+                lambda: not mapped(), 30, interval=0.01, message="the peer's mapping outlived disconnect"
+            )
     finally:
         pub.stop()

@@ -6,6 +6,7 @@ import errno
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from astate_store.transport import base as transport_base
 from astate_store.transport.ucx import native
 from tests._procs import CTX
 from tests._transport_peer import hold_secret, pattern, serve
+from tests.support.waiting import wait_until
 
 MODES = ["shm", "tcp"]
 # (publisher/consumer mode, consumer's same-host process_vm_readv fast path)
@@ -400,14 +402,13 @@ def test_shm_direct_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert t.direct and not UcxTransport("shm", direct=False).direct
 
 
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
 def _wait_stopped(pid: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop")
+    wait_until(lambda: _stopped(pid), 10, interval=0.01, message=f"process {pid} did not stop")
 
 
 @pytest.mark.timeout(90)
@@ -878,12 +879,12 @@ def test_timed_out_get_leaves_no_read_in_flight() -> None:
             _wait_stopped(peer.pid)
             assert "still outstanding" in str(ei.value) and "may still be written" not in str(ei.value)
             dst.fill_(0x77)  # the caller owns its buffer again
-            os.kill(peer.pid, signal.SIGCONT)  # the peer answers what it was asked before it stopped
-            time.sleep(2.0)  # ... while this process's progress thread runs
+            os.kill(peer.pid, signal.SIGCONT)  # the peer answers what it was asked before it stopped,
+            t.connect("p", peer.descriptor)  # then a fresh endpoint's read, which this process's
+            probe = torch.zeros(n, dtype=torch.uint8)  # progress thread brings in after those answers
+            t.get(ops_for([(t.peer_index("p"), 0, 0, probe.data_ptr(), n)]), timeout=60)
+            assert np.array_equal(probe.numpy(), pattern(n, 0))  # the fresh endpoint reads normally
             assert bool((dst == 0x77).all()), "a read landed after get() returned"
-            t.connect("p", peer.descriptor)  # a fresh endpoint reads normally
-            t.get(ops_for([(t.peer_index("p"), 0, 0, dst.data_ptr(), n)]), timeout=60)
-            assert np.array_equal(dst.numpy(), pattern(n, 0))
     finally:
         try:
             os.kill(peer.pid, signal.SIGCONT)
@@ -895,7 +896,8 @@ def test_timed_out_get_leaves_no_read_in_flight() -> None:
 @pytest.mark.timeout(90)
 def test_dropping_native_objects_during_a_long_get_does_not_freeze_python() -> None:
     """A get holds the worker lock for up to its timeout; an rkey or endpoint dropped meanwhile
-    must wait for it without holding the GIL."""
+    must wait for it without holding the GIL: this thread runs Python while the drop waits (the
+    drop has not returned and the get is still in the worker)."""
     peer = Peer("tcp", [1 << 20])
     try:
         with UcxTransport("tcp", stream=False) as t:  # the UCX worker lock is what is tested
@@ -908,29 +910,44 @@ def test_dropping_native_objects_during_a_long_get_does_not_freeze_python() -> N
             os.kill(peer.pid, signal.SIGSTOP)
             _wait_stopped(peer.pid)
             errors: list[BaseException] = []
+            in_worker, out_of_worker = threading.Event(), threading.Event()
+
+            def watch(frame: Any, event: str, arg: Any) -> None:  # the native Worker.get, entered and left
+                if getattr(arg, "__self__", None).__class__ is native().Worker and arg.__name__ == "get":
+                    (in_worker if event == "c_call" else out_of_worker).set()
 
             def long_get() -> None:
+                sys.setprofile(watch)  # this thread only
                 try:
                     t.get(ops, timeout=3.0)
                 except PeerUnreachable as exc:
                     errors.append(exc)
+                finally:
+                    sys.setprofile(None)
+
+            dropping, dropped = threading.Event(), threading.Event()
+
+            def drop() -> None:
+                dropping.set()
+                keys.clear()  # the last reference: RemoteKey dealloc
+                dropped.set()
 
             getter = threading.Thread(target=long_get)
             getter.start()
-            time.sleep(0.5)  # the get holds the worker lock now
-            dropper = threading.Thread(target=keys.clear)  # the last reference: RemoteKey dealloc
-            t0 = last = time.monotonic()
-            gap = 0.0
+            assert in_worker.wait(30), "the get never reached the worker"
+            dropper = threading.Thread(target=drop)
             dropper.start()
-            while last - t0 < 1.0:  # this thread must keep running meanwhile
-                now = time.monotonic()
-                gap, last = max(gap, now - last), now
-            waited = dropper.is_alive()
+            assert dropping.wait(30)
+            # This thread runs again only once the dropper gives up the GIL: inside the dealloc's wait.
+            ran_during_the_wait = not dropped.is_set() and not out_of_worker.is_set()
             getter.join(30)
             dropper.join(30)
             assert errors and not getter.is_alive() and not dropper.is_alive()
-            assert gap < 0.9, f"the interpreter froze for {gap:.2f} s"
-            assert waited, "the dealloc did not wait for the lock: nothing was tested"
+            assert ran_during_the_wait, (
+                "the interpreter froze while the dealloc waited: this thread ran only after the get"
+                if out_of_worker.is_set()
+                else "the dealloc did not wait for the lock: nothing was tested"
+            )
     finally:
         try:
             os.kill(peer.pid, signal.SIGCONT)

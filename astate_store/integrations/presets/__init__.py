@@ -28,25 +28,9 @@ import torch
 
 from astate_store.errors import LayoutError
 
-# The plan's building blocks (_blocks) and the per-model presets (_models) live in submodules; their
-# names stay importable from here.
-from astate_store.integrations.presets._blocks import (
-    MEGATRON_VOCAB_DIVISIBLE_BY as MEGATRON_VOCAB_DIVISIBLE_BY,
-)
-from astate_store.integrations.presets._blocks import VLLM_VOCAB_PADDING as VLLM_VOCAB_PADDING
-from astate_store.integrations.presets._blocks import _Config as _Config
-from astate_store.integrations.presets._blocks import _Parallel as _Parallel
-from astate_store.integrations.presets._blocks import _Piece as _Piece
-from astate_store.integrations.presets._blocks import _Plan as _Plan
-from astate_store.integrations.presets._blocks import column as column
-from astate_store.integrations.presets._blocks import experts as experts
-from astate_store.integrations.presets._blocks import megatron_qkv as megatron_qkv
-from astate_store.integrations.presets._blocks import merged as merged
-from astate_store.integrations.presets._blocks import qkv as qkv
-from astate_store.integrations.presets._blocks import replicated as replicated
-from astate_store.integrations.presets._blocks import row as row
-from astate_store.integrations.presets._blocks import vocab as vocab
-from astate_store.integrations.presets._models import PRESETS as PRESETS
+# The plan's building blocks (_blocks) and the per-model presets (_models) live in submodules.
+from astate_store.integrations.presets._blocks import Config, Parallel, Piece, Plan
+from astate_store.integrations.presets._models import PRESETS
 from astate_store.model.layout import Shard
 
 __all__ = ["View", "PRESETS", "views", "engine_shapes", "ParamsLike"]
@@ -68,7 +52,7 @@ def _plan(
     expert_parallel: bool,
     hf_experts: str,
     vocab_padding: int | None,
-) -> _Plan:
+) -> Plan:
     build = PRESETS.get(preset)
     if build is None:
         raise LayoutError(f"unknown preset {preset!r}; presets: {', '.join(sorted(PRESETS))}")
@@ -87,8 +71,8 @@ def _plan(
         raise LayoutError(
             f"preset {preset!r}: vocab_padding must be an int >= 1 or None, got {vocab_padding!r}"
         )
-    plan = _Plan(preset, _Parallel(tp_rank, tp_size, bool(expert_parallel)), names, hf_experts, vocab_padding)
-    build(plan, _Config(preset, config))
+    plan = Plan(preset, Parallel(tp_rank, tp_size, bool(expert_parallel)), names, hf_experts, vocab_padding)
+    build(plan, Config(preset, config))
     return plan
 
 
@@ -127,7 +111,7 @@ def _as_mapping(params: ParamsLike) -> Mapping[str, torch.Tensor]:
         ) from None
 
 
-def _view(piece: _Piece, param: torch.Tensor) -> torch.Tensor:
+def _view(piece: Piece, param: torch.Tensor) -> torch.Tensor:
     t = param
     if piece.select is not None:
         t = t.select(0, piece.select)
@@ -199,7 +183,7 @@ def views(
     return out
 
 
-def _engine_tensors(plan: _Plan, mapping: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+def _engine_tensors(plan: Plan, mapping: Mapping[str, Any], prefix: str) -> dict[str, torch.Tensor]:
     """The planned engine parameters, checked (present, local tensors, planned shape) and detached."""
     holds: dict[str, str] = {}
     for piece in plan.pieces:
@@ -227,7 +211,7 @@ def _engine_tensors(plan: _Plan, mapping: Mapping[str, Any], prefix: str) -> dic
     return local
 
 
-def _group(plan: _Plan, local: Mapping[str, torch.Tensor]) -> dict[str, View]:
+def _group(plan: Plan, local: Mapping[str, torch.Tensor]) -> dict[str, View]:
     """The pieces as views, grouped by HF name: a tensor for a whole HF tensor, a Shard for one box,
     a list of Shards for several."""
     boxes: dict[str, list[Shard]] = {}

@@ -1,6 +1,6 @@
 """The plan of a preset: which box of which HF tensor lives where in which engine parameter.
 
-:class:`_Plan` collects the pieces; the building blocks (:func:`replicated`, :func:`column`, :func:`row`,
+:class:`Plan` collects the pieces; the building blocks (:func:`replicated`, :func:`column`, :func:`row`,
 :func:`merged`, :func:`qkv`, :func:`megatron_qkv`, :func:`vocab`, :func:`experts`) add one fused layout
 each. The per-model presets (:mod:`._models`) are made of them; :mod:`astate_store.integrations.presets`
 turns a plan into views.
@@ -26,7 +26,7 @@ MEGATRON_VOCAB_DIVISIBLE_BY = 128
 # config and parallel settings
 
 
-class _Config:
+class Config:
     """Read HF config fields from a ``PretrainedConfig``, any object with attributes, or a dict."""
 
     def __init__(self, preset: str, config: Any):
@@ -56,7 +56,7 @@ class _Config:
 
 
 @dataclass(frozen=True)
-class _Parallel:
+class Parallel:
     rank: int
     size: int
     expert_parallel: bool  # routed experts split over the TP ranks whole, not TP-split within
@@ -73,7 +73,7 @@ class _Parallel:
 
 
 @dataclass(frozen=True)
-class _Piece:
+class Piece:
     """Box ``[hf_offsets, hf_offsets + sizes)`` of HF tensor ``hf`` (global shape ``hf_shape``) is the
     engine parameter ``engine``, indexed at ``select`` on dim 0 when set, then narrowed to
     ``narrow = (dim, start, length)`` when set."""
@@ -87,16 +87,16 @@ class _Piece:
 
 
 @dataclass
-class _Plan:
+class Plan:
     preset: str
-    par: _Parallel
+    par: Parallel
     names: Collection[str]  # the engine parameters the caller has (presets may pick spellings)
     hf_experts: str = "per_expert"  # HF names of routed experts: "per_expert" or "fused" (transformers >= 5)
     vocab_padding: int | None = (
         None  # rows of embeddings / LM head padded to a multiple of this (None: engine's)
     )
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    pieces: list[_Piece] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
 
     def engine(self, name: str, shape: Sequence[int]) -> None:
         shape = tuple(int(s) for s in shape)
@@ -114,7 +114,7 @@ class _Plan:
         select: int | None = None,
         narrow: tuple[int, int, int] | None = None,
     ) -> None:
-        self.pieces.append(_Piece(hf, tuple(hf_shape), tuple(hf_offsets), engine, select, narrow))
+        self.pieces.append(Piece(hf, tuple(hf_shape), tuple(hf_offsets), engine, select, narrow))
 
     def split(self, n: int, what: str) -> int:
         return self.par.split(n, what, self.preset)
@@ -128,18 +128,18 @@ class _Plan:
 # layouts, each as the engine defines it (docs/presets.md names the source)
 
 
-def replicated(plan: _Plan, hf: str, engine: str, shape: Sequence[int]) -> None:
+def replicated(plan: Plan, hf: str, engine: str, shape: Sequence[int]) -> None:
     """Every rank holds the whole tensor (norms, routers, ReplicatedLinear)."""
     plan.engine(engine, shape)
     plan.add(hf, shape, (0,) * len(shape), engine)
 
 
-def column(plan: _Plan, hf: str, engine: str, shape: Sequence[int]) -> None:
+def column(plan: Plan, hf: str, engine: str, shape: Sequence[int]) -> None:
     """ColumnParallelLinear: rank r holds rows ``[r * n, (r + 1) * n)`` (weights and biases)."""
     merged(plan, engine, [(hf, shape[0])], tuple(shape[1:]))
 
 
-def row(plan: _Plan, hf: str, engine: str, shape: Sequence[int]) -> None:
+def row(plan: Plan, hf: str, engine: str, shape: Sequence[int]) -> None:
     """RowParallelLinear weight: rank r holds input columns ``[r * n, (r + 1) * n)``."""
     out, inp = shape
     n = plan.split(inp, f"{hf} input dim")
@@ -148,7 +148,7 @@ def row(plan: _Plan, hf: str, engine: str, shape: Sequence[int]) -> None:
 
 
 def merged(
-    plan: _Plan, engine: str, parts: Sequence[tuple[str, int]], trailing: tuple[int, ...], *, tp: bool = True
+    plan: Plan, engine: str, parts: Sequence[tuple[str, int]], trailing: tuple[int, ...], *, tp: bool = True
 ) -> None:
     """MergedColumnParallelLinear: each part split over the TP ranks, rank r's slices stacked in
     order: ``[gate_r | up_r]``; with ``tp=False`` (``disable_tp``) the whole parts stacked."""
@@ -162,7 +162,7 @@ def merged(
 
 
 def qkv(
-    plan: _Plan,
+    plan: Plan,
     engine: str,
     q: str,
     k: str,
@@ -198,7 +198,7 @@ def qkv(
 
 
 def megatron_qkv(
-    plan: _Plan,
+    plan: Plan,
     engine: str,
     q: str,
     k: str,
@@ -246,7 +246,7 @@ def megatron_qkv(
     plan.engine(engine, (local * block, *trailing))
 
 
-def vocab(plan: _Plan, hf: str, engine: str, vocab_size: int, hidden: int, multiple: int) -> None:
+def vocab(plan: Plan, hf: str, engine: str, vocab_size: int, hidden: int, multiple: int) -> None:
     """VocabParallelEmbedding / ParallelLMHead: rows padded to ``multiple``, then split evenly;
     rank r's first rows are the real vocabulary rows it holds, the padding rows are not mapped."""
     padded = -(-vocab_size // multiple) * multiple
@@ -258,7 +258,7 @@ def vocab(plan: _Plan, hf: str, engine: str, vocab_size: int, hidden: int, multi
         plan.add(hf, (vocab_size, hidden), (start, 0), engine, narrow=(0, 0, real))
 
 
-def _expert_split(plan: _Plan, num_experts: int, inter: int) -> tuple[int, int, int, int]:
+def _expert_split(plan: Plan, num_experts: int, inter: int) -> tuple[int, int, int, int]:
     """(local expert count, first global expert, local intermediate size, TP rank within an expert)."""
     par = plan.par
     if par.expert_parallel:  # whole experts, linearly placed: the first E % tp ranks take one more
@@ -267,7 +267,7 @@ def _expert_split(plan: _Plan, num_experts: int, inter: int) -> tuple[int, int, 
     return num_experts, 0, plan.split(inter, "moe intermediate size"), par.rank
 
 
-def experts(plan: _Plan, hf: str, w13: str, w2: str, num_experts: int, inter: int, hidden: int) -> None:
+def experts(plan: Plan, hf: str, w13: str, w2: str, num_experts: int, inter: int, hidden: int) -> None:
     """FusedMoE: ``w13`` [E_local, 2 I/tp, H] = per expert ``[gate_r | up_r]``, ``w2`` [E_local, H, I/tp]
     = rank r's input columns of ``down``. With expert parallelism the ranks hold whole experts.
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from astate_store.integrations.presets._blocks import (
     MEGATRON_VOCAB_DIVISIBLE_BY,
     VLLM_VOCAB_PADDING,
-    _Config,
-    _Plan,
+    Config,
+    Plan,
     column,
     experts,
     megatron_qkv,
@@ -26,7 +26,7 @@ from astate_store.integrations.presets._blocks import (
 
 
 def _embeddings(
-    plan: _Plan, cfg: _Config, embed: str, norm: str, lm_head: str, hf_prefix: str = "model."
+    plan: Plan, cfg: Config, embed: str, norm: str, lm_head: str, hf_prefix: str = "model."
 ) -> None:
     v, h = cfg.num("vocab_size"), cfg.num("hidden_size")
     multiple = plan.vocab_padding or VLLM_VOCAB_PADDING
@@ -36,7 +36,7 @@ def _embeddings(
         vocab(plan, "lm_head.weight", lm_head, v, h, multiple)
 
 
-def _dense_mlp(plan: _Plan, hf: str, engine: str, inter: int, hidden: int, bias: bool = False) -> None:
+def _dense_mlp(plan: Plan, hf: str, engine: str, inter: int, hidden: int, bias: bool = False) -> None:
     """``mlp.gate_proj`` / ``up_proj`` / ``down_proj`` into ``gate_up_proj`` + ``down_proj``."""
     merged(
         plan,
@@ -56,7 +56,7 @@ def _dense_mlp(plan: _Plan, hf: str, engine: str, inter: int, hidden: int, bias:
 
 
 def _attention(
-    plan: _Plan, cfg: _Config, p: str, *, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False
+    plan: Plan, cfg: Config, p: str, *, qkv_bias: bool, o_bias: bool = False, qk_norm: bool = False
 ) -> None:
     """Llama-family attention in vLLM: ``q/k/v_proj`` into ``qkv_proj``, ``o_proj`` row-parallel."""
     h, heads, kvh, hd = cfg.num("hidden_size"), cfg.num("num_attention_heads"), cfg.kv_heads(), cfg.head_dim()
@@ -92,7 +92,7 @@ def _attention(
         replicated(plan, f"{a}.k_norm.weight", f"{a}.k_norm.weight", (hd,))
 
 
-def _norms(plan: _Plan, p: str, hidden: int) -> None:
+def _norms(plan: Plan, p: str, hidden: int) -> None:
     replicated(plan, f"{p}.input_layernorm.weight", f"{p}.input_layernorm.weight", (hidden,))
     replicated(
         plan, f"{p}.post_attention_layernorm.weight", f"{p}.post_attention_layernorm.weight", (hidden,)
@@ -100,7 +100,7 @@ def _norms(plan: _Plan, p: str, hidden: int) -> None:
 
 
 def _llama_like(
-    plan: _Plan, cfg: _Config, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool
+    plan: Plan, cfg: Config, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool
 ) -> None:
     h, inter = cfg.num("hidden_size"), cfg.num("intermediate_size")
     _embeddings(plan, cfg, "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
@@ -111,23 +111,23 @@ def _llama_like(
         _norms(plan, p, h)
 
 
-def _llama(plan: _Plan, cfg: _Config) -> None:
+def _llama(plan: Plan, cfg: Config) -> None:
     bias = bool(cfg.get("attention_bias", False))
     _llama_like(
         plan, cfg, qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=False
     )
 
 
-def _qwen2(plan: _Plan, cfg: _Config) -> None:
+def _qwen2(plan: Plan, cfg: Config) -> None:
     _llama_like(plan, cfg, qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
 
 
-def _qwen3(plan: _Plan, cfg: _Config) -> None:
+def _qwen3(plan: Plan, cfg: Config) -> None:
     bias = bool(cfg.get("attention_bias", False))
     _llama_like(plan, cfg, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
 
 
-def _expert_params(plan: _Plan, experts: str) -> tuple[str, str]:
+def _expert_params(plan: Plan, experts: str) -> tuple[str, str]:
     """The FusedMoE ``w13`` / ``w2`` names the engine uses: vLLM >= 0.32 holds them in a ``routed_experts``
     child (``mlp.experts.routed_experts.w13_weight``), older engines on the layer itself."""
     for base in (experts, f"{experts}.routed_experts"):
@@ -136,7 +136,7 @@ def _expert_params(plan: _Plan, experts: str) -> tuple[str, str]:
     return f"{experts}.w13_weight", f"{experts}.w2_weight"
 
 
-def _qwen3_moe(plan: _Plan, cfg: _Config) -> None:
+def _qwen3_moe(plan: Plan, cfg: Config) -> None:
     h = cfg.num("hidden_size")
     num_experts, step = cfg.num("num_experts"), max(cfg.num("decoder_sparse_step", 1), 1)
     dense_only = set(cfg.get("mlp_only_layers", []) or [])
@@ -154,7 +154,7 @@ def _qwen3_moe(plan: _Plan, cfg: _Config) -> None:
         _norms(plan, p, h)
 
 
-def _deepseek_v3(plan: _Plan, cfg: _Config) -> None:
+def _deepseek_v3(plan: Plan, cfg: Config) -> None:
     h, heads = cfg.num("hidden_size"), cfg.num("num_attention_heads")
     q_lora = cfg.get("q_lora_rank", None)
     kv_lora, nope, rope, vd = (
@@ -210,7 +210,7 @@ def _deepseek_v3(plan: _Plan, cfg: _Config) -> None:
         _norms(plan, p, h)
 
 
-def _megatron(plan: _Plan, cfg: _Config) -> None:
+def _megatron(plan: Plan, cfg: Config) -> None:
     """Megatron-core GPTModel (Llama / Qwen2 family) with the Transformer Engine layer spec (norms
     fused into ``linear_qkv`` / ``linear_fc1`` as ``layer_norm_weight``) or the local spec
     (``input_layernorm`` / ``pre_mlp_layernorm``), picked from the parameters given."""
@@ -279,7 +279,7 @@ def _megatron(plan: _Plan, cfg: _Config) -> None:
 
 
 # preset name -> builder; docs/presets.md describes each
-PRESETS: dict[str, Callable[[_Plan, _Config], None]] = {
+PRESETS: dict[str, Callable[[Plan, Config], None]] = {
     "llama": _llama,  # vLLM LlamaForCausalLM (also Mistral); SGLang uses the same names
     "qwen2": _qwen2,  # vLLM Qwen2ForCausalLM: qkv biases
     "qwen3": _qwen3,  # vLLM Qwen3ForCausalLM: q_norm / k_norm

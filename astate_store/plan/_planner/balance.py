@@ -11,10 +11,10 @@ from collections.abc import Hashable, Mapping
 
 import numpy as np
 
-from astate_store.plan._planner.intersect import _Instances, _Pieces
-from astate_store.plan._planner.links import _Links
-from astate_store.plan._planner.shards import _Sources
-from astate_store.plan._planner.util import _segment_arange, _unique_rows
+from astate_store.plan._planner.intersect import Instances, Pieces
+from astate_store.plan._planner.links import Links
+from astate_store.plan._planner.shards import Sources
+from astate_store.plan._planner.util import segment_arange, unique_rows
 
 #: Per-dim multipliers of the piece salt (odd 32-bit constants; dims beyond 8 add unmixed).
 _MIX = np.array(
@@ -26,7 +26,7 @@ _MIX = np.array(
 _MASK_BITS = 62
 
 
-def _piece_salt(src: _Sources, pieces: _Pieces) -> np.ndarray:
+def _piece_salt(src: Sources, pieces: Pieces) -> np.ndarray:
     """A stable per-piece number (tensor name CRC + mixed origin): rotations of different
     pieces start at different replicas, which spreads any remainder of replicas / consumers."""
     D = src.D
@@ -85,9 +85,9 @@ def _round_robin(reps: list, k: list[int]) -> list:
 def _assign_rotation(
     pi_src: np.ndarray,
     multi: np.ndarray,
-    pieces: _Pieces,
-    inst: _Instances,
-    links: _Links,
+    pieces: Pieces,
+    inst: Instances,
+    links: Links,
     salt: np.ndarray,
     consumers: list,
     rotations: Mapping[Hashable, int] | None,
@@ -108,7 +108,7 @@ def _assign_rotation(
     # expand every instance to its replicas, keep those of the best tier, take the key-th one
     cnt = rc[mp_]
     owner = np.repeat(np.arange(len(multi)), cnt)
-    rep = np.repeat(rs[mp_], cnt) + _segment_arange(cnt)
+    rep = np.repeat(rs[mp_], cnt) + segment_arange(cnt)
     tr = links.tier[links.c_cpl[pi_c[multi]][owner], links.rec_spl[rep]]
     starts = np.cumsum(cnt) - cnt
     best = np.minimum.reduceat(tr, starts)
@@ -123,7 +123,7 @@ def _assign_rotation(
 
 
 def _candidate_codes(
-    src: _Sources, links: _Links, inst: _Instances, multi: np.ndarray, mbox: np.ndarray
+    src: Sources, links: Links, inst: Instances, multi: np.ndarray, mbox: np.ndarray
 ) -> tuple[np.ndarray, dict[int, list[int]]]:
     """Candidate replicas of each instance in ``multi`` as a code: 0 = all replicas, > 0 = bit
     set of replica indices, < 0 = key into the returned dict of index lists (large sets).
@@ -136,16 +136,16 @@ def _candidate_codes(
     if not links.use_topo:
         return mcode, pair_bits
     tier, c_cpl = links.tier, links.c_cpl
-    _, _, cloc = _unique_rows(tier[c_cpl].astype(np.int64))
+    _, _, cloc = unique_rows(tier[c_cpl].astype(np.int64))
     nloc = int(cloc.max()) + 1
     loc_tier = np.zeros((nloc, tier.shape[1]), np.int64)
     loc_tier[cloc] = tier[c_cpl]
     ml = cloc[inst.c[multi]]
-    _, pfirst, pid = _unique_rows(np.stack([mbox, ml], axis=1))
+    _, pfirst, pid = unique_rows(np.stack([mbox, ml], axis=1))
     pb_, pl_ = mbox[pfirst], ml[pfirst]
     pr_ = src.box_rc[pb_]
     owner = np.repeat(np.arange(len(pfirst)), pr_)
-    within = _segment_arange(pr_)
+    within = segment_arange(pr_)
     rep = np.repeat(src.box_rs[pb_], pr_) + within
     tr = loc_tier[pl_[owner], links.rec_spl[rep]]
     starts = np.cumsum(pr_) - pr_
@@ -168,10 +168,10 @@ def _candidate_codes(
 def _assign_greedy(
     pi_src: np.ndarray,
     multi: np.ndarray,
-    pieces: _Pieces,
-    inst: _Instances,
-    links: _Links,
-    src: _Sources,
+    pieces: Pieces,
+    inst: Instances,
+    links: Links,
+    src: Sources,
     salt: np.ndarray,
 ) -> None:
     """Water-fill the instances ``multi`` onto their candidates' links (in place), on top of the
@@ -190,7 +190,7 @@ def _assign_greedy(
     mcode, pair_bits = _candidate_codes(src, links, inst, multi, mbox)
     # identical pieces (same source box, same bytes, same candidates) balance as one class,
     # biggest first, ties by first appearance
-    _, gfirst, gid = _unique_rows(np.stack([mbox, P_bytes[mP], mcode], axis=1))
+    _, gfirst, gid = unique_rows(np.stack([mbox, P_bytes[mP], mcode], axis=1))
     G = len(gfirst)
     gP = mP[gfirst]
     gcount = np.bincount(gid, minlength=G)
@@ -230,11 +230,11 @@ def _assign_greedy(
     pi_src[multi[member_order]] = np.array(vals, np.int64)
 
 
-def _assign_replicas(
-    src: _Sources,
-    pieces: _Pieces,
-    inst: _Instances,
-    links: _Links,
+def assign_replicas(
+    src: Sources,
+    pieces: Pieces,
+    inst: Instances,
+    links: Links,
     balance: str,
     consumers: list,
     rotations: Mapping[Hashable, int] | None,

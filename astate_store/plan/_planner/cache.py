@@ -11,7 +11,7 @@ from typing import Any
 from astate_store.model.layout import ShardRecord, TensorLayout
 from astate_store.plan._planner.planner import plan_consumer, plan_global
 from astate_store.plan._planner.result import ConsumerPlan, GlobalPlan
-from astate_store.plan._planner.util import _sort_key, _sorted_ids
+from astate_store.plan._planner.util import sort_key, sorted_ids
 from astate_store.plan.contracts import CostModel, Fabric, PackedInput
 
 
@@ -50,12 +50,12 @@ def fingerprint(
     ``TensorLayout`` objects and request tuples memoized by identity (an unchanged steady-state
     step with the same objects costs one dict lookup per tensor and per consumer)."""
     memo = _memo or _GLOBAL_MEMO
-    hl = hash(tuple((n, memo.hash(layouts[n])) for n in _sorted_ids(layouts)))
-    hr = hash(tuple((c, memo.hash(requests[c])) for c in _sorted_ids(requests)))
+    hl = hash(tuple((n, memo.hash(layouts[n])) for n in sorted_ids(layouts)))
+    hr = hash(tuple((c, memo.hash(requests[c])) for c in sorted_ids(requests)))
     if packed is None:
         hp = 0
     elif isinstance(packed, Mapping):
-        hp = hash(tuple((c, memo.hash(packed[c])) for c in _sorted_ids(packed)))
+        hp = hash(tuple((c, memo.hash(packed[c])) for c in sorted_ids(packed)))
     else:
         hp = memo.hash(packed if isinstance(packed, tuple) else tuple(packed))
     return hash((hl, hr, hash(topology), hp, hash(extra)))
@@ -103,8 +103,8 @@ class Planner:
     ) -> GlobalPlan:
         opts = (
             balance,
-            None if rotations is None else tuple(sorted(rotations.items(), key=lambda kv: _sort_key(kv[0]))),
-            None if staggers is None else tuple(sorted(staggers.items(), key=lambda kv: _sort_key(kv[0]))),
+            None if rotations is None else tuple(sorted(rotations.items(), key=lambda kv: sort_key(kv[0]))),
+            None if staggers is None else tuple(sorted(staggers.items(), key=lambda kv: sort_key(kv[0]))),
             self.cost,
         )
         fp = (

@@ -14,16 +14,16 @@ import numpy as np
 
 from astate_store.errors import PlanError
 from astate_store.model.dtypes import ITEMSIZES
-from astate_store.plan._planner.requests import _Requests
-from astate_store.plan._planner.shards import _Sources
-from astate_store.plan._planner.util import _cat, _segment_arange
+from astate_store.plan._planner.requests import Requests
+from astate_store.plan._planner.shards import Sources
+from astate_store.plan._planner.util import concat, segment_arange
 
 #: Pieces per chunk of the join (bounds the temporaries of a 1T-parameter plan).
 _CHUNK = 1 << 22
 
 
 @dataclass
-class _Pieces:
+class Pieces:
     """Piece table: destination row ``row`` x source box ``box``, the intersection ``lo + sz``
     (padded dims), and derived columns."""
 
@@ -43,7 +43,7 @@ class _Pieces:
 
 
 @dataclass
-class _Instances:
+class Instances:
     """(consumer, piece) pairs, grouped by piece: piece ``p`` has instances ``P_start[p]`` on,
     one per consumer of its sequence in consumer order; ``pos_in_u`` is a consumer's position
     among those sharing its sequence."""
@@ -56,7 +56,7 @@ class _Instances:
 
 
 def _join_boxes(
-    src: _Sources, req: _Requests, rows_nb: np.ndarray
+    src: Sources, req: Requests, rows_nb: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Non-empty intersections of each request row with every source box of its tensor:
     ``(row, box, lo, sz, covered elements per row)``."""
@@ -74,7 +74,7 @@ def _join_boxes(
         rr = np.arange(a, b)
         cnts = rows_nb[a:b]
         pr = np.repeat(rr, cnts)
-        pb = np.repeat(src.t_bs[req.t[rr]], cnts) + _segment_arange(cnts)
+        pb = np.repeat(src.t_bs[req.t[rr]], cnts) + segment_arange(cnts)
         lo = np.maximum(req.lo[pr], src.box_lo[pb])
         hi = np.minimum(req.lo[pr] + req.sz[pr], src.box_lo[pb] + src.box_sz[pb])
         ok = (hi > lo).all(axis=1)
@@ -89,15 +89,15 @@ def _join_boxes(
         P_sz_parts.append(sz)
         a = b
     return (
-        _cat(P_row_parts, (0,)),
-        _cat(P_box_parts, (0,)),
-        _cat(P_lo_parts, (0, D)),
-        _cat(P_sz_parts, (0, D)),
+        concat(P_row_parts, (0,)),
+        concat(P_box_parts, (0,)),
+        concat(P_lo_parts, (0, D)),
+        concat(P_sz_parts, (0, D)),
         covered,
     )
 
 
-def _check_coverage(req: _Requests, covered: np.ndarray, numel_row: np.ndarray) -> None:
+def _check_coverage(req: Requests, covered: np.ndarray, numel_row: np.ndarray) -> None:
     # distinct publisher boxes tile each destination exactly once, or the plan is wrong
     if not req.n:
         return
@@ -116,7 +116,7 @@ def _check_coverage(req: _Requests, covered: np.ndarray, numel_row: np.ndarray) 
         )
 
 
-def _intersect(src: _Sources, req: _Requests) -> _Pieces:
+def intersect(src: Sources, req: Requests) -> Pieces:
     """The piece table of all distinct request sequences (raises if a box is not tiled exactly)."""
     rows_nb = src.t_bc[req.t] if req.n else np.zeros(0, np.int64)
     numel_row = np.prod(req.sz, axis=1) if req.n else np.zeros(0, np.int64)
@@ -127,7 +127,7 @@ def _intersect(src: _Sources, req: _Requests) -> _Pieces:
     P_numel = np.prod(P_sz, axis=1) if NP else np.zeros(0, np.int64)
     P_sisz = ITEMSIZES[req.scode[P_row]]
     P_disz = ITEMSIZES[req.code[P_row]]
-    return _Pieces(
+    return Pieces(
         n=NP,
         row=P_row,
         box=P_box,
@@ -144,16 +144,16 @@ def _intersect(src: _Sources, req: _Requests) -> _Pieces:
     )
 
 
-def _expand_instances(pieces: _Pieces, u_of_c: np.ndarray, U: int) -> _Instances:
+def expand_instances(pieces: Pieces, u_of_c: np.ndarray, U: int) -> Instances:
     """One instance per (consumer, piece) of the consumer's request sequence."""
     C = len(u_of_c)
     ucount = np.bincount(u_of_c, minlength=U)
     cons_by_u = np.argsort(u_of_c, kind="stable")
     ustart = np.cumsum(ucount) - ucount
     pos_in_u = np.empty(C, np.int64)
-    pos_in_u[cons_by_u] = _segment_arange(ucount)
+    pos_in_u[cons_by_u] = segment_arange(ucount)
     pcount = ucount[pieces.u]
     P_start = np.cumsum(pcount) - pcount
     pi_P = np.repeat(np.arange(pieces.n), pcount)
-    pi_c = cons_by_u[np.repeat(ustart[pieces.u], pcount) + _segment_arange(pcount)]
-    return _Instances(n=len(pi_P), P=pi_P, c=pi_c, P_start=P_start, pos_in_u=pos_in_u)
+    pi_c = cons_by_u[np.repeat(ustart[pieces.u], pcount) + segment_arange(pcount)]
+    return Instances(n=len(pi_P), P=pi_P, c=pi_c, P_start=P_start, pos_in_u=pos_in_u)

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from astate_store.plan._planner.shards import _Sources
+from astate_store.plan._planner.shards import Sources
 from astate_store.plan.contracts import Fabric, Placement
 
 
 @dataclass
-class _Links:
+class Links:
     """Link ids of source records and the locality inputs of the balancer."""
 
     n_links: int
@@ -44,7 +44,7 @@ def _tier_matrix(cpl: list, spl: list) -> np.ndarray:
     return m
 
 
-def _source_links(src: _Sources, splace: dict[int, Placement]) -> tuple[np.ndarray, int, np.ndarray]:
+def _source_links(src: Sources, splace: dict[int, Placement]) -> tuple[np.ndarray, int, np.ndarray]:
     """``(ranks_all, n_links, link per record)``: ranks sharing a named NIC on a
     host share one link, other ranks have their own."""
     ranks_all = np.unique(src.rec_rank) if len(src.rec_rank) else np.zeros(0, np.int64)
@@ -63,11 +63,11 @@ def _source_links(src: _Sources, splace: dict[int, Placement]) -> tuple[np.ndarr
     return ranks_all, n_links, rec_link
 
 
-def _build_links(src: _Sources, consumers: list, fabric: Fabric | None) -> _Links:
+def build_links(src: Sources, consumers: list, fabric: Fabric | None) -> Links:
     splace = fabric.source_map() if fabric is not None else {}
     cplace = fabric.consumer_map() if fabric is not None else {}
     ranks_all, n_links, rec_link = _source_links(src, splace)
-    links = _Links(
+    links = Links(
         n_links=n_links, rec_link=rec_link, ranks_all=ranks_all, use_topo=bool(splace) and bool(cplace)
     )
     if links.use_topo:

@@ -40,7 +40,7 @@ def _link_order(
     return o1[o2]
 
 
-def _materialize(plan: PlanTables, c: int) -> np.ndarray:
+def materialize(plan: PlanTables, c: int) -> np.ndarray:
     """Reads of consumer index ``c`` in link-interleaved order."""
     s, e = plan.cstart[c], plan.cstart[c + 1]
     pis = plan.perm[s:e]

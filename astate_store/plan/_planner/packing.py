@@ -15,22 +15,22 @@ from operator import itemgetter
 import numpy as np
 
 from astate_store.errors import PlanError
-from astate_store.model.layout import Box, ShardRecord, _frozen
-from astate_store.plan._planner.intersect import _Instances, _Pieces
-from astate_store.plan._planner.shards import _Sources
+from astate_store.model.layout import Box, ShardRecord, frozen_instance
+from astate_store.plan._planner.intersect import Instances, Pieces
+from astate_store.plan._planner.shards import Sources
 from astate_store.plan._planner.tables import PlanTables
-from astate_store.plan._planner.util import _segment_arange, _sorted_ids, _unique_rows
+from astate_store.plan._planner.util import segment_arange, sorted_ids, unique_rows
 from astate_store.plan.contracts import CostModel, PackedInput, PackedShard, PackItem
 
 
-def _normalize_packed(packed: PackedInput) -> list[tuple[ShardRecord, tuple]]:
+def normalize_packed(packed: PackedInput) -> list[tuple[ShardRecord, tuple]]:
     """Packed copies as ``(record, consumer ids)`` in a deterministic order (the first packed
     source matching a piece wins, so the order decides ties)."""
     if packed is None:
         return []
     if isinstance(packed, Mapping):
         by_id: dict[int, list] = {}
-        for cid in _sorted_ids(packed):
+        for cid in sorted_ids(packed):
             for rec in packed[cid]:
                 ent = by_id.get(id(rec))
                 if ent is None:
@@ -49,14 +49,14 @@ def _normalize_packed(packed: PackedInput) -> list[tuple[ShardRecord, tuple]]:
     return out
 
 
-def _match_packed(
-    src: _Sources,
+def match_packed(
+    src: Sources,
     pk: list[tuple[ShardRecord, tuple]],
-    pieces: _Pieces,
-    inst: _Instances,
+    pieces: Pieces,
+    inst: Instances,
     cindex: Mapping[Hashable, int],
     u_of_c: np.ndarray,
-) -> tuple[_Sources, np.ndarray | None, int]:
+) -> tuple[Sources, np.ndarray | None, int]:
     """Sources extended with the packed records, the packed record overriding each instance
     (-1: none; None when nothing was packed) and the count of packed entries matching no piece.
 
@@ -78,7 +78,7 @@ def _match_packed(
     # thousands of rows, not one per (consumer, record) entry); then (box, request) as one int
     kP = np.concatenate([pieces.t[:, None], pieces.lo, pieces.sz], axis=1)
     kR = np.concatenate([src.rec_t[prec_idx][:, None], src.rec_lo[prec_idx], prec_sz], axis=1)
-    _, _, bid = _unique_rows(np.concatenate([kP, kR]))
+    _, _, bid = unique_rows(np.concatenate([kP, kR]))
     U = int(max(pieces.u.max(initial=-1), u_of_c.max(initial=-1))) + 1
     gP = bid[: pieces.n] * U + pieces.u
     gE = bid[pieces.n :][ent_j] * U + u_of_c[ent_c]
@@ -90,7 +90,7 @@ def _match_packed(
     nm = hi_i - lo_i
     stale = int((nm == 0).sum())
     e_rep = np.repeat(np.arange(len(gE)), nm)
-    mp = po[np.repeat(lo_i, nm) + _segment_arange(nm)]
+    mp = po[np.repeat(lo_i, nm) + segment_arange(nm)]
     if len(mp):
         mpi = inst.P_start[mp] + inst.pos_in_u[ent_c[e_rep]]
         mrec = prec[e_rep]
@@ -100,15 +100,15 @@ def _match_packed(
     return src, override, stale
 
 
-def _pack_decision(
+def pack_decision(
     cost: CostModel,
     T_n: np.ndarray,
     tp: np.ndarray,
     pi_n: np.ndarray,
     pi_src: np.ndarray,
     is_packed_rec: np.ndarray,
-    pieces: _Pieces,
-    inst: _Instances,
+    pieces: Pieces,
+    inst: Instances,
 ) -> np.ndarray:
     """Instances worth a packed copy: reads saved against the contiguous template of the piece
     (``tp``) pay for the publisher's copy. Already-packed sources are never packed again."""
@@ -118,7 +118,7 @@ def _pack_decision(
     return (~is_packed_rec[pi_src]) & (saved > 0) & cost.pack_pays(saved, pieces.bytes[inst.P])
 
 
-def _build_pack_items(plan: PlanTables) -> dict[int, list[PackItem]]:
+def build_pack_items(plan: PlanTables) -> dict[int, list[PackItem]]:
     """Per publisher rank, the marked instances as ``PackItem``s: one item per (source record,
     box) listing every consumer that reads it, ranks and items in a deterministic order."""
     pis = np.flatnonzero(plan.pi_pack)
@@ -136,7 +136,7 @@ def _build_pack_items(plan: PlanTables) -> dict[int, list[PackItem]]:
     r1[o1] = np.arange(len(o1))
     f1 = f1[o1]
     P1, s1 = P[f1], srcr[f1]
-    _, first2, inv2 = _unique_rows(
+    _, first2, inv2 = unique_rows(
         np.concatenate([s1[:, None], plan.P_t[P1][:, None], plan.P_lo[P1], plan.P_sz[P1]], axis=1)
     )
     first, inv = f1[first2], inv2[r1[inv1.reshape(-1)]]
@@ -162,8 +162,8 @@ def _build_pack_items(plan: PlanTables) -> dict[int, list[PackItem]]:
     for g in range(G):
         rec = rec_obj[rec_l[g]]
         cut = D - len(rec.global_shape)
-        box = _frozen(Box, {"offsets": tuple(lo_l[g][cut:]), "sizes": tuple(sz_l[g][cut:])})
-        item = _frozen(
+        box = frozen_instance(Box, {"offsets": tuple(lo_l[g][cut:]), "sizes": tuple(sz_l[g][cut:])})
+        item = frozen_instance(
             PackItem, {"source": rec, "box": box, "consumers": tuple(cons_l[bounds[g] : bounds[g + 1]])}
         )
         lst = out.get(rec.rank)

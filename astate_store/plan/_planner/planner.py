@@ -16,16 +16,16 @@ import numpy as np
 
 from astate_store.errors import PlanError
 from astate_store.model.layout import GCPaused, ShardRecord, TensorLayout
-from astate_store.plan._planner.balance import _assign_replicas
-from astate_store.plan._planner.intersect import _expand_instances, _Instances, _intersect, _Pieces
-from astate_store.plan._planner.links import _build_links, _Links
-from astate_store.plan._planner.packing import _match_packed, _normalize_packed, _pack_decision
-from astate_store.plan._planner.requests import _dedupe_requests, _Requests
+from astate_store.plan._planner.balance import assign_replicas
+from astate_store.plan._planner.intersect import Instances, Pieces, expand_instances, intersect
+from astate_store.plan._planner.links import Links, build_links
+from astate_store.plan._planner.packing import match_packed, normalize_packed, pack_decision
+from astate_store.plan._planner.requests import Requests, dedupe_requests
 from astate_store.plan._planner.result import ConsumerPlan, GlobalPlan
-from astate_store.plan._planner.runs import _instance_templates, _merge_whole_runs, _rerun_templates, _Runs
-from astate_store.plan._planner.shards import _compile_sources, _Sources
+from astate_store.plan._planner.runs import Runs, instance_templates, merge_whole_runs, rerun_templates
+from astate_store.plan._planner.shards import Sources, compile_sources
 from astate_store.plan._planner.tables import PlanTables
-from astate_store.plan._planner.util import _sorted_ids
+from astate_store.plan._planner.util import sorted_ids
 from astate_store.plan.contracts import CostModel, Fabric, PackedInput, PackedShard
 
 
@@ -35,16 +35,16 @@ class _Prepared:
     instances, links and the balanced replica of every instance. It depends only on (layouts,
     requests, topology, balance, rotations), which a pre-pack round trip keeps."""
 
-    src: _Sources
+    src: Sources
     consumers: list
     cindex: dict
     u_of_c: np.ndarray
-    req: _Requests
-    pieces: _Pieces
-    inst: _Instances
-    links: _Links
+    req: Requests
+    pieces: Pieces
+    inst: Instances
+    links: Links
     pi_src: np.ndarray
-    #: the runs of ``pi_src`` before merging (``_Runs``), set by the first plan without packed copies
+    #: the runs of ``pi_src`` before merging (``Runs``), set by the first plan without packed copies
     memo: dict = field(default_factory=dict)
 
 
@@ -54,7 +54,7 @@ _PREP_MEMO: dict[str, tuple[tuple, weakref.ref[_Prepared]]] = {}
 
 
 def _prep_key(
-    src: _Sources,
+    src: Sources,
     requests: Mapping[Hashable, Sequence[ShardRecord]],
     consumers: list,
     topology: Fabric | None,
@@ -66,7 +66,7 @@ def _prep_key(
     seqs = tuple(map(requests.__getitem__, consumers))
     if not all(type(q) is tuple for q in seqs):
         return None
-    rot = None if rotations is None else tuple((c, rotations[c]) for c in _sorted_ids(rotations))
+    rot = None if rotations is None else tuple((c, rotations[c]) for c in sorted_ids(rotations))
     return (src, tuple(consumers), seqs, topology, balance, rot)
 
 
@@ -91,8 +91,8 @@ def _prepare(
 ) -> _Prepared:
     """Stages 1-4 (shards, requests, intersect, links, balance), reused from the previous call
     while its plan is alive and every input is the same object."""
-    src = _compile_sources(layouts)
-    consumers = _sorted_ids(requests)
+    src = compile_sources(layouts)
+    consumers = sorted_ids(requests)
     key = _prep_key(src, requests, consumers, topology, balance, rotations)
     if key is not None and "last" in _PREP_MEMO:
         k0, ref = _PREP_MEMO["last"]
@@ -101,12 +101,12 @@ def _prepare(
             return hit
     cindex = {cid: i for i, cid in enumerate(consumers)}
     # consumers with equal requests share the piece computation
-    seqs, u_of_c = _dedupe_requests(requests, consumers)
-    req = _Requests(src, seqs)
-    pieces = _intersect(src, req)
-    inst = _expand_instances(pieces, u_of_c, len(seqs))
-    links = _build_links(src, consumers, topology)
-    pi_src = _assign_replicas(src, pieces, inst, links, balance, consumers, rotations)
+    seqs, u_of_c = dedupe_requests(requests, consumers)
+    req = Requests(src, seqs)
+    pieces = intersect(src, req)
+    inst = expand_instances(pieces, u_of_c, len(seqs))
+    links = build_links(src, consumers, topology)
+    pi_src = assign_replicas(src, pieces, inst, links, balance, consumers, rotations)
     prep = _Prepared(src, consumers, cindex, u_of_c, req, pieces, inst, links, pi_src)
     if key is not None:
         _PREP_MEMO["last"] = (key, weakref.ref(prep))
@@ -128,8 +128,8 @@ def _plan(
         raise PlanError(f"unknown balance mode {balance!r}")
     prep = _prepare(layouts, requests, topology, balance, rotations)
     consumers, cindex, req, pieces, inst = prep.consumers, prep.cindex, prep.req, prep.pieces, prep.inst
-    src, override, stale_packed = _match_packed(
-        prep.src, _normalize_packed(packed), pieces, inst, cindex, prep.u_of_c
+    src, override, stale_packed = match_packed(
+        prep.src, normalize_packed(packed), pieces, inst, cindex, prep.u_of_c
     )
     # packed copies replace their pieces *after* balancing, which sees the layout's records only:
     # the pass with the copies balances exactly as the pass that asked for them (the copies live
@@ -137,25 +137,25 @@ def _plan(
     pi_src, links = prep.pi_src, prep.links
     base = prep.memo.get("runs")
     if override is None:
-        runs = base if base is not None else _instance_templates(src, req, pieces, inst, pi_src)
+        runs = base if base is not None else instance_templates(src, req, pieces, inst, pi_src)
         prep.memo["runs"] = runs
         runs = replace(runs, mlen=runs.mlen.copy(), tail=runs.tail.copy())  # merging edits these two
     else:
         pi_src = np.where(override >= 0, override, pi_src)
-        links = _build_links(src, consumers, topology)
+        links = build_links(src, consumers, topology)
         # instances keep their templates except those a packed copy now serves
         runs = (
-            _instance_templates(src, req, pieces, inst, pi_src)
+            instance_templates(src, req, pieces, inst, pi_src)
             if base is None
-            else _rerun_templates(base, src, req, pieces, inst, pi_src, np.flatnonzero(override >= 0))
+            else rerun_templates(base, src, req, pieces, inst, pi_src, np.flatnonzero(override >= 0))
         )
-    pi_pack = _pack_decision(cost, runs.T_n, runs.tp, runs.n, pi_src, runs.is_packed_rec, pieces, inst)
-    _merge_whole_runs(src, req, pieces, inst, pi_src, runs)
+    pi_pack = pack_decision(cost, runs.T_n, runs.tp, runs.n, pi_src, runs.is_packed_rec, pieces, inst)
+    merge_whole_runs(src, req, pieces, inst, pi_src, runs)
     return _assemble(prep, src, links, runs, pi_src, pi_pack, balance, stale_packed, staggers)
 
 
 def _totals(
-    src: _Sources, pieces: _Pieces, inst: _Instances, links: _Links, runs: _Runs, pi_src: np.ndarray, C: int
+    src: Sources, pieces: Pieces, inst: Instances, links: Links, runs: Runs, pi_src: np.ndarray, C: int
 ) -> dict[str, np.ndarray]:
     """Exact per-consumer read counts and bytes, per-link and per-rank bytes, without
     materializing a read (``PlanTables`` fields)."""
@@ -197,9 +197,9 @@ def _totals(
 
 def _assemble(
     prep: _Prepared,
-    src: _Sources,
-    links: _Links,
-    runs: _Runs,
+    src: Sources,
+    links: Links,
+    runs: Runs,
     pi_src: np.ndarray,
     pi_pack: np.ndarray,
     balance: str,

@@ -14,11 +14,11 @@ import numpy as np
 from astate_store.errors import PlanError
 from astate_store.model.dtypes import DTYPE_CODES, FLOATING
 from astate_store.model.layout import ShardRecord
-from astate_store.plan._planner.shards import _Sources
-from astate_store.plan._planner.util import _unique_rows
+from astate_store.plan._planner.shards import Sources
+from astate_store.plan._planner.util import unique_rows
 
 
-def _dedupe_requests(
+def dedupe_requests(
     requests: Mapping[Hashable, Sequence[ShardRecord]], consumers: list
 ) -> tuple[list[tuple], np.ndarray]:
     """Distinct request sequences and the sequence index of every consumer.
@@ -64,7 +64,7 @@ def _overlaps(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     return False
 
 
-def _check_records(src: _Sources, recs: list[ShardRecord]) -> tuple[list[int], list[int]]:
+def _check_records(src: Sources, recs: list[ShardRecord]) -> tuple[list[int], list[int]]:
     """Tensor id and dtype code of each destination record, checking type, tensor, ndim, shape
     and dtype name against the layout."""
     tid = src.tid
@@ -96,14 +96,14 @@ def _check_records(src: _Sources, recs: list[ShardRecord]) -> tuple[list[int], l
     return tids, codes
 
 
-class _Requests:
+class Requests:
     """Destination records of the distinct request sequences, concatenated (one row each).
 
     ``u`` is the row's sequence index, ``index`` its position in that sequence; ``lo``/``sz``/
-    ``st`` are padded to the sources' ``D`` dims like ``_Sources``.
+    ``st`` are padded to the sources' ``D`` dims like ``Sources``.
     """
 
-    def __init__(self, src: _Sources, seqs: list[Sequence[ShardRecord]]):
+    def __init__(self, src: Sources, seqs: list[Sequence[ShardRecord]]):
         D = src.D
         recs: list[ShardRecord] = []
         u_list: list[int] = []
@@ -144,7 +144,7 @@ class _Requests:
         self._check_conversion(src)
         self._check_aliasing(D)
 
-    def _check_bounds(self, src: _Sources) -> None:
+    def _check_bounds(self, src: Sources) -> None:
         n, D, recs = self.n, src.D, self.recs
         shp = src.t_shape[self.t] if n else np.zeros((0, D), np.int64)
         bad = (self.lo < 0) | (self.sz < 0) | (self.lo + self.sz > shp)
@@ -160,7 +160,7 @@ class _Requests:
             r = recs[int(np.flatnonzero(bad)[0])]
             raise PlanError(f"tensor {r.name!r}: destination with negative strides or byte offset")
 
-    def _check_conversion(self, src: _Sources) -> None:
+    def _check_conversion(self, src: Sources) -> None:
         # the data path converts only between float dtypes
         scode = self.scode
         diff = scode != self.code
@@ -179,7 +179,7 @@ class _Requests:
         if not self.n:
             return
         key = np.concatenate([self.sz, self.st], axis=1)
-        uk, first, _ = _unique_rows(key)
+        uk, first, _ = unique_rows(key)
         for row, i in zip(uk.tolist(), first.tolist()):
             if _overlaps(row[:D], row[D:]):
                 r = self.recs[i]

@@ -9,8 +9,8 @@ from collections.abc import Hashable
 import numpy as np
 
 from astate_store.model.layout import GCPaused
-from astate_store.plan._planner.materialize import _materialize
-from astate_store.plan._planner.packing import _build_pack_items
+from astate_store.plan._planner.materialize import materialize
+from astate_store.plan._planner.packing import build_pack_items
 from astate_store.plan._planner.tables import PlanTables
 from astate_store.plan.contracts import PackItem
 
@@ -108,7 +108,7 @@ class GlobalPlan:
         c = self.tables.cindex[consumer]
         r = self._reads_cache.get(c)
         if r is None:
-            r = _materialize(self.tables, c)
+            r = materialize(self.tables, c)
             self._reads_cache[c] = r
         return r
 
@@ -132,5 +132,5 @@ class GlobalPlan:
         who reads each)."""
         if self._pack_cache is None:
             with GCPaused():
-                self._pack_cache = _build_pack_items(self.tables)
+                self._pack_cache = build_pack_items(self.tables)
         return self._pack_cache

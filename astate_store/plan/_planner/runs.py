@@ -12,20 +12,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from astate_store.plan._planner.intersect import _Instances, _Pieces
-from astate_store.plan._planner.requests import _Requests
-from astate_store.plan._planner.shards import _Sources
-from astate_store.plan._planner.templates import _template_ids, _Templates
-from astate_store.plan._planner.util import _unique_rows
+from astate_store.plan._planner.intersect import Instances, Pieces
+from astate_store.plan._planner.requests import Requests
+from astate_store.plan._planner.shards import Sources
+from astate_store.plan._planner.templates import Templates, template_ids
+from astate_store.plan._planner.util import unique_rows
 
 
 @dataclass
-class _Runs:
+class Runs:
     """Run structure of every instance: template ``tm`` (``n`` runs of ``mlen`` source bytes,
     ``mlen`` widened for a merged group head), source byte base ``sbase``, merged-away ``tail``
     instances, and ``tp`` the template each piece would have from a contiguous packed copy."""
 
-    tmpl: _Templates
+    tmpl: Templates
     tm: np.ndarray
     sbase: np.ndarray
     tp: np.ndarray
@@ -48,11 +48,11 @@ def _contiguous_strides(P_sz: np.ndarray, D: int) -> np.ndarray:
 
 
 def _redo_odd(
-    tmpl: _Templates,
-    src: _Sources,
-    req: _Requests,
-    pieces: _Pieces,
-    inst: _Instances,
+    tmpl: Templates,
+    src: Sources,
+    req: Requests,
+    pieces: Pieces,
+    inst: Instances,
     pi_src: np.ndarray,
     odd: np.ndarray,
     cstr: np.ndarray,
@@ -77,12 +77,12 @@ def _redo_odd(
         ko = np.concatenate(
             [P_sz[Po], src.rec_str[so], req.st[P_row[Po]], P_sisz[Po][:, None], P_disz[Po][:, None]], axis=1
         )
-        pi_tm[odd[rest]] = _template_ids(tmpl, ko, D)
+        pi_tm[odd[rest]] = template_ids(tmpl, ko, D)
 
 
-def _instance_templates(
-    src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances, pi_src: np.ndarray
-) -> _Runs:
+def instance_templates(
+    src: Sources, req: Requests, pieces: Pieces, inst: Instances, pi_src: np.ndarray
+) -> Runs:
     """Template id and source base of every instance.
 
     A template per (piece geometry, source strides) is computed per piece with its first
@@ -90,7 +90,7 @@ def _instance_templates(
     copies, odd replicas). Template ids are interned in this order, which the plan keeps.
     """
     D = src.D
-    tmpl = _Templates()
+    tmpl = Templates()
     is_packed_rec = np.zeros(len(src.rec_rank), bool)
     is_packed_rec[src.n_layout_recs :] = True
     if inst.n:
@@ -105,12 +105,12 @@ def _instance_templates(
         pi_P = inst.P
         cstr = _contiguous_strides(P_sz, D)
         keyp = np.concatenate([P_sz, cstr, req.st[P_row], P_sisz[:, None], P_disz[:, None]], axis=1)
-        tp = _template_ids(tmpl, keyp, D)
-        sid = _unique_rows(src.rec_str)[2]
+        tp = template_ids(tmpl, keyp, D)
+        sid = unique_rows(src.rec_str)[2]
         key0 = np.concatenate(
             [P_sz, src.rec_str[rs], req.st[P_row], P_sisz[:, None], P_disz[:, None]], axis=1
         )
-        t0 = _template_ids(tmpl, key0, D)
+        t0 = template_ids(tmpl, key0, D)
         pi_tm = t0[pi_P]
         P_sdelta = P_sisz * ((P_lo - src.rec_lo[rs]) * src.rec_str[rs]).sum(axis=1)
         pi_sbase = src.rec_off[pi_src] + P_sdelta[pi_P]
@@ -122,7 +122,7 @@ def _instance_templates(
         pi_sbase = np.zeros(0, np.int64)
         tp = np.zeros(pieces.n, np.int64)
     T_n, T_run, T_sisz, T_disz = tmpl.arrays()
-    return _Runs(
+    return Runs(
         tmpl=tmpl,
         tm=pi_tm,
         sbase=pi_sbase,
@@ -138,16 +138,16 @@ def _instance_templates(
     )
 
 
-def _rerun_templates(
-    base: _Runs,
-    src: _Sources,
-    req: _Requests,
-    pieces: _Pieces,
-    inst: _Instances,
+def rerun_templates(
+    base: Runs,
+    src: Sources,
+    req: Requests,
+    pieces: Pieces,
+    inst: Instances,
     pi_src: np.ndarray,
     changed: np.ndarray,
-) -> _Runs:
-    """``_instance_templates`` of ``pi_src`` from ``base``, the runs of a plan whose sources differ
+) -> Runs:
+    """``instance_templates`` of ``pi_src`` from ``base``, the runs of a plan whose sources differ
     only at the instances ``changed`` (packed copies replacing their pieces; ``src`` extends the
     sources of ``base``): only those instances get a new template and base."""
     tmpl = base.tmpl.copy()
@@ -160,7 +160,7 @@ def _rerun_templates(
             tmpl, src, req, pieces, inst, pi_src, changed, cstr, base.tp, is_packed_rec, pi_tm, pi_sbase
         )
     T_n, T_run, T_sisz, T_disz = tmpl.arrays()
-    return _Runs(
+    return Runs(
         tmpl=tmpl,
         tm=pi_tm,
         sbase=pi_sbase,
@@ -176,8 +176,8 @@ def _rerun_templates(
     )
 
 
-def _merge_whole_runs(
-    src: _Sources, req: _Requests, pieces: _Pieces, inst: _Instances, pi_src: np.ndarray, runs: _Runs
+def merge_whole_runs(
+    src: Sources, req: Requests, pieces: Pieces, inst: Instances, pi_src: np.ndarray, runs: Runs
 ) -> None:
     """Merge single-run instances of one consumer and one source (rank, region) that are
     consecutive in both memories with the same dtypes: the group head's ``mlen`` becomes the
@@ -185,7 +185,7 @@ def _merge_whole_runs(
     cand = np.flatnonzero(runs.n == 1)
     if len(cand) <= 1:
         return
-    _, _, rec_gid = _unique_rows(np.stack([src.rec_rank, src.rec_region], axis=1))
+    _, _, rec_gid = unique_rows(np.stack([src.rec_rank, src.rec_region], axis=1))
     gkey = inst.c[cand] * (int(rec_gid.max()) + 1) + rec_gid[pi_src[cand]]
     sb = runs.sbase[cand]
     # sort by (consumer, source region, source offset); one packed int64 key when it fits

@@ -18,7 +18,7 @@ import numpy as np
 from astate_store.errors import PlanError
 from astate_store.model.dtypes import DTYPE_CODES
 from astate_store.model.layout import ShardRecord, TensorLayout
-from astate_store.plan._planner.util import _sorted_ids
+from astate_store.plan._planner.util import sorted_ids
 
 _GET_META = attrgetter("name", "dtype", "global_shape")
 _GET_OFFS = attrgetter("box.offsets")
@@ -137,7 +137,7 @@ def _first_error(
     raise PlanError(f"tensor {n!r}: a publisher shard has negative strides or byte offset")
 
 
-class _Sources:
+class Sources:
     """Publisher layouts as arrays: distinct boxes per tensor and their replica records.
 
     Dims are left-padded to the widest tensor (``D``: offset 0, size 1, stride 0) so every
@@ -151,7 +151,7 @@ class _Sources:
     """
 
     def __init__(self, layouts: Mapping[str, TensorLayout]):
-        names = _sorted_ids(layouts)
+        names = sorted_ids(layouts)
         self.names = tuple(names)
         self.tid = dict(zip(names, range(len(names))))
         T = len(names)
@@ -230,7 +230,7 @@ class _Sources:
         self.rec_t = rt
         self.rec_obj: list[ShardRecord] = list(map(recs.__getitem__, order.tolist()))
 
-    def with_packed(self, recs: list[ShardRecord]) -> tuple[_Sources, np.ndarray, np.ndarray]:
+    def with_packed(self, recs: list[ShardRecord]) -> tuple[Sources, np.ndarray, np.ndarray]:
         """A copy with packed records appended as extra source records; returns
         ``(sources, record indices, padded box sizes)``.
 
@@ -291,17 +291,17 @@ class _Sources:
 _SRC_MEMO: OrderedDict[tuple, tuple] = OrderedDict()
 
 
-def _compile_sources(layouts: Mapping[str, TensorLayout]) -> _Sources:
-    """``_Sources(layouts)``, memoized on the identity of the layout objects (the memo keeps
+def compile_sources(layouts: Mapping[str, TensorLayout]) -> Sources:
+    """``Sources(layouts)``, memoized on the identity of the layout objects (the memo keeps
     them alive, so ids stay valid): a replan with unchanged layouts skips recompiling."""
-    names = _sorted_ids(layouts)
+    names = sorted_ids(layouts)
     objs = tuple(map(layouts.__getitem__, names))
     key = (tuple(names), tuple(map(id, objs)))
     hit = _SRC_MEMO.get(key)
     if hit is not None and all(map(is_, hit[0], objs)):
         _SRC_MEMO.move_to_end(key)
         return hit[1]
-    src = _Sources(layouts)
+    src = Sources(layouts)
     _SRC_MEMO[key] = (objs, src)
     while len(_SRC_MEMO) > 2:
         _SRC_MEMO.popitem(last=False)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from astate_store.plan._planner.templates import _Templates
+from astate_store.plan._planner.templates import Templates
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,6 +109,6 @@ class PlanTables:
     #: the number of source links
     n_links: int
     #: run templates shared by all instances of equal geometry
-    tmpl: _Templates
+    tmpl: Templates
     #: per template, its run count
     T_n: np.ndarray

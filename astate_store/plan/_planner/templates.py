@@ -10,13 +10,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from astate_store.plan._planner.util import _unique_rows
+from astate_store.plan._planner.util import unique_rows
 
-#: ``(n_runs, run_elems, outer)``: see ``_template``.
+#: ``(n_runs, run_elems, outer)``: see ``run_template``.
 Template = tuple[int, int, tuple[tuple[int, int, int], ...]]
 
 
-def _template(sz: Sequence[int], ss: Sequence[int], ds: Sequence[int]) -> Template:
+def run_template(sz: Sequence[int], ss: Sequence[int], ds: Sequence[int]) -> Template:
     """Coalesced run structure of copying a box of sizes ``sz`` between memories with element
     strides ``ss`` (source) and ``ds`` (destination).
 
@@ -51,7 +51,7 @@ def _template(sz: Sequence[int], ss: Sequence[int], ds: Sequence[int]) -> Templa
     return (n, run, tuple(merged))
 
 
-def _rel_offsets(tm: Template, sisz: int, disz: int) -> tuple[np.ndarray, np.ndarray]:
+def rel_offsets(tm: Template, sisz: int, disz: int) -> tuple[np.ndarray, np.ndarray]:
     """Byte offsets of each run of a template relative to the piece origin (src, dst)."""
     src = np.zeros(1, np.int64)
     dst = np.zeros(1, np.int64)
@@ -64,7 +64,7 @@ def _rel_offsets(tm: Template, sisz: int, disz: int) -> tuple[np.ndarray, np.nda
     return src, dst
 
 
-class _Templates:
+class Templates:
     """Interned templates of one plan: ids index the parallel lists; relative run offsets are
     built lazily (only multi-run templates of a materialized consumer need them)."""
 
@@ -81,7 +81,7 @@ class _Templates:
         k = (sz, ss, ds, sisz, disz)
         i = self.index.get(k)
         if i is None:
-            tm = _template(sz, ss, ds)
+            tm = run_template(sz, ss, ds)
             i = len(self.n)
             self.index[k] = i
             self.n.append(tm[0])
@@ -91,9 +91,9 @@ class _Templates:
             self.disz.append(disz)
         return i
 
-    def copy(self) -> _Templates:
+    def copy(self) -> Templates:
         """An independent copy (interning more templates into it leaves this one as it is)."""
-        new = _Templates()
+        new = Templates()
         new.index, new.n, new.run, new.tm = dict(self.index), list(self.n), list(self.run), list(self.tm)
         new.sisz, new.disz, new._rel = list(self.sisz), list(self.disz), dict(self._rel)
         return new
@@ -110,16 +110,16 @@ class _Templates:
     def rel(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         r = self._rel.get(i)
         if r is None:
-            r = _rel_offsets(self.tm[i], self.sisz[i], self.disz[i])
+            r = rel_offsets(self.tm[i], self.sisz[i], self.disz[i])
             self._rel[i] = r
         return r
 
 
-def _template_ids(tmpl: _Templates, key_rows: np.ndarray, D: int) -> np.ndarray:
+def template_ids(tmpl: Templates, key_rows: np.ndarray, D: int) -> np.ndarray:
     """Template id per row of ``[sz(D), ss(D), ds(D), sisz, disz]`` (deduplicated first)."""
     if len(key_rows) == 0:
         return np.zeros(0, np.int64)
-    uk, _, inv = _unique_rows(key_rows)
+    uk, _, inv = unique_rows(key_rows)
     ids = np.empty(len(uk), np.int64)
     for j, row in enumerate(uk.tolist()):
         ids[j] = tmpl.get(

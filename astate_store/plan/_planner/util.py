@@ -9,27 +9,27 @@ from typing import Any
 import numpy as np
 
 
-def _sort_key(x: Any) -> tuple:
+def sort_key(x: Any) -> tuple:
     """Total order over mixed id types (ints, strings, tuples...) so plans never depend on the
     caller's mapping order."""
     return (type(x).__name__, x if isinstance(x, (int, float, str)) else repr(x))
 
 
-def _sorted_ids(ids: Iterable[Hashable]) -> list:
-    """``ids`` sorted naturally when comparable, else by ``_sort_key``."""
+def sorted_ids(ids: Iterable[Hashable]) -> list:
+    """``ids`` sorted naturally when comparable, else by ``sort_key``."""
     ids = list(ids)
     try:
         return sorted(ids)
     except TypeError:
-        return sorted(ids, key=_sort_key)
+        return sorted(ids, key=sort_key)
 
 
-def _cat(parts: list[np.ndarray], shape: tuple) -> np.ndarray:
+def concat(parts: list[np.ndarray], shape: tuple) -> np.ndarray:
     """Concatenate chunked int64 parts; an empty int64 array of ``shape`` when there are none."""
     return np.concatenate(parts) if parts else np.zeros(shape, np.int64)
 
 
-def _segment_arange(counts: np.ndarray) -> np.ndarray:
+def segment_arange(counts: np.ndarray) -> np.ndarray:
     """``concatenate([arange(c) for c in counts])`` without a Python loop."""
     counts = np.asarray(counts, dtype=np.int64)
     total = int(counts.sum())
@@ -39,7 +39,7 @@ def _segment_arange(counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
 
 
-def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``np.unique(a, axis=0, return_index=True, return_inverse=True)`` via a 64-bit row hash
     (verified; falls back to the exact method on a collision). Unique rows come in first-seen order."""
     n = len(a)

@@ -1,74 +1,60 @@
-"""Checkpoint, restore and recover: the glue between a store and ``astate_store.checkpoint``.
+"""Recovery of a restarted publisher session: the ``Store.recover`` role.
 
-The checkpoint package knows no etcd; this module gives it the shards a rank still holds and
-records complete checkpoints in the catalog, and lets a restarted rank find the newest state:
-live sources first (surviving replicas, re-serving consumers), else the newest checkpoint.
+A restarted rank finds the newest state its whole group can hold: live sources first
+(surviving publishers, replica servers, re-serving consumers), else the newest complete
+checkpoint; the ranks agree on it through etcd (``agreement``), fetch it and republish it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 from astate_store import checkpoint as ckpt
-from astate_store.catalog.agreement import RecoveryPlan
-from astate_store.checkpointing import Checkpointing
 from astate_store.context import StoreContext
-from astate_store.errors import RecoveryError, VersionNotFound
+from astate_store.errors import RecoveryError
 from astate_store.model.layout import TensorLike
-from astate_store.model.progress import Progress
-from astate_store.model.state_dict import NonTensors, normalize
+from astate_store.pulls import Pulls
 from astate_store.put.publisher import Publisher
+from astate_store.recovery.agreement import RecoveryAgreement, RecoveryPlan
+from astate_store.recovery.checkpointing import Checkpointing
 
 __all__ = ["Recovery"]
 
 log = logging.getLogger("astate_store")
 
-GetInto = Callable[[Mapping[str, TensorLike], int, float], int]
 
+class Recovery:
+    """Session recovery: every rank of a restarted group fills its tensors with one agreed step
+    and republishes it.
 
-class Recovery(Checkpointing):
-    """Checkpoints of this rank's shards, restores into any layout (both: ``checkpointing.py``), and session
-    recovery."""
+    Args:
+        ctx: the store's context (catalog, namespace, rank).
+        publisher: fences the old session (``begin``) and republishes the agreed step.
+        pulls: fetches a step from its live sources.
+        agreement: the ``recovery/`` records of the namespace (plans and outcomes).
+        checkpointing: notes a step fetched from a checkpoint (``Store.meta`` reads it there).
+    """
 
-    def __init__(self, ctx: StoreContext, publisher: Publisher, get_into: GetInto):
-        self.ctx, self.publisher, self._get_into = ctx, publisher, get_into
-        self._async: Any = None
-        self._restored: dict[int, str] = {}  # step -> checkpoint uri this store restored it from
+    def __init__(
+        self,
+        ctx: StoreContext,
+        publisher: Publisher,
+        pulls: Pulls,
+        agreement: RecoveryAgreement,
+        checkpointing: Checkpointing,
+    ):
+        self.ctx, self.publisher, self.pulls = ctx, publisher, pulls
+        self.agreement, self.checkpointing = agreement, checkpointing
         self._fetched_meta: bytes | None = None  # this rank's meta of the step recover() fetched
-
-    def meta(self, step: int | None, rank: int, uri: str | None) -> bytes | None:
-        """The meta bytes ``rank`` put with ``step``: from checkpoint ``uri`` when given, else the
-        catalog (the newest committed step by default), else the checkpoint this store restored
-        that step from (the catalog may have dropped it); see ``Store.meta``.
-
-        Raises:
-            VersionNotFound: no such committed step, and none was restored here.
-            CheckpointNotFound / CheckpointCorrupted: from ``uri``.
-        """
-        if uri is not None:
-            return ckpt.read_meta(uri, step, rank)[1]
-        if step is None:
-            step = self.ctx.catalog.versions.latest()
-            if step is None and self._restored:
-                step = max(self._restored)
-            if step is None:
-                raise VersionNotFound(f"namespace {self.ctx.namespace!r}: nothing is committed yet")
-        try:
-            return self.ctx.catalog.versions.read_meta(step, rank)
-        except VersionNotFound:
-            if step not in self._restored:
-                raise
-            return ckpt.read_meta(self._restored[step], step, rank)[1]
 
     def recover(self, tensors: Mapping[str, TensorLike], timeout: float, uri: str | None) -> int | None:
         """Fill ``tensors`` with the newest committed state and republish it; see ``Store.recover``.
 
         Every rank of the restarted group calls it. ``begin`` fences the old session (rank 0
         opens a new epoch; the others join it); then the ranks agree through etcd
-        (``catalog.agreement``, docs/protocol.md "Session model") on one step and one source, in rounds:
+        (``recovery.agreement``, docs/protocol.md "Session model") on one step and one source, in rounds:
 
         1. Rank 0 plans the first round: fetch the newest committed step from its live sources
            (``get_into``: surviving publishers, re-serving consumers); with nothing committed,
@@ -94,7 +80,7 @@ class Recovery(Checkpointing):
             StaleSessionError: a newer session fenced this one meanwhile.
         """
         entries = self.publisher.begin(tensors, "recover(tensors)")
-        agree = self.ctx.catalog.agreement
+        agree = self.agreement
         s = self.ctx.catalog.sessions.require()
         deadline = time.monotonic() + timeout
         rnd = agree.next_round()
@@ -141,7 +127,7 @@ class Recovery(Checkpointing):
 
     def _first_plan(self, rnd: int, uri: str | None) -> RecoveryPlan:
         """Rank 0: the newest committed step from live sources, else the newest checkpoint."""
-        agree, ns = self.ctx.catalog.agreement, self.ctx.namespace
+        agree, ns = self.agreement, self.ctx.namespace
         latest = self.ctx.catalog.versions.latest()
         if latest is not None:
             return agree.decide(
@@ -169,7 +155,7 @@ class Recovery(Checkpointing):
         self, plan: RecoveryPlan, deadline: float, timeout: float, uri: str | None
     ) -> RecoveryPlan:
         """Rank 0, after a fetch round: once every rank reported, what all of them do next."""
-        agree, s, ns = self.ctx.catalog.agreement, self.ctx.catalog.sessions.require(), self.ctx.namespace
+        agree, s, ns = self.agreement, self.ctx.catalog.sessions.require(), self.ctx.namespace
         rnd, what = plan.round + 1, _source_text(plan)
         outcomes, decided, gone = agree.wait_outcomes(plan.round, s.world_size, deadline)
         if decided is not None:
@@ -230,7 +216,7 @@ class Recovery(Checkpointing):
     def _await_plan(self, rnd: int, deadline: float, timeout: float) -> RecoveryPlan:
         """Ranks > 0: the plan of round ``rnd``; past the deadline, this rank writes a failure
         (unless a plan got there first), so that no rank goes on without it."""
-        agree, s = self.ctx.catalog.agreement, self.ctx.catalog.sessions.require()
+        agree, s = self.agreement, self.ctx.catalog.sessions.require()
         plan = agree.wait_plan(rnd, deadline)
         if plan is not None:
             return plan
@@ -250,7 +236,7 @@ class Recovery(Checkpointing):
         try:
             if plan.source == "live":
                 assert plan.step is not None
-                got = self._get_into(tensors, plan.step, max(0.0, deadline - time.monotonic()))
+                got = self.pulls.get_into(tensors, plan.step, max(0.0, deadline - time.monotonic()))
             else:
                 got = int(ckpt.restore(str(plan.uri), tensors, step=plan.step))
             if got != plan.step:
@@ -280,7 +266,7 @@ class Recovery(Checkpointing):
         assert plan.step is not None
         if plan.source == "live":
             return self.ctx.catalog.versions.read_meta(plan.step, self.ctx.rank)
-        self._restored[plan.step] = str(plan.uri)
+        self.checkpointing.restored_from(plan.step, str(plan.uri))
         return ckpt.read_meta(str(plan.uri), plan.step, self.ctx.rank)[1]
 
     def _newest_checkpoint(self, uri: str | None) -> tuple[tuple[int, str] | None, str]:
@@ -296,10 +282,6 @@ class Recovery(Checkpointing):
             return ((known[-1].step, known[-1].uri) if known else None), "the catalog knows no checkpoint"
         except Exception as exc:  # the plan says why instead: the other ranks must not wait for it
             return None, f"looking for checkpoints failed ({_why(exc)})"
-
-    def close(self) -> None:
-        if self._async is not None:
-            self._async.close()
 
 
 _ERROR_CHARS = 600  # of one rank's error in a plan record
@@ -319,97 +301,3 @@ def _source_text(plan: RecoveryPlan) -> str:
     if plan.source == "live":
         return f"live sources of step {plan.step}"
     return f"checkpoint step {plan.step} at {plan.uri}"
-
-
-class StoreRecovery:
-    """The ``Store`` methods of checkpoints and recovery (the façade's part of this module): each
-    normalizes the caller's arguments and hands them to the store's :class:`Recovery`."""
-
-    _recovery: Recovery
-
-    def checkpoint(
-        self,
-        step: int,
-        uri: str,
-        *,
-        asynchronous: bool = False,
-        progress: Progress | None = None,
-        timeout: float = 60.0,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-    ) -> Any:
-        """Write this rank's shards of version ``step`` to storage (any ``pyarrow.fs`` URI or local
-        path); the rank that completes the set commits it and records it in the catalog. Every
-        publisher rank calls it, right after its ``put(step)``: it first waits (up to ``timeout``)
-        for the other ranks' pieces to commit the step. Replicated shards are written by one rank only.
-
-        Args:
-            asynchronous: wait for the commit and snapshot the shards now, write in a background
-                thread; returns a ``concurrent.futures.Future`` of the same result.
-            progress: ``progress(done_bytes, total_bytes)`` as this rank's part is written
-                (:mod:`astate_store.model.progress`).
-            timeout: seconds to wait for ``step`` to commit.
-            keep_last: retention: once this checkpoint is complete, remove older complete
-                checkpoints under ``uri`` (storage and catalog) except the ``keep_last`` newest;
-                the newest, any a restore is reading, and incomplete ones are never removed
-                (docs/checkpoint.md "Retention"). None: keep everything.
-            keep_every: with ``keep_last``, also keep the oldest checkpoint of every window of
-                ``keep_every`` steps (the steps ``n * keep_every`` when checkpoints fall on them).
-
-        Returns:
-            True if the checkpoint is complete after this call (it is then in the catalog).
-
-        Raises:
-            CheckpointNotCommitted: ``step`` did not commit within ``timeout``, or never can (the
-                session was fenced, a newer step committed, a rank whose piece is missing is gone);
-                it names the ranks whose pieces are missing.
-            CheckpointError: this rank no longer holds the step, bad arguments, or a storage error.
-        """
-        return self._recovery.checkpoint(step, uri, asynchronous, progress, timeout, keep_last, keep_every)
-
-    def restore(
-        self,
-        buffers: Mapping[str, Any],
-        *,
-        uri: str | None = None,
-        step: int | None = None,
-        progress: Progress | None = None,
-        non_tensors: NonTensors = "error",
-    ) -> int:
-        """Fill preallocated buffers of any layout from a checkpoint: ``uri`` (newest complete step
-        there, or ``step``), else the newest complete checkpoint the catalog knows. ``progress``:
-        ``progress(done_bytes, total_bytes)`` as bytes are copied (:mod:`astate_store.model.progress`).
-
-        Raises:
-            CheckpointNotFound: no complete checkpoint; CheckpointCorrupted: checksum or file errors;
-            LayoutError: a buffer that does not fit.
-        """
-        buffers = normalize(buffers, "restore(buffers)", non_tensors)
-        return self._recovery.restore(buffers, uri, step, progress)
-
-    def recover(
-        self,
-        tensors: Mapping[str, Any],
-        *,
-        timeout: float = 60.0,
-        uri: str | None = None,
-        non_tensors: NonTensors = "error",
-    ) -> int | None:
-        """For a (re)started publisher rank: fence the previous session, fill this rank's
-        preallocated ``tensors`` with the newest committed state — from live sources (surviving
-        replicas, consumers that re-serve it) or else the newest complete checkpoint — and
-        republish it in the new session so consumers carry on.
-
-        Every rank of the new session agrees on one step through etcd first (docs/protocol.md,
-        "Session model"). A checkpoint older than the newest committed step is restored but not
-        republished (it can never commit again); the next ``put`` must then use a step > ``latest()``.
-
-        Returns:
-            The recovered step, or None when nothing was ever committed or checkpointed.
-
-        Raises:
-            RecoveryError: no step every rank could fetch (naming the ranks and why), or a rank
-                did not report within ``timeout``.
-        """
-        tensors = normalize(tensors, "recover(tensors)", non_tensors)
-        return self._recovery.recover(tensors, timeout, uri)

@@ -25,10 +25,10 @@ from typing import Any
 
 from pyetcd import transactions as tx
 
-from astate_store.etcd.client import EtcdClient
 from astate_store.catalog.records import Skips, counter_value, pad20, parse_pad20
 from astate_store.catalog.sessions import Sessions
 from astate_store.errors import CodecError
+from astate_store.etcd.client import EtcdClient
 from astate_store.model import codec
 
 __all__ = ["RecoveryAgreement", "RecoveryPlan", "RecoveryOutcome", "ACTIONS", "TERMINAL"]

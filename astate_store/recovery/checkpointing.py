@@ -1,8 +1,9 @@
-"""Checkpoints of a store's shards: the checkpoint half of ``recovery.Recovery``.
+"""Checkpoints of a store's shards: one role of a ``Store``, beside ``recovery.Recovery``.
 
 Writing waits for the step to commit, writes this rank's part, records a complete checkpoint in
 the catalog and applies retention; restoring fills buffers from a checkpoint and remembers which
-one (``Recovery.meta`` reads a restored step's meta from it).
+one, so :meth:`Checkpointing.meta` reads a restored step's meta from it (the catalog may have
+dropped the step).
 """
 
 from __future__ import annotations
@@ -36,13 +37,49 @@ log = logging.getLogger("astate_store")
 
 
 class Checkpointing:
-    """Checkpoint and restore of this rank's shards (a part of :class:`~astate_store.recovery.Recovery`,
-    which sets the attributes below)."""
+    """Checkpoint and restore of this rank's shards, and the meta of the steps they hold.
 
-    ctx: StoreContext
-    publisher: Publisher
-    _async: Any  # the background writer (ckpt.AsyncCheckpointer), made at the first asynchronous call
-    _restored: dict[int, str]  # step -> checkpoint uri this store restored it from
+    Args:
+        ctx: the store's context (catalog, namespace, rank, world size).
+        publisher: the store's publisher: a checkpoint writes the shards it still holds.
+    """
+
+    def __init__(self, ctx: StoreContext, publisher: Publisher):
+        self.ctx, self.publisher = ctx, publisher
+        self._async: Any = (
+            None  # the background writer (ckpt.AsyncCheckpointer), made at the first asynchronous call
+        )
+        self._restored: dict[int, str] = {}  # step -> checkpoint uri this store restored it from
+
+    def meta(self, step: int | None, rank: int, uri: str | None) -> bytes | None:
+        """The meta bytes ``rank`` put with ``step``: from checkpoint ``uri`` when given, else the
+        catalog (the newest committed step by default), else the checkpoint this store restored
+        that step from (the catalog may have dropped it); see ``Store.meta``.
+
+        Raises:
+            VersionNotFound: no such committed step, and none was restored here.
+            CheckpointNotFound / CheckpointCorrupted: from ``uri``.
+        """
+        if uri is not None:
+            return ckpt.read_meta(uri, step, rank)[1]
+        if step is None:
+            step = self.ctx.catalog.versions.latest()
+            if step is None and self._restored:
+                step = max(self._restored)
+            if step is None:
+                raise VersionNotFound(f"namespace {self.ctx.namespace!r}: nothing is committed yet")
+        try:
+            return self.ctx.catalog.versions.read_meta(step, rank)
+        except VersionNotFound:
+            if step not in self._restored:
+                raise
+            return ckpt.read_meta(self._restored[step], step, rank)[1]
+
+    def restored_from(self, step: int, uri: str) -> None:
+        """Remember that the buffers were filled with ``step`` from checkpoint ``uri`` (by
+        :meth:`restore`, or by ``Recovery.recover`` fetching a checkpoint): :meth:`meta` reads
+        that step's meta there once the catalog no longer holds it."""
+        self._restored[step] = uri
 
     def checkpoint(
         self,
@@ -135,7 +172,7 @@ class Checkpointing:
         hand ``rm``) is skipped for the next newest one, unless ``step`` was asked for."""
         if uri is not None:
             got = int(ckpt.restore(uri, buffers, step=step, progress=progress))
-            self._restored[got] = str(uri)
+            self.restored_from(got, str(uri))
             return got
         known = [c for c in self.ctx.catalog.checkpoints.list() if step is None or c.step == step]
         if not known:
@@ -156,9 +193,14 @@ class Checkpointing:
                     exc,
                 )
                 continue
-            self._restored[got] = str(entry.uri)
+            self.restored_from(got, str(entry.uri))
             return got
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    def close(self) -> None:
+        """Stop the background writer (after the writes it was given)."""
+        if self._async is not None:
+            self._async.close()
 
 
 def _await_commit(ctx: StoreContext, step: int, timeout: float) -> Version:
