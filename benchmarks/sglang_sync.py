@@ -59,8 +59,6 @@ def main() -> None:
     args = ap.parse_args()
     if not S.available():
         raise SystemExit("SGLang's environment (.venv-sglang) is not made: run `make sglang-env`")
-    from safetensors.torch import save_file
-
     import astate_store
     from astate_store.etcd.embedded import EmbeddedEtcd
 
@@ -71,11 +69,28 @@ def main() -> None:
     (work / "model" / "config.json").write_text(json.dumps(config))
     tensors = load_tensors(work / "model")
     etcd = EmbeddedEtcd().start()
-    engine = S.OfflineEngine(
-        work / "model", work / "engine.log", dtype="bfloat16", custom_weight_loader=[S.LOADER]
-    )
-    ns = "bench-" + uuid.uuid4().hex[:8]
-    store = astate_store.connect(ns, etcd=etcd.endpoint)
+    engine = store = None
+    try:
+        engine = S.OfflineEngine(
+            work / "model", work / "engine.log", dtype="bfloat16", custom_weight_loader=[S.LOADER]
+        )
+        ns = "bench-" + uuid.uuid4().hex[:8]
+        store = astate_store.connect(ns, etcd=etcd.endpoint)
+        run(args, work, params, tensors, engine, store, ns, etcd.endpoint)
+    finally:
+        if store is not None:
+            store.close()
+        if engine is not None:
+            engine.close()
+        etcd.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(
+    args: Any, work: Path, params: int, tensors: dict, engine: Any, store: Any, ns: str, etcd: str
+) -> None:
+    from safetensors.torch import save_file
+
     ref = engine.call("checksums")
     engine.call("hold", path=str(work / "model" / "model.safetensors"))
     times: dict[str, list[float]] = {"ours": [], "tensor": [], "disk": []}
@@ -87,7 +102,7 @@ def main() -> None:
         nonlocal step
         step += 1
         store.put(step, tensors)
-        assert engine.call("update", namespace=ns, etcd=etcd.endpoint, step=step, timeout=120.0) == step
+        assert engine.call("update", namespace=ns, etcd=etcd, step=step, timeout=120.0) == step
 
     def tensor() -> None:
         ok, message = engine.call("from_held")
@@ -149,10 +164,6 @@ def main() -> None:
         out = ROOT / "benchmarks" / "results" / "sglang_sync.jsonl"
         with out.open("a") as f:
             f.write(json.dumps(line) + "\n")
-    store.close()
-    engine.close()
-    etcd.stop()
-    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

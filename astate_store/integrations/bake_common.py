@@ -90,14 +90,34 @@ def _row_major(shape: Sequence[int]) -> list[int]:
     return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
 
 
+def _merge(stats: dict[int, list[int]], t: int, lo: int, hi: int, n: int, p: int) -> None:
+    """Fold one chunk's [min, max, count, position of the min] of tensor ``t`` into ``stats``."""
+    st = stats.get(t)
+    if st is None:
+        stats[t] = [lo, hi, n, p]
+        return
+    if lo < st[0]:
+        st[0], st[3] = lo, p
+    st[1], st[2] = max(st[1], hi), st[2] + n
+
+
 def _scan(param: str, flat: torch.Tensor) -> tuple[dict[int, list[int]], int]:
     """One pass in chunks: per HF tensor id [min element, max element, count, position of the min];
-    and the number of elements nothing wrote (-1)."""
+    and the number of elements nothing wrote (-1). A chunk that one tensor fills entirely (most chunks
+    of a big parameter) takes a few reductions; the others are grouped by tensor (a sort)."""
     stats: dict[int, list[int]] = {}
     untouched = 0
     enc = int(_ENC)
     for s in range(0, flat.numel(), _CHUNK):
         c = flat[s : s + _CHUNK]
+        low, high = (float(x) for x in torch.aminmax(c))
+        if low >= 1 and bool((c != torch.floor(c)).any()):
+            raise NotACopy(f"parameter {param!r}: its loader transforms values (not a copy)")
+        first, last = int((low - 1) // _ENC), int((high - 1) // _ENC)
+        if low >= 1 and first == last:  # one tensor's elements only: its extremes say it all
+            base = first * enc + 1
+            _merge(stats, first, int(low) - base, int(high) - base, c.numel(), s + int(c.argmin()))
+            continue
         untouched += int((c == -1).sum())
         w = c >= 1
         vals = c[w] - 1
@@ -112,14 +132,7 @@ def _scan(param: str, flat: torch.Tensor) -> tuple[dict[int, list[int]], int]:
             m = ids == t
             idx, at = keys[m] - t * enc, pos[m]
             k = int(idx.argmin())
-            lo, hi, n, p = int(idx[k]), int(idx.max()), int(idx.numel()), int(at[k])
-            st = stats.get(t)
-            if st is None:
-                stats[t] = [lo, hi, n, p]
-            else:
-                if lo < st[0]:
-                    st[0], st[3] = lo, p
-                st[1], st[2] = max(st[1], hi), st[2] + n
+            _merge(stats, t, int(idx[k]), int(idx.max()), int(idx.numel()), int(at[k]))
     return stats, untouched
 
 
@@ -128,7 +141,10 @@ def zero_runs(flat: torch.Tensor) -> list[tuple[int, int]]:
     encoded value is 0: the loaders wrote a constant there), in chunks, merged across chunks."""
     runs: list[tuple[int, int]] = []
     for s in range(0, flat.numel(), _CHUNK):
-        at = (flat[s : s + _CHUNK] == 0).nonzero().squeeze(1)
+        c = flat[s : s + _CHUNK]
+        if float(c.min()) > 0:  # encoded values only
+            continue
+        at = (c == 0).nonzero().squeeze(1)
         if at.numel() == 0:
             continue
         breaks = (at[1:] != at[:-1] + 1).nonzero().squeeze(1)
@@ -153,6 +169,8 @@ def _positions(flat: torch.Tensor, wanted: Sequence[float]) -> dict[float, int]:
         hit = torch.isin(c, target).nonzero().squeeze(1)
         for i in hit.tolist():
             found.setdefault(float(c[i]), s + i)
+        if len(found) == target.numel():  # each value sits once in a copy: the rest adds none
+            break
     return found
 
 
@@ -191,6 +209,24 @@ def _verify(param: str, flat: torch.Tensor, piece: Piece, t: int, shape: Sequenc
             )
 
 
+def _guesses(
+    flat: torch.Tensor, t: int, lo: int, base: int, steps: Sequence[int | None], sizes: Sequence[int]
+) -> list[tuple[float, int]]:
+    """Where the elements one step along each dim sit, where a copy puts them: at the same offset as
+    in the HF tensor, or one box row further (a contiguous box). Checked element by element; what no
+    guess finds is searched for (``_positions``), and the view is verified whole in any case."""
+    out = []
+    for d, k in enumerate(steps):
+        if k is None:
+            continue
+        value = t * _ENC + k + 1
+        for at in (base + k - lo, base + math.prod(sizes[d + 1 :])):
+            if 0 <= at < flat.numel() and float(flat[at]) == value:
+                out.append((value, at))
+                break
+    return out
+
+
 def decode(
     param: str, values: torch.Tensor, names: Sequence[str], shapes: Sequence[Sequence[int]]
 ) -> tuple[list[Piece], int]:
@@ -206,6 +242,7 @@ def decode(
     stats, untouched = _scan(param, flat)
     boxes = {}
     wanted: list[float] = []
+    guesses: list[tuple[float, int]] = []
     for t, (lo, hi, n, base) in stats.items():
         if t >= len(names) or hi >= max(1, math.prod(shapes[t])):
             raise NotACopy(f"parameter {param!r}: its loader transforms values (not a copy)")
@@ -217,7 +254,9 @@ def decode(
         steps = [lo + st if z > 1 else None for z, st in zip(sizes, _row_major(shape))]
         wanted += [t * _ENC + k + 1 for k in steps if k is not None]
         boxes[t] = (lo_c, sizes, base, steps)
-    where = _positions(flat, wanted)
+        guesses += _guesses(flat, t, lo, base, steps, sizes)
+    where = dict(guesses)
+    where.update(_positions(flat, [v for v in wanted if v not in where]))
     pieces = []
     for t, (lo_c, sizes, base, steps) in sorted(boxes.items()):
         found = [where.get(t * _ENC + k + 1) if k is not None else base + 1 for k in steps]
@@ -236,7 +275,8 @@ def _encoded(
     for t, (name, shape) in enumerate(published):
         state["current"] = name
         n = math.prod(shape)
-        yield name, (torch.arange(1, n + 1, dtype=torch.float64) + t * _ENC).reshape(shape)
+        first = t * _ENC + 1  # one pass: float64 arange is exact below 2**53
+        yield name, torch.arange(first, first + n, dtype=torch.float64).reshape(shape)
     state["current"] = None
 
 
