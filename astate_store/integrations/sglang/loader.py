@@ -84,16 +84,16 @@ class _Rank:
             got = _agreed(self.store.get_into, buffers, step=newest, timeout=request.timeout)
             newest = _all_max(got)
         t2 = time.perf_counter()
-        self._refill_zeros(model)
-        _post_load(model)
+        _agreed(self._finish, model)
         self.last_step = got
         self.last_seconds = {"prepare": t1 - t0, "pull": t2 - t1, "post": time.perf_counter() - t2}
         log.info("astate: step %d in %.3fs", got, time.perf_counter() - t0)
         return got
 
-    def _refill_zeros(self, model: torch.nn.Module) -> None:
-        """What the loaders fill with zeros from no published tensor (vocabulary padding rows), as a
-        load from disk does: the engine then equals a fresh one whatever those elements held."""
+    def _finish(self, model: torch.nn.Module) -> None:
+        """What a load does once the loaders wrote: zeros where they fill zeros from no published tensor
+        (vocabulary padding rows: the engine then equals a fresh one whatever those elements held),
+        then the model's ``post_load_weights``."""
         assert self.plan is not None
         params = dict(model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
@@ -101,6 +101,7 @@ class _Rank:
                 flat = params[name].data.view(-1)
                 for start, end in runs:
                     flat[start:end].zero_()
+        _post_load(model)
 
     def _connect(self, request: Request) -> astate_store.Store:
         source = (request.namespace, repr(request.etcd))
