@@ -26,6 +26,7 @@ from astate_store.model.layout import ShardRecord, TensorLike, torch_dtype
 from astate_store.model.validated import ValidatedTensors
 from astate_store.model.validation import Entry, validate_tensors, with_aliases
 from astate_store.plan import Copy, servable
+from astate_store.put.delta import DeltaStager
 from astate_store.put.drain import drain, wait_pulled
 from astate_store.put.registry import Registry
 from astate_store.put.staging import SnapshotPool, StagingCapExceeded
@@ -145,7 +146,11 @@ class Publisher:
             except StagingCapExceeded as exc:
                 return self._put_streamed(step, entries, exc, meta), "streamed"
             versions = self.ctx.catalog.versions
-            return versions.put_piece(step, lid, base, meta, self._slot_bases(), step_word=word), "copy"
+            delta = self._pool.delta.last if self._pool is not None and self._pool.delta is not None else None
+            return (
+                versions.put_piece(step, lid, base, meta, self._slot_bases(), step_word=word, delta=delta),
+                "copy",
+            )
         else:
             lid, base = self._in_place(entries), 0
             if self._zero_copy_live:
@@ -176,8 +181,10 @@ class Publisher:
             cap = (
                 opts.staging_cap_bytes if opts.staging_cap_bytes is not None else default_staging_cap(device)
             )
+            # delta versions: host pools only (the compare-and-copy is the CPU's; docs/delta.md)
+            stager = DeltaStager(opts.delta_budget) if opts.delta and device.type == "cpu" else None
             self._pool = SnapshotPool(
-                opts.staging_depth, cap, lambda n: self.ctx.alloc(n, device, shared=True), tr
+                opts.staging_depth, cap, lambda n: self.ctx.alloc(n, device, shared=True), tr, stager
             )
             self._pool_device = device
         return self._pool
