@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from astate_store import metrics
 from astate_store.catalog import Catalog, Version
-from astate_store.etcd.config import EtcdConfig
 from astate_store.context import StoreContext, StoreOptions, TransportFactory
 from astate_store.errors import LayoutError
+from astate_store.etcd.config import EtcdConfig
 from astate_store.etcd.supervisor import shared_endpoint
 from astate_store.get import kv
 from astate_store.get.consumer import Consumer
@@ -322,6 +322,13 @@ class Store(StoreState, StoreRecovery):
         if self._serving.active:
             self._serving.withdraw()  # these buffers may be among the re-served ones: withdraw before writing
         return self._consumer.get_into(buffers, step, timeout, progress)
+
+    def forget(self, buffers: Mapping[str, Any] | None = None) -> None:
+        """With ``delta=True``: the buffers of the last :meth:`get_into` no longer hold the step it
+        delivered (the caller wrote into them, or loaded other weights): the next pull into them
+        moves every byte. New buffers are whole anyway; so is the pull after a failed one.
+        ``buffers``: the buffers forgotten (None: whichever this store's last pull filled)."""
+        self._consumer.forget(None if buffers is None else self._get_sd.convert(buffers, "skip"))
 
     def serve(self, step: int, buffers: Mapping[str, TensorLike], *, group: str | None = None) -> None:
         """Offer buffers that :meth:`get_into` just filled with ``step`` as an extra source of that

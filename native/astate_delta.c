@@ -521,7 +521,8 @@ typedef struct {
     size_t ntiles;
     int check;
     size_t next;
-    size_t bad; /* first bad tile + 1 (0: none); atomic min */
+    size_t bad;     /* first bad tile + 1 (0: none); atomic min */
+    size_t written; /* elements written inside their boxes (atomic) */
 } decode_t;
 
 typedef struct {
@@ -548,7 +549,7 @@ static int tile_geo(const int64_t *g, int64_t k, tile_geo_t *t)
 
 /* one element of a tile: write it where the box holds it (or report it to the output arrays) */
 static inline void put_elem(const int64_t *g, const tile_geo_t *t, size_t i, const unsigned char *val, int64_t *out_off,
-                            unsigned char *out_val, size_t *k)
+                            unsigned char *out_val, size_t *k, size_t *in)
 {
     const size_t esize = (size_t)g[0];
     const int64_t *row_map = (const int64_t *)(uintptr_t)g[7];
@@ -556,6 +557,7 @@ static inline void put_elem(const int64_t *g, const tile_geo_t *t, size_t i, con
     const int64_t m = row_map[r];
     const int inside = m >= 0 && (int64_t)c >= g[8] && (int64_t)c < g[9];
     const int64_t at = inside ? m + ((int64_t)c - g[8]) * g[10] : -1;
+    *in += inside;
     if (g[11] != 0) {
         if (inside) memcpy((unsigned char *)(uintptr_t)g[11] + at * (int64_t)esize, val, esize);
     } else {
@@ -566,7 +568,7 @@ static inline void put_elem(const int64_t *g, const tile_geo_t *t, size_t i, con
 }
 
 /* 0 when tile ti is well-formed (and applied unless checking); -1 otherwise */
-static int decode_tile(decode_t *D, size_t ti)
+static int decode_tile(decode_t *D, size_t ti, size_t *in)
 {
     const int64_t *T = D->tiles + TD_COLS * ti;
     if (T[0] < 0 || (size_t)T[0] >= D->ngeoms) return -1;
@@ -594,7 +596,7 @@ static int decode_tile(decode_t *D, size_t ti)
         const unsigned char *v = data;
         for (size_t r = t.row0; r < t.row0 + t.nrows; r++) {
             if (row_map[r] < 0) continue;
-            for (size_t c = lo; c < hi; c++, v += esize) put_elem(g, &t, (r - t.row0) * t.w + (c - t.c0), v, out_off, out_val, &k);
+            for (size_t c = lo; c < hi; c++, v += esize) put_elem(g, &t, (r - t.row0) * t.w + (c - t.c0), v, out_off, out_val, &k, in);
         }
         return 0;
     }
@@ -617,7 +619,7 @@ static int decode_tile(decode_t *D, size_t ti)
             if (gap >= elems) return -1;
             const int64_t i = last + 1 + (int64_t)gap;
             if (i >= (int64_t)elems) return -1;
-            if (write) put_elem(g, &t, (size_t)i, vals + n * esize, out_off, out_val, &k);
+            if (write) put_elem(g, &t, (size_t)i, vals + n * esize, out_off, out_val, &k, in);
             last = i;
             n++;
         }
@@ -632,7 +634,7 @@ static int decode_tile(decode_t *D, size_t ti)
                 const size_t i = byte * 8 + (size_t)__builtin_ctz(b);
                 b &= b - 1;
                 if (i >= elems || n >= count) return -1;
-                if (write) put_elem(g, &t, i, vals + n * esize, out_off, out_val, &k);
+                if (write) put_elem(g, &t, i, vals + n * esize, out_off, out_val, &k, in);
                 n++;
             }
         }
@@ -644,15 +646,16 @@ static int decode_tile(decode_t *D, size_t ti)
 static void *decode_worker(void *arg)
 {
     decode_t *D = ((decode_job_t *)arg)->D;
-    size_t i;
+    size_t i, in = 0;
     while ((i = __atomic_fetch_add(&D->next, 1, __ATOMIC_RELAXED)) < D->ntiles) {
-        if (decode_tile(D, i) != 0) {
+        if (decode_tile(D, i, &in) != 0) {
             size_t want = i + 1, cur = __atomic_load_n(&D->bad, __ATOMIC_RELAXED);
             while ((cur == 0 || want < cur) &&
                    !__atomic_compare_exchange_n(&D->bad, &cur, want, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
             }
         }
     }
+    __atomic_fetch_add(&D->written, in, __ATOMIC_RELAXED);
     return NULL;
 }
 
@@ -670,7 +673,7 @@ static PyObject *mod_decode(PyObject *m, PyObject *args, PyObject *kwds)
     }
     if (threads < 1) threads = 1;
     if (threads > MAX_JOBS) threads = MAX_JOBS;
-    decode_t D = {gb.buf, (size_t)gb.shape[0], tb.buf, (size_t)tb.shape[0], check, 0, 0};
+    decode_t D = {gb.buf, (size_t)gb.shape[0], tb.buf, (size_t)tb.shape[0], check, 0, 0, 0};
     decode_job_t jobs[MAX_JOBS];
     for (int t = 0; t < MAX_JOBS; t++) jobs[t].D = &D;
     int nj = D.ntiles > 64 ? threads : 1;
@@ -679,7 +682,7 @@ static PyObject *mod_decode(PyObject *m, PyObject *args, PyObject *kwds)
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&gb);
     PyBuffer_Release(&tb);
-    return PyLong_FromLongLong(D.bad ? (long long)D.bad - 1 : -1);
+    return Py_BuildValue("(LK)", D.bad ? (long long)D.bad - 1 : -1LL, (unsigned long long)D.written);
 }
 
 /* ---------------------------------------------------------------- digest: verification */
@@ -808,7 +811,7 @@ static PyMethodDef methods[] = {
      "stage(shards, tiles, threads=1, streaming=0) -> arenas: compare-and-copy into staging"},
     {"place", mod_place, METH_VARARGS, "place(arenas, rows): copy encoded tiles (loc, len, dst) out of the arenas"},
     {"decode", (PyCFunction)(void (*)(void))mod_decode, METH_VARARGS | METH_KEYWORDS,
-     "decode(geoms, tiles, threads=1, check=1) -> int: first bad tile, or -1"},
+     "decode(geoms, tiles, threads=1, check=1) -> (first bad tile or -1, elements written in their boxes)"},
     {"digest", (PyCFunction)(void (*)(void))mod_digest, METH_VARARGS | METH_KEYWORDS,
      "digest(geoms, tiles, out, threads=1): XXH3-64 of whole tiles of destination memory"},
     {"hash", mod_hash, METH_O, "hash(buffer) -> int: XXH3-64 of a contiguous buffer"},

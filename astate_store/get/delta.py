@@ -1,0 +1,584 @@
+"""Delta pulls (docs/delta.md): pulling version N into buffers that hold exactly version M < N
+moves only what changed between them.
+
+The buffers count as holding M when they are the very buffers (the same validated entries) of
+the consumer's last good pull, which delivered M, and nothing forgot them since
+(``Store.forget``): the caller's promise, with ``delta=True``, that nothing else writes them.
+``verify=True`` checks that promise, and every pull, against the publishers' digests.
+
+Call sequence (``Consumer._read_once`` -> :meth:`DeltaPulls.pull`), the buffers untouched until 6:
+
+1. the chain: per publisher rank, N's delta record names its base; the versions between are
+   read (one etcd round trip each) until M: every link in the same staged layout, each with a
+   step word. No chain (a restarted publisher, a new layout, a bad record): whole;
+2. the plan (``delta_plan``, cached per layouts and buffers): the tiles each buffer needs;
+3. the index rows of those tiles, of every link, in one batched read;
+4. per tile: raw when any link says so (read from N's slot, the buffer's part only), else each
+   link's encoded changes; more bytes than a whole pull of the same buffers: whole;
+5. the changes, then every link's step word (a second small read): N's word changed: torn (the
+   caller retries on a newer version, the buffers still hold M); an older link's: whole;
+6. check every tile's encoding, then apply the links oldest first (``_delta.decode``: a
+   scatter into host buffers of the published dtype; converted or device buffers through torch),
+   then the raw tiles; ``verify``: digests of the tiles the buffers hold whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from astate_store.catalog import Version
+from astate_store.catalog.deltas import Delta
+from astate_store.context import StoreContext
+from astate_store.errors import CatalogError, DeltaMismatch, TransportError, VersionNotFound
+from astate_store.get.batches import Batches, Work
+from astate_store.get.delta_plan import DeltaPlan, RankPlan, plan_delta
+from astate_store.get.links import Links
+from astate_store.get.sources import PUBLISHERS, publisher_peer
+from astate_store.model import delta_format as fmt
+from astate_store.model.delta_native import TD_COLS, hashing, native, threads
+from astate_store.model.layout import torch_dtype
+from astate_store.model.validation import Entry
+from astate_store.transport.base import make_ops
+
+__all__ = ["DeltaPulls", "Outcome"]
+
+log = logging.getLogger("astate_store")
+
+_MAX_CHAIN = 64  # links one pull follows (a staging pool holds at most 64 slots)
+_PLANS = 4  # delta plans kept (layouts x buffers)
+_WORD = np.uint64(fmt.ENC_SHIFT)
+_MASK = np.uint64(fmt.COUNT_MASK)
+
+
+@dataclass
+class Outcome:
+    """What a delta attempt did: ``done`` (the buffers hold N; ``work`` tells what moved),
+    ``torn`` (N's slot changed under the read; the buffers still hold M), or neither: pull whole
+    (``why``)."""
+
+    done: bool = False
+    torn: bool = False
+    why: str = ""
+    sources: frozenset[object] = frozenset()
+    work: Work | None = None
+    elements: int = 0  # elements applied
+
+
+@dataclass
+class _Link:
+    """One version of a rank's chain: its delta record, piece base offset and step word."""
+
+    step: int
+    delta: Delta
+    base_offset: int
+    word: tuple[int, int, int]
+    rows: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), dtype=np.uint64))
+
+
+@dataclass
+class _Check:
+    """What ``verify`` compares: the pull's plan and, per rank, N's index rows of the needed tiles."""
+
+    step: int
+    plan: DeltaPlan
+    rows: dict[int, np.ndarray]
+
+
+class _Fallback(Exception):
+    """This pull goes whole (the message says why)."""
+
+
+class DeltaPulls:
+    """One consumer's delta pulls: which step its buffers hold, and pulling only what changed."""
+
+    def __init__(self, ctx: StoreContext, links: Links, batches: Batches):
+        self.ctx, self.links, self.batches = ctx, links, batches
+        self._held: tuple[list[Entry], int] | None = None  # (the buffers' entries, the step they hold)
+        self._plans: dict[object, DeltaPlan | None] = {}
+
+    # ---- what the buffers hold -------------------------------------------------------------
+
+    def delivered(self, dests: list[Entry], step: int) -> None:
+        """A good pull left exactly ``step`` in these buffers."""
+        self._held = (dests, step)
+
+    def forget(self) -> None:
+        """The buffers' bytes are no base any more (written, torn, or ``Store.forget``)."""
+        self._held = None
+
+    def held(self, dests: list[Entry]) -> int | None:
+        """The step these very buffers hold, if known."""
+        h = self._held
+        return h[1] if h is not None and h[0] is dests else None
+
+    # ---- a pull ----------------------------------------------------------------------------
+
+    def pull(self, version: Version, dests: list[Entry]) -> Outcome:
+        """Pull ``version`` into ``dests`` through changes (module docstring); never raises for
+        a reason to pull whole, which it returns instead. ``version`` has its layouts."""
+        m = self.held(dests)
+        if m is None:
+            return Outcome(why="the buffers hold no known version")
+        if m >= version.step:
+            return Outcome(why=f"the buffers hold step {m}, not older than {version.step}")
+        try:
+            chains = self._chains(version, m)
+            plan = self._plan(version, dests)
+            return self._run(version, dests, plan, chains)
+        except _Fallback as exc:
+            return Outcome(why=str(exc))
+
+    def _chains(self, version: Version, held: int) -> dict[int, list[_Link]]:
+        """Per rank, the links from ``held`` (exclusive) to ``version`` (inclusive), oldest first."""
+        if version.missing or not version.layouts or set(version.layouts) != set(version.pieces):
+            raise _Fallback("not every publisher rank is live")
+        older: dict[int, Version] = {}
+        chains: dict[int, list[_Link]] = {}
+        for r, piece in version.pieces.items():
+            links: list[_Link] = []
+            p = piece
+            while True:
+                if p.delta is None or p.delta.base is None or p.step_word is None:
+                    raise _Fallback(f"rank {r} has no change map from its previous put at step {p.step}")
+                if p.layout_id != piece.layout_id or p.epoch != piece.epoch:
+                    raise _Fallback(f"rank {r}'s layout changed after step {held}")
+                links.append(_Link(p.step, p.delta, p.base_offset, p.step_word))
+                base = p.delta.base
+                if base == held:
+                    break
+                if base < held or len(links) >= _MAX_CHAIN:
+                    raise _Fallback(f"rank {r}'s changes do not lead back to step {held}")
+                p = self._piece(older, base, r)
+            chains[r] = links[::-1]
+        return chains
+
+    def _piece(self, older: dict[int, Version], step: int, rank: int) -> Any:
+        """Rank ``rank``'s piece of committed ``step`` (an older link of a chain)."""
+        v = older.get(step)
+        if v is None:
+            try:
+                v = older[step] = self.ctx.catalog.versions.read_version(step)
+            except (VersionNotFound, CatalogError) as exc:
+                raise _Fallback(f"step {step} of the chain cannot be read ({exc})") from None
+        p = v.pieces.get(rank)
+        if p is None:
+            raise _Fallback(f"step {step} has no piece of rank {rank}")
+        return p
+
+    def _plan(self, version: Version, dests: list[Entry]) -> DeltaPlan:
+        key = (version.layout_key, self.batches.buffers.fingerprint)
+        if key not in self._plans:
+            group = self.batches.groups(version).get(PUBLISHERS)
+            plan = None if group is None else plan_delta(group, version.layouts, dests, self.ctx.rotation)
+            self._plans[key] = plan
+            while len(self._plans) > _PLANS:
+                self._plans.pop(next(iter(self._plans)))
+        plan = self._plans[key]
+        if plan is None:
+            raise _Fallback("the buffers are not all served by the publishers' staged shards")
+        return plan
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def _peers(self, version: Version) -> dict[int, int]:
+        """Per rank, the transport's index of its endpoint (connected if not yet)."""
+        out = {}
+        for r, lay in version.layouts.items():
+            peer = publisher_peer(r, lay)
+            self.links.connect_peer(peer, lay)
+            out[r] = self.ctx.transport.peer_index(peer)
+        return out
+
+    def _run(
+        self, version: Version, dests: list[Entry], plan: DeltaPlan, chains: dict[int, list[_Link]]
+    ) -> Outcome:
+        peers = self._peers(version)
+        for r, links in chains.items():
+            rp = plan.ranks[r]
+            if any(ln.delta.tiles != int(rp.first[-1]) for ln in links):
+                raise _Fallback(f"rank {r}'s change map does not list its layout's tiles")
+        index_bytes = self._read_rows(plan, chains, peers)
+        reads = _Reads()
+        for r, links in chains.items():
+            self._changes(version, r, plan, plan.ranks[r], links, peers[r], reads)
+        moved = index_bytes + reads.nbytes
+        if moved >= plan.whole_bytes:
+            raise _Fallback(
+                f"the changes ({moved} bytes) are not smaller than the buffers ({plan.whole_bytes})"
+            )
+        reads.run(self.ctx.transport, self.ctx.options.read_timeout)
+        words = self._words(chains, peers)
+        if not words[0]:
+            return Outcome(torn=True, sources=frozenset(chains))
+        if not words[1]:
+            raise _Fallback("an older version of the chain was overwritten during the read")
+        applied = self._apply(dests, plan, chains, reads)
+        if self.ctx.options.verify:
+            self.verify(_Check(version.step, plan, {r: links[-1].rows for r, links in chains.items()}), dests)
+        work = Work(
+            np.zeros((0, 5), dtype=np.int64),
+            [],
+            frozenset(chains),
+            moved,
+            reads.count + plan_rows(plan, chains),
+        )
+        return Outcome(done=True, sources=frozenset(chains), work=work, elements=applied)
+
+    def _read_rows(self, plan: DeltaPlan, chains: dict[int, list[_Link]], peers: dict[int, int]) -> int:
+        """Phase 1: every link's index rows of the needed tiles (into each link's ``rows``)."""
+        ops_all = []
+        for r, links in chains.items():
+            rp = plan.ranks[r]
+            for ln in links:
+                ln.rows = np.zeros((len(rp.need), 4), dtype=np.uint64)
+                if not len(rp.runs):
+                    continue
+                ops = make_ops(len(rp.runs))
+                ops[:, 0] = peers[r]
+                ops[:, 1] = ln.delta.region
+                ops[:, 2] = ln.delta.index_offset + rp.runs[:, 0] * fmt.ROW_BYTES
+                ops[:, 3] = ln.rows.ctypes.data + rp.runs[:, 2] * fmt.ROW_BYTES
+                ops[:, 4] = rp.runs[:, 1] * fmt.ROW_BYTES
+                ops_all.append(ops)
+        if not ops_all:
+            return 0
+        ops = np.concatenate(ops_all)
+        _get(self.ctx, ops)
+        return int(ops[:, 4].sum())
+
+    def _changes(
+        self,
+        version: Version,
+        r: int,
+        plan: DeltaPlan,
+        rp: RankPlan,
+        links: list[_Link],
+        peer: int,
+        reads: _Reads,
+    ) -> None:
+        """Phase 2's reads of rank ``r``: each link's encoded tiles, and the raw tiles from N."""
+        elems = np.concatenate([t.tile_elements() for t in rp.tilings] or [np.zeros(0, np.int64)])
+        tile_elems = elems[rp.need] if len(rp.need) else np.zeros(0, dtype=np.int64)
+        raw = np.zeros(len(rp.need), dtype=bool)
+        for ln in links:
+            enc, count, begin, end = _fields(ln.rows)
+            bad = (enc > fmt.ENC_RAW) | (count > tile_elems) | (end < begin)
+            bad |= (enc == fmt.ENC_NONE) & (count != 0)
+            bad |= ((enc == fmt.ENC_RAW) | (enc == fmt.ENC_NONE)) & (end != begin)
+            coded = (enc == fmt.ENC_VARINT) | (enc == fmt.ENC_BITMAP)
+            lo, hi = ln.delta.data_offset, ln.delta.data_offset + ln.delta.data_bytes
+            bad |= coded & ((begin < lo) | (end > hi) | (end == begin) | (count == 0))
+            if bad.any():
+                self._bad(version, r, ln, f"{int(bad.sum())} malformed index rows")
+            raw |= enc == fmt.ENC_RAW
+        for li, ln in enumerate(links):
+            enc, count, begin, end = _fields(ln.rows)
+            take = ~raw & (count > 0)
+            reads.coded(r, li, peer, ln.delta.region, np.flatnonzero(take), begin, end)
+        final = links[-1]
+        for k in np.flatnonzero(raw[rp.jt_pos]).tolist():
+            j = int(rp.jt_job[k])
+            job = plan.jobs[j]
+            s = rp.shards[job.shard]
+            at = final.base_offset + s.byte_offset
+            reads.raw(j, int(rp.jt_tile[k]), peer, s.region, at, job, rp.tilings[job.shard])
+
+    def _bad(self, version: Version, r: int, ln: _Link, why: str) -> None:
+        key = self.ctx.catalog.client.key(
+            "versions", "%020d" % ln.step, "deltas", "%020d" % version.epoch, "%020d" % r
+        )
+        self.ctx.catalog.versions.skips(key, f"change map: {why}")
+        raise _Fallback(f"rank {r}'s change map of step {ln.step}: {why}")
+
+    def _words(self, chains: dict[int, list[_Link]], peers: dict[int, int]) -> tuple[bool, bool]:
+        """(N's words unchanged, every older link's words unchanged), read after the changes."""
+        items = [(r, i == len(links) - 1, ln) for r, links in chains.items() for i, ln in enumerate(links)]
+        got = np.zeros(len(items), dtype=np.uint64)
+        ops = make_ops(len(items))
+        for i, (r, _last, ln) in enumerate(items):
+            ops[i] = (peers[r], ln.word[0], ln.word[1], got.ctypes.data + 8 * i, 8)
+        try:
+            _get(self.ctx, ops)
+        except TransportError:
+            return True, False  # cannot tell: whole (the whole pull asks etcd)
+        want = np.array([ln.word[2] for _r, _l, ln in items], dtype=np.uint64)
+        ok = got == want
+        last = np.array([is_last for _r, is_last, _ln in items], dtype=bool)
+        return bool(ok[last].all()), bool(ok[~last].all())
+
+    # ---- verification ----------------------------------------------------------------------
+
+    def verify_rows(self, version: Version, dests: list[Entry]) -> _Check | None:
+        """Before a whole pull with ``verify``: the index rows (with the digests) of the tiles
+        the buffers need, read from N's slots (the pull's step-word check then covers them too);
+        None when some rank recorded no change map (nothing to verify against)."""
+        if version.missing or any(p.delta is None for p in version.pieces.values()):
+            return None
+        try:
+            plan = self._plan(version, dests)
+            chains = {
+                r: [_Link(version.step, p.delta, p.base_offset, p.step_word or (0, 0, 0))]
+                for r, p in version.pieces.items()
+                if p.delta is not None
+            }
+            if any(c[0].delta.tiles != int(plan.ranks[r].first[-1]) for r, c in chains.items()):
+                return None
+            self._read_rows(plan, chains, self._peers(version))
+        except (_Fallback, TransportError):
+            return None
+        return _Check(version.step, plan, {r: c[0].rows for r, c in chains.items()})
+
+    def verify(self, check: _Check, dests: list[Entry]) -> None:
+        """Digest every tile the buffers hold whole, in the published dtype on the host, and
+        compare with the publisher's; count the others as unverified.
+
+        Raises:
+            DeltaMismatch: naming the tensors whose tiles differ (the buffers are forgotten:
+                the next pull into them is whole).
+        """
+        plan = check.plan
+        ids, want, names, unverified = [], [], [], 0
+        for j, job in enumerate(plan.jobs):
+            unverified += len(job.tiles) - (len(job.within) if job.native else 0)
+            if not job.native or not len(job.within):
+                continue
+            rp = plan.ranks[job.rank]
+            pos = np.searchsorted(rp.need, rp.first[job.shard] + job.within)
+            expect = check.rows[job.rank][pos, 3]
+            known = expect != 0
+            unverified += int((~known).sum())
+            ids.append(np.stack([np.full(int(known.sum()), j, np.int64), job.within[known]], axis=1))
+            want.append(expect[known])
+            names.extend([job.name] * int(known.sum()))
+        stats = self.ctx.stats
+        stats.unverified_tiles += unverified
+        if not ids or not hashing():
+            stats.unverified_tiles += sum(len(w) for w in want)
+            return
+        tiles = np.ascontiguousarray(np.concatenate(ids))
+        got = np.zeros(len(tiles), dtype=np.uint64)
+        native().digest(plan.geoms, tiles, got, threads=threads())
+        stats.verified_tiles += len(tiles)
+        bad = np.flatnonzero(got != np.concatenate(want))
+        if len(bad):
+            self.forget()
+            which = sorted({names[i] for i in bad.tolist()})
+            raise DeltaMismatch(
+                f"step {check.step}: {len(bad)} tiles of {len(which)} tensors differ from the digests "
+                f"their publishers recorded: {', '.join(repr(n) for n in which[:8])}"
+                f"{', ...' if len(which) > 8 else ''} (a buffer written behind the store's back?); "
+                "the next pull into these buffers moves every byte",
+                step=check.step,
+                tensors=tuple(which),
+            )
+
+    # ---- applying --------------------------------------------------------------------------
+
+    def _apply(
+        self, dests: list[Entry], plan: DeltaPlan, chains: dict[int, list[_Link]], reads: _Reads
+    ) -> int:
+        """Check every tile, then write the links oldest first, then the raw tiles."""
+        depth = max(len(links) for links in chains.values())
+        steps = [reads.tiles(plan, chains, li) for li in range(depth)] + [reads.raw_tiles(plan)]
+        for tiles, _outs in steps:
+            if len(tiles) and native().decode(plan.geoms, tiles, threads=threads(), check=1)[0] >= 0:
+                raise _Fallback("a change map's encoded tiles are malformed")
+        applied = 0
+        with torch.no_grad():
+            for tiles, outs in steps:
+                if not len(tiles):
+                    continue
+                applied += native().decode(plan.geoms, tiles, threads=threads(), check=0)[1]
+                _convert(dests, plan, outs)
+        return applied
+
+
+def plan_rows(plan: DeltaPlan, chains: dict[int, list[_Link]]) -> int:
+    """Transport reads of phase 1."""
+    return sum(len(plan.ranks[r].runs) * len(links) for r, links in chains.items())
+
+
+def _fields(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    word = rows[:, 2]
+    return (
+        (word >> _WORD).astype(np.int64),
+        (word & _MASK).astype(np.int64),
+        rows[:, 0].astype(np.int64),
+        rows[:, 1].astype(np.int64),
+    )
+
+
+def _get(ctx: StoreContext, ops: np.ndarray) -> None:
+    if len(ops):
+        ctx.transport.get(ops, timeout=ctx.options.read_timeout)
+
+
+class _Reads:
+    """Phase 2: the reads of encoded and raw tiles, into one scratch buffer."""
+
+    def __init__(self) -> None:
+        self.ops: list[np.ndarray] = []
+        self.nbytes = 0
+        self.count = 0
+        # (rank, link) -> (positions in need, offsets in scratch, lengths)
+        self._coded: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # (job, tile, offset in scratch, length)
+        self._raw: list[tuple[int, int, int, int]] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (ops, scratch offsets) to rebase
+        self.scratch = np.zeros(0, dtype=np.uint8)
+
+    def _take(self, n: int) -> int:
+        at = self.nbytes
+        self.nbytes += n
+        return at
+
+    def coded(
+        self, r: int, li: int, peer: int, region: int, pos: np.ndarray, begin: np.ndarray, end: np.ndarray
+    ) -> None:
+        lens = (end - begin)[pos]
+        offs = (
+            self.nbytes + np.concatenate(([0], np.cumsum(lens)[:-1])) if len(pos) else np.zeros(0, np.int64)
+        )
+        self.nbytes += int(lens.sum())
+        self._coded[(r, li)] = (pos, offs.astype(np.int64), lens.astype(np.int64))
+        if not len(pos):
+            return
+        # consecutive tiles whose bytes are consecutive too: one read
+        b = begin[pos]
+        brk = np.flatnonzero(b[1:] != (b + lens)[:-1]) + 1
+        starts = np.concatenate(([0], brk))
+        stops = np.concatenate((brk, [len(pos)]))
+        ops = make_ops(len(starts))
+        ops[:, 0], ops[:, 1] = peer, region
+        ops[:, 2] = b[starts]
+        ops[:, 4] = (b[stops - 1] + lens[stops - 1]) - b[starts]
+        self._pending.append((ops, offs[starts]))
+
+    def raw(self, j: int, tile: int, peer: int, region: int, shard_at: int, job: Any, t: fmt.Tiling) -> None:
+        """The buffer's part of raw tile ``tile`` (rows of the tile inside the job's box, the
+        box's columns), read from N's slot row by row into the scratch, in the order decode
+        expects."""
+        row0, nrows, c0, w = t.tile(tile)
+        lo, hi = max(c0, job.c0), min(c0 + w, job.c1)
+        rows = np.arange(row0, row0 + nrows, dtype=np.int64)
+        rows = rows[job.row_map[rows] >= 0]
+        seg = (hi - lo) * t.esize
+        if hi <= lo or not len(rows):
+            self._raw.append((j, tile, self.nbytes, 0))
+            return
+        at = self._take(len(rows) * seg)
+        self._raw.append((j, tile, at, len(rows) * seg))
+        src = shard_at + (rows * t.C + lo) * t.esize
+        if seg == t.C * t.esize:  # whole rows: consecutive rows are one read
+            brk = np.flatnonzero(np.diff(rows) != 1) + 1
+            starts = np.concatenate(([0], brk))
+            stops = np.concatenate((brk, [len(rows)]))
+            ops = make_ops(len(starts))
+            ops[:, 2] = src[starts]
+            ops[:, 4] = (stops - starts) * seg
+            offs = at + starts * seg
+        else:
+            ops = make_ops(len(rows))
+            ops[:, 2] = src
+            ops[:, 4] = seg
+            offs = at + np.arange(len(rows), dtype=np.int64) * seg
+        ops[:, 0], ops[:, 1] = peer, region
+        self._pending.append((ops, offs))
+
+    def run(self, transport: Any, timeout: float | None) -> None:
+        self.scratch = np.empty(max(self.nbytes, 1), dtype=np.uint8)
+        if not self._pending:
+            return
+        base = self.scratch.ctypes.data
+        for ops, offs in self._pending:
+            ops[:, 3] = base + offs
+        ops = np.concatenate([o for o, _ in self._pending])
+        self.count = len(ops)
+        if len(ops):
+            transport.get(ops, timeout=timeout)
+
+    def tiles(self, plan: DeltaPlan, chains: dict[int, list[_Link]], li: int) -> tuple[np.ndarray, list[Any]]:
+        """The decode table of link ``li`` (counted from each rank's oldest link aligned to the newest)."""
+        parts, outs = [], []
+        depth = max(len(links) for links in chains.values())
+        base = self.scratch.ctypes.data
+        for r, links in chains.items():
+            k = li - (depth - len(links))
+            if k < 0:
+                continue
+            got = self._coded.get((r, k))
+            if got is None or not len(got[0]):
+                continue
+            pos, offs, lens = got
+            rp = plan.ranks[r]
+            where = np.full(len(rp.need), -1, dtype=np.int64)
+            where[pos] = np.arange(len(pos))
+            sel = where[rp.jt_pos] >= 0
+            idx = where[rp.jt_pos[sel]]
+            tb = np.zeros((int(sel.sum()), TD_COLS), dtype=np.int64)
+            tb[:, 0] = rp.jt_job[sel]
+            tb[:, 1] = rp.jt_tile[sel]
+            tb[:, 2] = base + offs[idx]
+            tb[:, 3] = links[k].rows[pos[idx], 2].view(np.int64)
+            tb[:, 4] = lens[idx]
+            parts.append(tb)
+        return _outputs(
+            plan, np.concatenate(parts) if parts else np.zeros((0, TD_COLS), dtype=np.int64), outs
+        )
+
+    def raw_tiles(self, plan: DeltaPlan) -> tuple[np.ndarray, list[Any]]:
+        tb = np.zeros((len(self._raw), TD_COLS), dtype=np.int64)
+        base = self.scratch.ctypes.data
+        for i, (j, tile, at, n) in enumerate(self._raw):
+            tb[i, :5] = (j, tile, base + at, fmt.ENC_RAW << fmt.ENC_SHIFT, n)
+        return _outputs(plan, tb, [])
+
+
+def _outputs(plan: DeltaPlan, tb: np.ndarray, outs: list[Any]) -> tuple[np.ndarray, list[Any]]:
+    """Output arrays for the tiles of jobs decode cannot write itself (another dtype, a device
+    buffer): per such tile, its elements' buffer offsets (-1: outside the box) and values, 8
+    bytes of room per value; ``outs`` gets one (job, offsets, values, [(first, count)]) per job."""
+    if not len(tb):
+        return tb, outs
+    native_jobs = np.fromiter((j.native for j in plan.jobs), bool, len(plan.jobs))
+    conv = ~native_jobs[tb[:, 0]]
+    if not conv.any():
+        return tb, outs
+    esize = plan.geoms[tb[:, 0], 0]
+    word = tb[:, 3].astype(np.uint64)
+    enc, n = (word >> _WORD).astype(np.int64), (word & _MASK).astype(np.int64)
+    n = np.where(enc == fmt.ENC_RAW, tb[:, 4] // np.maximum(esize, 1), n)
+    n = np.where(conv, n, 0)
+    start = np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64)
+    off = np.full(max(int(n.sum()), 1), -1, dtype=np.int64)
+    vals = np.zeros(max(int(n.sum()), 1) * 8, dtype=np.uint8)
+    tb[conv, 5] = off.ctypes.data + start[conv] * 8
+    tb[conv, 6] = vals.ctypes.data + start[conv] * 8
+    for j in np.unique(tb[conv, 0]).tolist():
+        mine = conv & (tb[:, 0] == j)
+        outs.append((j, off, vals, list(zip(start[mine].tolist(), n[mine].tolist()))))
+    return tb, outs
+
+
+def _convert(dests: list[Entry], plan: DeltaPlan, outs: list[Any]) -> None:
+    """Write the output arrays of converted or device buffers through torch."""
+    for j, off, vals, pieces in outs:
+        job = plan.jobs[j]
+        t = dests[job.dest].tensor
+        src = plan.ranks[job.rank].shards[job.shard]
+        esize = int(plan.geoms[j, 0])
+        idx = np.concatenate([off[s : s + c] for s, c in pieces])
+        v = np.concatenate([vals[8 * s : 8 * s + esize * c] for s, c in pieces])
+        keep = idx >= 0
+        if not keep.any():
+            continue
+        values = torch.from_numpy(v).view(torch_dtype(src.dtype))[torch.from_numpy(keep)]
+        where = torch.from_numpy(idx[keep])
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.dim() else 1
+        flat = t.as_strided((span,), (1,), t.storage_offset())
+        flat.index_put_((where.to(t.device),), values.to(device=t.device, dtype=t.dtype))
