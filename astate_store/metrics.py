@@ -415,7 +415,7 @@ _COUNTER_HELP = {
     "delta_pulls": "Pulls served as deltas: only the changes since the buffers' version were read.",
     "delta_elements": "Elements delta pulls wrote into buffers.",
     "verified_tiles": "Tiles of pulled buffers checked against their publishers' digests (verify=True).",
-    "unverified_tiles": "Tiles of pulled buffers verify could not check (held in part, converted, no digest).",
+    "unverified_tiles": "Tiles verify could not check (held in part, converted, no digest).",
     "put_bytes": "Bytes this rank published with put.",
     "put_errors": "put calls that raised (a fenced session, etcd unreachable, a bad input past validation).",
     "commits": "Puts of this rank that completed (committed) their version.",
