@@ -36,7 +36,7 @@ from astate_store.catalog.deltas import Delta
 from astate_store.context import StoreContext
 from astate_store.errors import CatalogError, DeltaMismatch, TransportError, VersionNotFound
 from astate_store.get.batches import Batches, Work
-from astate_store.get.delta_plan import DeltaPlan, RankPlan, plan_delta
+from astate_store.get.delta_plan import DeltaPlan, plan_delta
 from astate_store.get.links import Links
 from astate_store.get.sources import PUBLISHERS, publisher_peer
 from astate_store.model import delta_format as fmt
@@ -200,12 +200,23 @@ class DeltaPulls:
         peers = self._peers(version)
         for r, links in chains.items():
             rp = plan.ranks[r]
-            if any(ln.delta.tiles != int(rp.first[-1]) for ln in links):
-                raise _Fallback(f"rank {r}'s change map does not list its layout's tiles")
+            for ln in links:
+                if ln.delta.tiles != int(rp.first[-1]):
+                    self._bad(
+                        version, r, ln, f"it lists {ln.delta.tiles} tiles, its layout has {int(rp.first[-1])}"
+                    )
         index_bytes = self._read_rows(plan, chains, peers)
         reads = _Reads()
         for r, links in chains.items():
-            self._changes(version, r, plan, plan.ranks[r], links, peers[r], reads)
+            bad = self._changes(plan, r, links, peers[r], reads)
+            if bad is not None:
+                # Rows that make no sense: an older slot reused since (not a bad record), or one.
+                torn, older = self._words(chains, peers)
+                if not torn:
+                    return Outcome(torn=True, sources=frozenset(chains))
+                if not older:
+                    raise _Fallback("an older version of the chain was overwritten during the read")
+                self._bad(version, r, bad[0], bad[1])
         moved = index_bytes + reads.nbytes
         if moved >= plan.whole_bytes:
             raise _Fallback(
@@ -252,16 +263,11 @@ class DeltaPulls:
         return int(ops[:, 4].sum())
 
     def _changes(
-        self,
-        version: Version,
-        r: int,
-        plan: DeltaPlan,
-        rp: RankPlan,
-        links: list[_Link],
-        peer: int,
-        reads: _Reads,
-    ) -> None:
-        """Phase 2's reads of rank ``r``: each link's encoded tiles, and the raw tiles from N."""
+        self, plan: DeltaPlan, r: int, links: list[_Link], peer: int, reads: _Reads
+    ) -> tuple[_Link, str] | None:
+        """Phase 2's reads of one rank: each link's encoded tiles, and the raw tiles from N;
+        (the link, what is wrong) when some index row makes no sense (nothing is read then)."""
+        rp = plan.ranks[r]
         elems = np.concatenate([t.tile_elements() for t in rp.tilings] or [np.zeros(0, np.int64)])
         tile_elems = elems[rp.need] if len(rp.need) else np.zeros(0, dtype=np.int64)
         raw = np.zeros(len(rp.need), dtype=bool)
@@ -274,7 +280,7 @@ class DeltaPulls:
             lo, hi = ln.delta.data_offset, ln.delta.data_offset + ln.delta.data_bytes
             bad |= coded & ((begin < lo) | (end > hi) | (end == begin) | (count == 0))
             if bad.any():
-                self._bad(version, r, ln, f"{int(bad.sum())} malformed index rows")
+                return ln, f"{int(bad.sum())} malformed index rows"
             raw |= enc == fmt.ENC_RAW
         for li, ln in enumerate(links):
             enc, count, begin, end = _fields(ln.rows)
@@ -287,8 +293,11 @@ class DeltaPulls:
             s = rp.shards[job.shard]
             at = final.base_offset + s.byte_offset
             reads.raw(j, int(rp.jt_tile[k]), peer, s.region, at, job, rp.tilings[job.shard])
+        return None
 
     def _bad(self, version: Version, r: int, ln: _Link, why: str) -> None:
+        """A change map that contradicts its layout or itself: skipped and counted like a bad
+        record, and the pull goes whole."""
         key = self.ctx.catalog.client.key(
             "versions", "%020d" % ln.step, "deltas", "%020d" % version.epoch, "%020d" % r
         )
@@ -387,6 +396,10 @@ class DeltaPulls:
         steps = [reads.tiles(plan, chains, li) for li in range(depth)] + [reads.raw_tiles(plan)]
         for tiles, _outs in steps:
             if len(tiles) and native().decode(plan.geoms, tiles, threads=threads(), check=1)[0] >= 0:
+                # read untorn (the words said so): the change map itself is wrong
+                self.ctx.catalog.versions.skips(
+                    f"change map of step {version_step(chains)}", "malformed tiles"
+                )
                 raise _Fallback("a change map's encoded tiles are malformed")
         applied = 0
         with torch.no_grad():
@@ -396,6 +409,10 @@ class DeltaPulls:
                 applied += native().decode(plan.geoms, tiles, threads=threads(), check=0)[1]
                 _convert(dests, plan, outs)
         return applied
+
+
+def version_step(chains: dict[int, list[_Link]]) -> int:
+    return max(links[-1].step for links in chains.values())
 
 
 def plan_rows(plan: DeltaPlan, chains: dict[int, list[_Link]]) -> int:
