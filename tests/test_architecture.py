@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "astate_store"
-NATIVE = {"astate_store._ucx"}  # the C extension: a module without a .py file
+NATIVE = {"astate_store._ucx", "astate_store._delta"}  # the C extensions: modules without a .py file
 
 
 def _module_name(path: Path) -> str:

@@ -19,7 +19,7 @@ import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -28,7 +28,6 @@ from astate_store.errors import LayoutError
 from astate_store.model.layout import Box, ShardRecord, contiguous_strides, itemsize, torch_dtype
 
 if TYPE_CHECKING:
-    from astate_store.put.delta import DeltaStager
     from astate_store.transport import Transport
 
 __all__ = ["SlotEntry", "SnapshotPool", "StagingCapExceeded", "ALIGN"]
@@ -44,6 +43,20 @@ _MAX_WORDS = WORDS_BYTES // 8
 # Tokens: unique per fill in this process, never 0, and from a random start so that no other
 # process's (or earlier run's) memory holds them by chance; below 2^53 (exact in any JSON reader).
 _tokens = iter(range(random.randrange(1 << 40, 1 << 51), 1 << 53))
+
+
+class ChangeMaps(Protocol):
+    """What a pool with delta versions asks of its change maps (``put/delta.py``'s ``DeltaStager``)."""
+
+    def area_bytes(self, entries: Sequence[SlotEntry]) -> int:
+        """Bytes a slot needs after its snapshot (index rows and room for changes)."""
+        ...
+
+    def stage(
+        self, pool: SnapshotPool, k: int, tensors: Sequence[torch.Tensor], step: int, key: object = None
+    ) -> None:
+        """Copy the shards into slot k, recording their changes since the previous fill."""
+        ...
 
 
 class StagingCapExceeded(LayoutError):
@@ -97,7 +110,7 @@ class SnapshotPool:
         cap_bytes: int | None,
         alloc: Callable[[int], torch.Tensor],
         transport: Transport,
-        delta: DeltaStager | None = None,
+        delta: ChangeMaps | None = None,
     ):
         if depth < 1:
             raise ValueError(f"staging depth must be >= 1, got {depth}")
