@@ -10,8 +10,12 @@
  *   decode(geoms, tiles, threads, check)      the pull's side: validate (check=1) or apply
  *       (check=0) encoded and raw tiles into destination memory, or into output arrays.
  *   digest(geoms, tiles, out, threads)         XXH3-64 of whole tiles of destination memory.
- *   load_xxh3(path)                            the XXH3 functions, from the xxhash package's
- *       extension (a declared dependency: called through its exported C API, not copied).
+ *   load_xxh3(path)                            XXH3_64bits, from the xxhash package's extension
+ *       (a declared dependency: called through its exported C API, not copied).
+ *
+ * A tile's digest is XXH3-64 of its bytes when its rows are one run of memory (one column block,
+ * or one row); else of its rows' XXH3-64s (8 bytes each, little-endian), each taken while the
+ * compare-and-copy has the row in cache.
  *
  * The tile geometry and the row format are defined in astate_store/model/delta_format.py; the
  * Python layer computes and checks every address it passes here (the publisher its own
@@ -47,19 +51,9 @@
 /* ---------------------------------------------------------------- XXH3 through the xxhash package */
 
 typedef uint64_t (*xxh3_fn)(const void *, size_t);
-typedef void *(*xxh3_create_fn)(void);
-typedef int (*xxh3_free_fn)(void *);
-typedef int (*xxh3_reset_fn)(void *);
-typedef int (*xxh3_update_fn)(void *, const void *, size_t);
-typedef uint64_t (*xxh3_digest_fn)(const void *);
 
 static struct {
-    xxh3_fn oneshot;
-    xxh3_create_fn create;
-    xxh3_free_fn release;
-    xxh3_reset_fn reset;
-    xxh3_update_fn update;
-    xxh3_digest_fn digest;
+    xxh3_fn oneshot; /* XXH3_64bits */
 } H;
 
 static PyObject *mod_load_xxh3(PyObject *m, PyObject *arg)
@@ -69,15 +63,7 @@ static PyObject *mod_load_xxh3(PyObject *m, PyObject *arg)
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (h == NULL) Py_RETURN_FALSE;
     H.oneshot = (xxh3_fn)dlsym(h, "XXH3_64bits");
-    H.create = (xxh3_create_fn)dlsym(h, "XXH3_createState");
-    H.release = (xxh3_free_fn)dlsym(h, "XXH3_freeState");
-    H.reset = (xxh3_reset_fn)dlsym(h, "XXH3_64bits_reset");
-    H.update = (xxh3_update_fn)dlsym(h, "XXH3_64bits_update");
-    H.digest = (xxh3_digest_fn)dlsym(h, "XXH3_64bits_digest");
-    if (!H.oneshot || !H.create || !H.release || !H.reset || !H.update || !H.digest) {
-        memset(&H, 0, sizeof(H));
-        Py_RETURN_FALSE;
-    }
+    if (!H.oneshot) Py_RETURN_FALSE;
     Py_RETURN_TRUE;
 }
 
@@ -154,18 +140,24 @@ typedef struct {
     size_t next; /* next unit (atomic) */
 } stage_t;
 
+#define MAX_TILE_ROWS (TILE_BYTES / 64) /* a tile split in column blocks has rows of >= 64 bytes */
+
 typedef struct {
     uint32_t *idx;       /* UNIT_BLOCKS tiles x TILE_BYTES indices */
     unsigned char *vals; /* UNIT_BLOCKS tiles x TILE_BYTES value bytes */
+    uint64_t *rowh;      /* UNIT_BLOCKS tiles x MAX_TILE_ROWS row hashes */
     size_t n[UNIT_BLOCKS];
-    void *state[UNIT_BLOCKS];
 } tilebuf_t;
+
+typedef struct {
+    arena_t arena;
+    tilebuf_t tb;
+} stage_room_t; /* one thread's buffers, kept from put to put (no page faults in steady state) */
 
 typedef struct {
     stage_t *S;
     int tid;
-    arena_t arena;
-    tilebuf_t tb;
+    stage_room_t *room;
     int nomem;
 } stage_job_t;
 
@@ -289,11 +281,11 @@ static void finish_tile(stage_job_t *J, uint64_t *row, const uint32_t *idx, cons
         const int bitmap = blen < vlen;
         const size_t ilen = bitmap ? blen : vlen;
         const size_t total = ilen + n * esize;
-        if (total >= elems * esize || arena_reserve(&J->arena, total) != 0) {
+        if (total >= elems * esize || arena_reserve(&J->room->arena, total) != 0) {
             if (total < elems * esize) J->nomem = 1; /* an arena that cannot grow: the tile goes raw */
             enc = ENC_RAW;
         } else {
-            unsigned char *o = J->arena.buf + J->arena.len;
+            unsigned char *o = J->room->arena.buf + J->room->arena.len;
             if (bitmap) {
                 memset(o, 0, blen);
                 for (size_t k = 0; k < n; k++) o[idx[k] >> 3] |= (unsigned char)(1u << (idx[k] & 7));
@@ -310,8 +302,8 @@ static void finish_tile(stage_job_t *J, uint64_t *row, const uint32_t *idx, cons
             memcpy(o + ilen, vals, n * esize);
             enc = bitmap ? ENC_BITMAP : ENC_VARINT;
             len = total;
-            loc = ((uint64_t)J->tid << 48) | (uint64_t)J->arena.len;
-            J->arena.len += total;
+            loc = ((uint64_t)J->tid << 48) | (uint64_t)J->room->arena.len;
+            J->room->arena.len += total;
         }
     }
     row[0] = count | (enc << ENC_SHIFT);
@@ -342,19 +334,17 @@ static void stage_unit(stage_job_t *J, size_t u)
     const size_t row0 = lead * P + blk * TB;
     const size_t nrows = TB < P - blk * TB ? TB : P - blk * TB;
     const int contiguous = gc == 1 || nrows == 1; /* each tile one run of memory */
-    tilebuf_t *tb = &J->tb;
+    tilebuf_t *tb = &J->room->tb;
     const int hashing = H.oneshot != NULL;
-    for (size_t cb = cb0; cb < cb1; cb++) {
-        tb->n[cb - cb0] = 0;
-        if (hashing && !contiguous) H.reset(tb->state[cb - cb0]);
-    }
+    for (size_t cb = cb0; cb < cb1; cb++) tb->n[cb - cb0] = 0;
     for (size_t r = row0; r < row0 + nrows; r++) {
         for (size_t cb = cb0; cb < cb1; cb++) {
             const size_t c0 = cb * TC, w = TC < C - c0 ? TC : C - c0, i = cb - cb0;
             const size_t off = (r * C + c0) * esize;
             stage_segment(src + off, prev ? prev + off : NULL, dst + off, w, esize, (uint32_t)((r - row0) * w),
                           tb->idx + i * TILE_BYTES, tb->vals + i * TILE_BYTES, &tb->n[i], S->streaming);
-            if (hashing && !contiguous) H.update(tb->state[i], src + off, w * esize);
+            if (hashing && !contiguous) /* row by row, while the row is in cache */
+                tb->rowh[i * MAX_TILE_ROWS + (r - row0)] = H.oneshot(src + off, w * esize);
         }
     }
     for (size_t cb = cb0; cb < cb1; cb++) {
@@ -362,7 +352,8 @@ static void stage_unit(stage_job_t *J, size_t u)
         uint64_t *row = S->tiles + TL_COLS * (tile_base + cb * nbands + j);
         uint64_t dg = 0;
         if (hashing)
-            dg = contiguous ? H.oneshot(src + (row0 * C + c0) * esize, nrows * w * esize) : H.digest(tb->state[i]);
+            dg = contiguous ? H.oneshot(src + (row0 * C + c0) * esize, nrows * w * esize)
+                            : H.oneshot(tb->rowh + i * MAX_TILE_ROWS, nrows * sizeof(uint64_t));
         row[2] = dg;
         finish_tile(J, row, tb->idx + i * TILE_BYTES, tb->vals + i * TILE_BYTES, tb->n[i], nrows * w, esize,
                     prev != NULL);
@@ -381,100 +372,105 @@ static void *stage_worker(void *arg)
     return NULL;
 }
 
-/* the arenas of one stage() call, until place() copied them out */
+/* every thread's buffers: the arenas of the last stage() call (until place() copied them out)
+ * and the tile buffers, reused by the next stage() given them */
 typedef struct {
     int n;
-    arena_t a[MAX_JOBS];
+    stage_room_t t[MAX_JOBS];
 } arenas_t;
 
 static void arenas_free(PyObject *cap)
 {
     arenas_t *A = PyCapsule_GetPointer(cap, "astate_delta.arenas");
     if (A == NULL) return;
-    for (int t = 0; t < A->n; t++) free(A->a[t].buf);
+    for (int t = 0; t < MAX_JOBS; t++) {
+        free(A->t[t].arena.buf);
+        free(A->t[t].tb.idx);
+        free(A->t[t].tb.vals);
+        free(A->t[t].tb.rowh);
+    }
     free(A);
+}
+
+static int room_ready(stage_room_t *r)
+{
+    r->arena.len = 0;
+    if (r->tb.idx == NULL) r->tb.idx = malloc((size_t)UNIT_BLOCKS * TILE_BYTES * sizeof(uint32_t));
+    if (r->tb.vals == NULL) r->tb.vals = malloc((size_t)UNIT_BLOCKS * TILE_BYTES);
+    if (r->tb.rowh == NULL) r->tb.rowh = malloc((size_t)UNIT_BLOCKS * MAX_TILE_ROWS * sizeof(uint64_t));
+    return r->tb.idx && r->tb.vals && r->tb.rowh ? 0 : -1;
+}
+
+/* the units (shard, band, group of column blocks) of every shard: unit_start[s] is shard s's
+ * first; 0 when every row names tiles inside the table, -1 otherwise */
+static int count_units(const uint64_t *shards, size_t ns, uint64_t ntiles, uint64_t *unit_start)
+{
+    uint64_t acc = 0;
+    for (size_t s = 0; s < ns; s++) {
+        const uint64_t *r = shards + SH_COLS * s;
+        unit_start[s] = acc;
+        acc += r[10] * ((r[6] + UNIT_BLOCKS - 1) / UNIT_BLOCKS);
+        if (r[3] == 0 || r[3] > 8 || r[11] + r[10] * r[6] > ntiles) return -1;
+    }
+    unit_start[ns] = acc;
+    return 0;
 }
 
 static PyObject *mod_stage(PyObject *m, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"shards", "tiles", "threads", "streaming", NULL};
-    PyObject *sh_obj, *tl_obj;
+    static char *kwlist[] = {"shards", "tiles", "threads", "streaming", "arenas", NULL};
+    PyObject *sh_obj, *tl_obj, *cap = Py_None;
     int threads = 1, streaming = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|ii", kwlist, &sh_obj, &tl_obj, &threads, &streaming))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iiO", kwlist, &sh_obj, &tl_obj, &threads, &streaming, &cap))
         return NULL;
+    arenas_t *A = NULL;
+    if (cap != Py_None && (A = PyCapsule_GetPointer(cap, "astate_delta.arenas")) == NULL) return NULL;
     Py_buffer sb, tb;
     if (get_table(sh_obj, &sb, SH_COLS, "shards", 0) != 0) return NULL;
     if (get_table(tl_obj, &tb, TL_COLS, "tiles", 1) != 0) {
         PyBuffer_Release(&sb);
         return NULL;
     }
-    if (threads < 1) threads = 1;
-    if (threads > MAX_JOBS) threads = MAX_JOBS;
+    threads = threads < 1 ? 1 : threads > MAX_JOBS ? MAX_JOBS : threads;
     const size_t ns = (size_t)sb.shape[0];
-    const uint64_t *shards = sb.buf;
     uint64_t *unit_start = PyMem_RawMalloc((ns + 1) * sizeof(uint64_t));
-    arenas_t *A = calloc(1, sizeof(arenas_t));
-    stage_job_t *jobs = calloc(MAX_JOBS, sizeof(stage_job_t));
-    int nomem = unit_start == NULL || A == NULL || jobs == NULL, bad = 0;
-    if (!nomem) {
-        uint64_t acc = 0;
-        for (size_t s = 0; s < ns; s++) {
-            const uint64_t *r = shards + SH_COLS * s;
-            unit_start[s] = acc;
-            acc += r[10] * ((r[6] + UNIT_BLOCKS - 1) / UNIT_BLOCKS);
-            /* every tile row inside the table, every element size one the tiles hold */
-            if (r[3] == 0 || r[3] > 8 || r[11] + r[10] * r[6] > (uint64_t)tb.shape[0]) bad = 1;
-        }
-        unit_start[ns] = acc;
-    }
-    if (bad) {
-        PyMem_RawFree(unit_start);
-        free(A);
-        free(jobs);
-        PyBuffer_Release(&sb);
-        PyBuffer_Release(&tb);
+    PyObject *out = NULL;
+    if (unit_start == NULL) {
+        PyErr_NoMemory();
+    } else if (count_units(sb.buf, ns, (uint64_t)tb.shape[0], unit_start) != 0) {
         PyErr_SetString(PyExc_ValueError, "stage: a shard row names tiles outside the table or a bad element size");
-        return NULL;
+    } else if (A == NULL && (A = calloc(1, sizeof(arenas_t))) == NULL) {
+        PyErr_NoMemory();
+    } else {
+        out = cap != Py_None ? (Py_INCREF(cap), cap) : PyCapsule_New(A, "astate_delta.arenas", arenas_free);
+        if (out == NULL) free(A);
     }
-    stage_t S = {shards, ns, unit_start, tb.buf, streaming && HAVE_STREAM, 0};
-    int nj = 0;
-    if (!nomem) {
-        nj = ns && unit_start[ns] > 1 ? threads : 1;
-        if ((uint64_t)nj > unit_start[ns] && unit_start[ns] > 0) nj = (int)unit_start[ns];
-        for (int t = 0; t < nj && !nomem; t++) {
-            jobs[t].S = &S, jobs[t].tid = t;
-            jobs[t].tb.idx = malloc((size_t)UNIT_BLOCKS * TILE_BYTES * sizeof(uint32_t));
-            jobs[t].tb.vals = malloc((size_t)UNIT_BLOCKS * TILE_BYTES);
-            if (!jobs[t].tb.idx || !jobs[t].tb.vals) nomem = 1;
-            for (int k = 0; k < UNIT_BLOCKS && !nomem && H.create; k++)
-                if ((jobs[t].tb.state[k] = H.create()) == NULL) nomem = 1;
+    if (out != NULL) {
+        stage_t S = {sb.buf, ns, unit_start, tb.buf, streaming && HAVE_STREAM, 0};
+        const uint64_t units = unit_start[ns];
+        const int nj = units <= 1 ? 1 : (uint64_t)threads > units ? (int)units : threads;
+        stage_job_t jobs[MAX_JOBS];
+        int nomem = 0;
+        for (int t = 0; t < nj; t++) {
+            jobs[t] = (stage_job_t){&S, t, &A->t[t], 0};
+            nomem |= room_ready(&A->t[t]);
+        }
+        for (int t = nj; t < MAX_JOBS; t++) A->t[t].arena.len = 0;
+        A->n = nj;
+        if (!nomem) {
+            Py_BEGIN_ALLOW_THREADS
+            run_jobs(stage_worker, jobs, sizeof(stage_job_t), nj);
+            Py_END_ALLOW_THREADS
+        }
+        if (nomem) {
+            Py_DECREF(out);
+            out = PyErr_NoMemory();
         }
     }
-    if (!nomem) {
-        Py_BEGIN_ALLOW_THREADS
-        run_jobs(stage_worker, jobs, sizeof(stage_job_t), nj);
-        Py_END_ALLOW_THREADS
-    }
-    for (int t = 0; t < nj; t++) {
-        free(jobs[t].tb.idx);
-        free(jobs[t].tb.vals);
-        for (int k = 0; k < UNIT_BLOCKS; k++)
-            if (jobs[t].tb.state[k]) H.release(jobs[t].tb.state[k]);
-        if (A) A->a[t] = jobs[t].arena;
-    }
-    if (A) A->n = nj;
-    free(jobs);
     PyMem_RawFree(unit_start);
     PyBuffer_Release(&sb);
     PyBuffer_Release(&tb);
-    if (nomem) {
-        if (A) {
-            for (int t = 0; t < A->n; t++) free(A->a[t].buf);
-            free(A);
-        }
-        return PyErr_NoMemory();
-    }
-    return PyCapsule_New(A, "astate_delta.arenas", arenas_free);
+    return out;
 }
 
 /* place(arenas, rows): rows (loc, len, dst_addr) copy encoded tiles out of the arenas */
@@ -490,7 +486,7 @@ static PyObject *mod_place(PyObject *m, PyObject *args)
     const size_t n = (size_t)rb.shape[0];
     for (size_t i = 0; i < n; i++) { /* every row inside its arena: checked before any copy */
         const uint64_t t = rows[3 * i] >> 48, off = rows[3 * i] & ((1ull << 48) - 1);
-        if ((int)t >= A->n || off + rows[3 * i + 1] > A->a[t].len) {
+        if ((int)t >= A->n || off + rows[3 * i + 1] > A->t[t].arena.len) {
             PyBuffer_Release(&rb);
             PyErr_Format(PyExc_ValueError, "place: row %zu is outside the arenas", i);
             return NULL;
@@ -499,7 +495,7 @@ static PyObject *mod_place(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     for (size_t i = 0; i < n; i++) {
         const uint64_t t = rows[3 * i] >> 48, off = rows[3 * i] & ((1ull << 48) - 1);
-        memcpy((void *)(uintptr_t)rows[3 * i + 2], A->a[t].buf + off, rows[3 * i + 1]);
+        memcpy((void *)(uintptr_t)rows[3 * i + 2], A->t[t].arena.buf + off, rows[3 * i + 1]);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&rb);
@@ -702,9 +698,21 @@ typedef struct {
 
 typedef struct {
     digest_t *D;
-    void *state;
-    unsigned char *tmp;
+    uint64_t *rowh; /* MAX_TILE_ROWS row hashes */
+    unsigned char *tmp; /* TILE_BYTES */
 } digest_job_t;
+
+/* tile (r, c) geometry -> its bytes in the destination, gathered into tmp: the tile's rows in
+ * order, as the publisher hashed them (delta_format.py: one run of memory, or row by row) */
+static const unsigned char *dest_row(const int64_t *g, const int64_t *row_map, size_t r, size_t c0, size_t w,
+                                     unsigned char *tmp)
+{
+    const size_t esize = (size_t)g[0];
+    const unsigned char *p = (const unsigned char *)(uintptr_t)g[11] + (row_map[r] + ((int64_t)c0 - g[8]) * g[10]) * (int64_t)esize;
+    if (g[10] == 1) return p;
+    for (size_t c = 0; c < w; c++) memcpy(tmp + c * esize, p + (int64_t)c * g[10] * (int64_t)esize, esize);
+    return tmp;
+}
 
 static void *digest_worker(void *arg)
 {
@@ -716,21 +724,20 @@ static void *digest_worker(void *arg)
         tile_geo_t t;
         if (T[0] < 0 || (size_t)T[0] >= D->ngeoms) { D->bad = 1; continue; }
         const int64_t *g = D->geoms + GE_COLS * T[0];
-        if (tile_geo(g, T[1], &t) != 0 || (size_t)g[0] * t.w > TILE_BYTES) { D->bad = 1; continue; }
         const size_t esize = (size_t)g[0];
+        if (tile_geo(g, T[1], &t) != 0 || esize * t.w * t.nrows > TILE_BYTES) { D->bad = 1; continue; }
         const int64_t *row_map = (const int64_t *)(uintptr_t)g[7];
-        const unsigned char *base = (const unsigned char *)(uintptr_t)g[11];
-        H.reset(J->state);
-        for (size_t r = t.row0; r < t.row0 + t.nrows; r++) {
-            const unsigned char *p = base + (row_map[r] + ((int64_t)t.c0 - g[8]) * g[10]) * (int64_t)esize;
-            if (g[10] == 1) {
-                H.update(J->state, p, t.w * esize);
-            } else { /* a strided last dim: gathered first */
-                for (size_t c = 0; c < t.w; c++) memcpy(J->tmp + c * esize, p + (int64_t)c * g[10] * (int64_t)esize, esize);
-                H.update(J->state, J->tmp, t.w * esize);
+        const int whole_rows = g[2] >= g[1] || t.nrows == 1; /* one column block, or one row */
+        const size_t seg = t.w * esize;
+        for (size_t r = 0; r < t.nrows; r++) {
+            const unsigned char *p = dest_row(g, row_map, t.row0 + r, t.c0, t.w, J->tmp + (whole_rows ? r * seg : 0));
+            if (whole_rows) {
+                if (p != J->tmp + r * seg) memcpy(J->tmp + r * seg, p, seg);
+            } else {
+                J->rowh[r] = H.oneshot(p, seg);
             }
         }
-        D->out[i] = H.digest(J->state);
+        D->out[i] = whole_rows ? H.oneshot(J->tmp, t.nrows * seg) : H.oneshot(J->rowh, t.nrows * sizeof(uint64_t));
     }
     return NULL;
 }
@@ -768,9 +775,9 @@ static PyObject *mod_digest(PyObject *m, PyObject *args, PyObject *kwds)
     int nj = D.ntiles > 16 ? threads : 1, nomem = 0;
     for (int t = 0; t < nj; t++) {
         jobs[t].D = &D;
-        jobs[t].state = H.create();
+        jobs[t].rowh = malloc(MAX_TILE_ROWS * sizeof(uint64_t));
         jobs[t].tmp = malloc(TILE_BYTES);
-        if (!jobs[t].state || !jobs[t].tmp) nomem = 1;
+        if (!jobs[t].rowh || !jobs[t].tmp) nomem = 1;
     }
     if (!nomem) {
         Py_BEGIN_ALLOW_THREADS
@@ -778,7 +785,7 @@ static PyObject *mod_digest(PyObject *m, PyObject *args, PyObject *kwds)
         Py_END_ALLOW_THREADS
     }
     for (int t = 0; t < nj; t++) {
-        if (jobs[t].state) H.release(jobs[t].state);
+        free(jobs[t].rowh);
         free(jobs[t].tmp);
     }
     PyBuffer_Release(&gb);
@@ -808,7 +815,7 @@ static PyObject *mod_hash(PyObject *m, PyObject *arg)
 static PyMethodDef methods[] = {
     {"load_xxh3", mod_load_xxh3, METH_O, "load_xxh3(path) -> bool: take XXH3 from the xxhash extension at path"},
     {"stage", (PyCFunction)(void (*)(void))mod_stage, METH_VARARGS | METH_KEYWORDS,
-     "stage(shards, tiles, threads=1, streaming=0) -> arenas: compare-and-copy into staging"},
+     "stage(shards, tiles, threads=1, streaming=0, arenas=None) -> arenas: compare-and-copy into staging"},
     {"place", mod_place, METH_VARARGS, "place(arenas, rows): copy encoded tiles (loc, len, dst) out of the arenas"},
     {"decode", (PyCFunction)(void (*)(void))mod_decode, METH_VARARGS | METH_KEYWORDS,
      "decode(geoms, tiles, threads=1, check=1) -> (first bad tile or -1, elements written in their boxes)"},

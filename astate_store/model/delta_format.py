@@ -27,7 +27,9 @@ tied weight's aliases share their shard's tiles):
 
 ``begin``/``end``: the tile's encoded bytes in the publisher's region (absolute offsets; empty
 for ``ENC_NONE`` and ``ENC_RAW``); ``count``: elements changed since the base version;
-``digest``: XXH3-64 of the tile's bytes at this version, its rows in order (0: unknown).
+``digest``: XXH3-64 of the tile at this version (0: unknown): of its bytes, rows in order, when
+they are one run of the shard's memory (one column block, or one row); else of its rows' XXH3-64s
+(8 little-endian bytes each), which the compare-and-copy takes while each row is in cache.
 Encodings (the bytes of a tile: an index part, then ``count`` values of ``esize`` bytes each,
 the new values in index order):
 

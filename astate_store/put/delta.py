@@ -87,6 +87,7 @@ class DeltaStager:
         self._geo: tuple[object, _Geometry] | None = None  # (pool signature, geometry)
         self._eligible: tuple[object, np.ndarray, list[int]] | None = None  # (key, native shard idx, others)
         self._prev: tuple[int, int, object] | None = None  # (slot, step, pool signature) of the last fill
+        self._arenas: object = None  # the native pass's per-thread buffers, kept from put to put
         self.last: Delta | None = None  # what the last stage() recorded
 
     # ---- layout ----------------------------------------------------------------------------
@@ -159,7 +160,8 @@ class DeltaStager:
         nbytes = sum(int(tensors[i].nbytes) for i in nat.tolist())
         streaming = int(nbytes >= _STREAM_MIN and (base is None or base[0] != k))
         with torch.no_grad():
-            arenas = native().stage(rows, tiles, threads=threads(), streaming=streaming)
+            arenas = native().stage(rows, tiles, threads=threads(), streaming=streaming, arenas=self._arenas)
+            self._arenas = arenas
             if rest:
                 self._copy_rest(pool, k, geo, tensors, rest, tiles)
         self._finish(pool, k, geo, tiles, arenas, base)

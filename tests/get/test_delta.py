@@ -334,3 +334,35 @@ def test_verify_catches_a_buffer_changed_behind_the_stores_back(world: Any) -> N
 
 
 __all__ = ["whole"]
+
+
+def test_the_figures_bytes_metrics_and_inspect(store_factory: Any) -> None:
+    """One publisher in this process, one 1-D tensor: a delta pull reads exactly its index rows
+    and the encoded changes; the counters reach /metrics; ``astate inspect`` shows each version's
+    changed fraction."""
+    from prometheus_client import generate_latest
+
+    from astate_store import metrics
+    from astate_store.cli import views
+
+    pub = store_factory(delta=True)
+    cons = store_factory(delta=True, prepack=False)
+    w = torch.arange(100_000, dtype=torch.float32)
+    buf = {"w": torch.zeros(100_000)}
+    pub.put(1, {"w": w})
+    cons.get_into(buf, step=1, timeout=30)
+    w[::1000] += 1  # 100 elements
+    pub.put(2, {"w": w})
+    assert cons.get_into(buf, step=2, timeout=30) == 2 and torch.equal(buf["w"], w)
+    d = pub.catalog.versions.read_version(2).pieces[0].delta
+    assert d is not None and d.base == 1 and d.changed == 100 and d.elements == 100_000
+    st = cons.stats
+    assert st.last_pull is not None and st.last_pull.bytes == d.tiles * 32 + d.data_bytes
+    assert st.delta_pulls == 1 and st.delta_elements == 100
+    text = generate_latest(metrics.REGISTRY).decode()
+    labels = f'namespace="{cons.namespace}",rank="0"'
+    assert f"astate_delta_pulls_total{{{labels}}} 1.0" in text
+    assert f"astate_delta_elements_total{{{labels}}} 100.0" in text
+    changes = {c["step"]: c for c in views.inspect(cons.catalog)["changes"]}
+    assert changes[1]["fraction"] is None  # the first put: no base
+    assert changes[2]["bases"] == [1] and changes[2]["fraction"] == pytest.approx(100 / 100_000)
