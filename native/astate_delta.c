@@ -7,8 +7,10 @@
  *       encodes each tile's changes into per-thread arenas and hashes each tile (XXH3-64).
  *       Returns an Arena; tiles[] says, per tile, what was found and where its bytes are.
  *   place(arena, rows)                         copy encoded tiles from the arena to the slot.
- *   decode(geoms, tiles, threads, check)      the pull's side: validate (check=1) or apply
- *       (check=0) encoded and raw tiles into destination memory, or into output arrays.
+ *   decode(geoms, tiles, threads, check)      the pull's side, in two passes so that nothing is
+ *       written before every tile was checked: pass A (check=1) checks every tile and finds each
+ *       element's buffer offset (into the out_off arrays; values too where output arrays stand for
+ *       the buffer); pass B (check=0) writes host buffers from them, prefetching ahead.
  *   digest(geoms, tiles, out, threads)         XXH3-64 of whole tiles of destination memory.
  *   load_xxh3(path)                            XXH3_64bits, from the xxhash package's extension
  *       (a declared dependency: called through its exported C API, not copied).
@@ -115,6 +117,17 @@ static inline int elem_differs(const unsigned char *a, const unsigned char *b, s
     case 4: { uint32_t x, y; memcpy(&x, a, 4); memcpy(&y, b, 4); return x != y; }
     case 8: { uint64_t x, y; memcpy(&x, a, 8); memcpy(&y, b, 8); return x != y; }
     default: return memcmp(a, b, esize) != 0;
+    }
+}
+
+/* esize bytes (1, 2, 4 or 8: every dtype moved) as one load and store */
+static inline void elem_copy(unsigned char *d, const unsigned char *s, size_t esize)
+{
+    switch (esize) {
+    case 1: *d = *s; break;
+    case 2: memcpy(d, s, 2); break;
+    case 4: memcpy(d, s, 4); break;
+    default: memcpy(d, s, 8); break;
     }
 }
 
@@ -234,7 +247,7 @@ static void stage_segment(const unsigned char *s, const unsigned char *p, unsign
             const unsigned e = (unsigned)__builtin_ctzll(m);
             m &= m - 1;
             idx[n] = first + e;
-            memcpy(vals + n * esize, s + i + (size_t)e * esize, esize);
+            elem_copy(vals + n * esize, s + i + (size_t)e * esize, esize);
             n++;
         }
     }
@@ -543,27 +556,158 @@ static int tile_geo(const int64_t *g, int64_t k, tile_geo_t *t)
     return 0;
 }
 
-/* one element of a tile: write it where the box holds it (or report it to the output arrays) */
-static inline void put_elem(const int64_t *g, const tile_geo_t *t, size_t i, const unsigned char *val, int64_t *out_off,
-                            unsigned char *out_val, size_t *k, size_t *in)
+/* Where a tile's elements go: element (r, c) of the shard (2-D view) lands at buffer element
+ * row_map[r] + (c - c0) * col_stride when the buffer's box holds it (row_map[r] >= 0, c0 <= c < c1).
+ * The cursor walks a tile's elements in increasing tile-local order without a division each. */
+typedef struct {
+    const int64_t *row_map;
+    int64_t c0, c1, col_stride;
+    unsigned char *dest; /* NULL: output arrays */
+    size_t esize;
+    size_t r, c;         /* current element: shard row, shard column */
+    size_t w, tc0;       /* the tile's columns */
+    int64_t m;           /* row_map[r] */
+    size_t k, in;        /* elements reported, and written inside the box */
+    int64_t *out_off;
+    unsigned char *out_val;
+} cursor_t;
+
+static void cursor_init(cursor_t *q, const int64_t *g, const tile_geo_t *t, int64_t *out_off, unsigned char *out_val)
+{
+    q->row_map = (const int64_t *)(uintptr_t)g[7];
+    q->c0 = g[8], q->c1 = g[9], q->col_stride = g[10];
+    q->dest = (unsigned char *)(uintptr_t)g[11];
+    q->esize = (size_t)g[0];
+    q->r = t->row0, q->c = t->c0, q->w = t->w, q->tc0 = t->c0;
+    q->m = q->row_map[q->r];
+    q->k = q->in = 0;
+    q->out_off = out_off, q->out_val = out_val;
+}
+
+/* move forward by `step` tile-local elements */
+static inline void cursor_skip(cursor_t *q, size_t step)
+{
+    size_t c = q->c - q->tc0 + step;
+    if (c >= q->w) {
+        const size_t rows = c / q->w;
+        q->r += rows;
+        c -= rows * q->w;
+        q->m = q->row_map[q->r];
+    }
+    q->c = q->tc0 + c;
+}
+
+/* the buffer element of the current element, or -1 outside the box */
+static inline int64_t cursor_at(const cursor_t *q)
+{
+    const int inside = q->m >= 0 && (int64_t)q->c >= q->c0 && (int64_t)q->c < q->c1;
+    return inside ? q->m + ((int64_t)q->c - q->c0) * q->col_stride : -1;
+}
+
+/* a raw tile: the box's part of it, row by row, as read into data; pass A checks its length
+ * (and reports its elements to output arrays), pass B writes it into host memory */
+static int decode_raw(const int64_t *g, const tile_geo_t *t, const unsigned char *data, size_t len, int pass,
+                      cursor_t *q)
 {
     const size_t esize = (size_t)g[0];
     const int64_t *row_map = (const int64_t *)(uintptr_t)g[7];
-    const size_t r = t->row0 + i / t->w, c = t->c0 + i % t->w;
-    const int64_t m = row_map[r];
-    const int inside = m >= 0 && (int64_t)c >= g[8] && (int64_t)c < g[9];
-    const int64_t at = inside ? m + ((int64_t)c - g[8]) * g[10] : -1;
-    *in += inside;
-    if (g[11] != 0) {
-        if (inside) memcpy((unsigned char *)(uintptr_t)g[11] + at * (int64_t)esize, val, esize);
-    } else {
-        out_off[*k] = at;
-        memcpy(out_val + *k * esize, val, esize);
+    const size_t lo = (size_t)(g[8] > (int64_t)t->c0 ? g[8] : (int64_t)t->c0);
+    const size_t hi = (size_t)(g[9] < (int64_t)(t->c0 + t->w) ? g[9] : (int64_t)(t->c0 + t->w));
+    const size_t wi = hi > lo ? hi - lo : 0;
+    size_t rows_in = 0;
+    for (size_t r = t->row0; r < t->row0 + t->nrows; r++) rows_in += row_map[r] >= 0;
+    if (len != rows_in * wi * esize) return -1;
+    if (pass == 0) q->in += rows_in * wi;
+    if ((pass == 0) != (q->dest == NULL) || !wi) return 0; /* output arrays in pass A, memory in B */
+    const unsigned char *v = data;
+    for (size_t r = t->row0; r < t->row0 + t->nrows; r++) {
+        if (row_map[r] < 0) continue;
+        q->r = r, q->m = row_map[r];
+        if (q->dest != NULL && q->col_stride == 1) { /* one run per row */
+            memcpy(q->dest + (q->m + ((int64_t)lo - q->c0)) * (int64_t)esize, v, wi * esize);
+            v += wi * esize;
+            continue;
+        }
+        for (size_t c = lo; c < hi; c++, v += esize) {
+            q->c = c;
+            if (q->dest != NULL) {
+                elem_copy(q->dest + cursor_at(q) * (int64_t)esize, v, esize);
+            } else {
+                q->out_off[q->k] = cursor_at(q);
+                elem_copy(q->out_val + q->k * esize, v, esize);
+                q->k++;
+            }
+        }
     }
-    (*k)++;
+    return 0;
 }
 
-/* 0 when tile ti is well-formed (and applied unless checking); -1 otherwise */
+/* pass A of an encoded tile: every index checked, each element's buffer offset (-1: outside the
+ * box) reported to out_off, and its value to out_val for output arrays */
+static inline int report(cursor_t *q, size_t n, const unsigned char *vals)
+{
+    const int64_t at = cursor_at(q);
+    q->out_off[n] = at;
+    q->in += at >= 0;
+    if (q->dest == NULL) elem_copy(q->out_val + n * q->esize, vals + n * q->esize, q->esize);
+    return 0;
+}
+
+static int check_coded(const tile_geo_t *t, uint64_t enc, size_t count, const unsigned char *data, size_t ilen,
+                       const unsigned char *vals, cursor_t *q)
+{
+    const size_t elems = t->nrows * t->w;
+    size_t n = 0;
+    int64_t last = -1;
+    if (enc == ENC_VARINT) {
+        size_t p = 0;
+        while (n < count) {
+            uint64_t gap = 0;
+            int shift = 0;
+            for (;;) {
+                if (p >= ilen || shift > 56) return -1;
+                const unsigned char b = data[p++];
+                gap |= (uint64_t)(b & 0x7f) << shift;
+                shift += 7;
+                if (!(b & 0x80)) break;
+            }
+            if (gap >= elems || last + 1 + (int64_t)gap >= (int64_t)elems) return -1;
+            cursor_skip(q, (size_t)(last < 0 ? gap : gap + 1));
+            report(q, n++, vals);
+            last += 1 + (int64_t)gap;
+        }
+        return p == ilen ? 0 : -1;
+    }
+    if (enc != ENC_BITMAP || ilen != (elems + 7) / 8) return -1;
+    for (size_t byte = 0; byte < ilen; byte++) {
+        unsigned b = data[byte];
+        while (b) {
+            const size_t i = byte * 8 + (size_t)__builtin_ctz(b);
+            b &= b - 1;
+            if (i >= elems || n >= count) return -1;
+            cursor_skip(q, (size_t)((int64_t)i - (last < 0 ? 0 : last)));
+            report(q, n++, vals);
+            last = (int64_t)i;
+        }
+    }
+    return n == count ? 0 : -1;
+}
+
+/* pass B of an encoded tile into host memory: the offsets pass A found, prefetched ahead */
+#define PREFETCH_AHEAD 16
+static void write_coded(const int64_t *ats, size_t count, const unsigned char *vals, unsigned char *dest, size_t esize)
+{
+    for (size_t n = 0; n < count && n < PREFETCH_AHEAD; n++)
+        if (ats[n] >= 0) __builtin_prefetch(dest + ats[n] * (int64_t)esize, 1);
+    for (size_t n = 0; n < count; n++) {
+        if (n + PREFETCH_AHEAD < count && ats[n + PREFETCH_AHEAD] >= 0)
+            __builtin_prefetch(dest + ats[n + PREFETCH_AHEAD] * (int64_t)esize, 1);
+        if (ats[n] >= 0) elem_copy(dest + ats[n] * (int64_t)esize, vals + n * esize, esize);
+    }
+}
+
+/* tile ti in pass A (check=1: check it, fill the output arrays) or pass B (write host memory);
+ * 0 when it is well-formed, -1 otherwise */
 static int decode_tile(decode_t *D, size_t ti, size_t *in)
 {
     const int64_t *T = D->tiles + TD_COLS * ti;
@@ -575,68 +719,24 @@ static int decode_tile(decode_t *D, size_t ti, size_t *in)
     const uint64_t word = (uint64_t)T[3], enc = word >> ENC_SHIFT, count = word & COUNT_MASK;
     const unsigned char *data = (const unsigned char *)(uintptr_t)T[2];
     const size_t len = (size_t)T[4];
-    int64_t *out_off = (int64_t *)(uintptr_t)T[5];
-    unsigned char *out_val = (unsigned char *)(uintptr_t)T[6];
-    const int write = !D->check;
-    size_t k = 0;
-    if (enc == ENC_NONE) return count == 0 && len == 0 ? 0 : -1;
-    if (enc == ENC_RAW) { /* the box's part of the tile, row by row, as read into data */
-        const int64_t *row_map = (const int64_t *)(uintptr_t)g[7];
-        const size_t lo = (size_t)(g[8] > (int64_t)t.c0 ? g[8] : (int64_t)t.c0);
-        const size_t hi = (size_t)(g[9] < (int64_t)(t.c0 + t.w) ? g[9] : (int64_t)(t.c0 + t.w));
-        const size_t wi = hi > lo ? hi - lo : 0;
-        size_t rows_in = 0;
-        for (size_t r = t.row0; r < t.row0 + t.nrows; r++) rows_in += row_map[r] >= 0;
-        if (len != rows_in * wi * esize) return -1;
-        if (!write) return 0;
-        const unsigned char *v = data;
-        for (size_t r = t.row0; r < t.row0 + t.nrows; r++) {
-            if (row_map[r] < 0) continue;
-            for (size_t c = lo; c < hi; c++, v += esize) put_elem(g, &t, (r - t.row0) * t.w + (c - t.c0), v, out_off, out_val, &k, in);
-        }
-        return 0;
+    const int pass = D->check ? 0 : 1;
+    cursor_t q;
+    cursor_init(&q, g, &t, (int64_t *)(uintptr_t)T[5], (unsigned char *)(uintptr_t)T[6]);
+    int rc = -1;
+    if (enc == ENC_NONE) {
+        rc = count == 0 && len == 0 ? 0 : -1;
+    } else if (enc == ENC_RAW) {
+        rc = decode_raw(g, &t, data, len, pass, &q);
+    } else if (count == 0 || count > elems || len < count * esize) {
+        rc = -1;
+    } else if (pass == 0) {
+        rc = check_coded(&t, enc, count, data, len - count * esize, data + len - count * esize, &q);
+    } else {
+        if (q.dest != NULL) write_coded(q.out_off, count, data + len - count * esize, q.dest, esize);
+        rc = 0;
     }
-    if (count == 0 || count > elems || len < count * esize) return -1;
-    const size_t ilen = len - count * esize;
-    const unsigned char *vals = data + ilen;
-    if (enc == ENC_VARINT) {
-        size_t p = 0, n = 0;
-        int64_t last = -1;
-        while (n < count) {
-            uint64_t gap = 0;
-            int shift = 0;
-            for (;;) {
-                if (p >= ilen || shift > 56) return -1;
-                const unsigned char b = data[p++];
-                gap |= (uint64_t)(b & 0x7f) << shift;
-                shift += 7;
-                if (!(b & 0x80)) break;
-            }
-            if (gap >= elems) return -1;
-            const int64_t i = last + 1 + (int64_t)gap;
-            if (i >= (int64_t)elems) return -1;
-            if (write) put_elem(g, &t, (size_t)i, vals + n * esize, out_off, out_val, &k, in);
-            last = i;
-            n++;
-        }
-        return p == ilen ? 0 : -1;
-    }
-    if (enc == ENC_BITMAP) {
-        if (ilen != (elems + 7) / 8) return -1;
-        size_t n = 0;
-        for (size_t byte = 0; byte < ilen; byte++) {
-            unsigned b = data[byte];
-            while (b) {
-                const size_t i = byte * 8 + (size_t)__builtin_ctz(b);
-                b &= b - 1;
-                if (i >= elems || n >= count) return -1;
-                if (write) put_elem(g, &t, i, vals + n * esize, out_off, out_val, &k, in);
-                n++;
-            }
-        }
-        return n == count ? 0 : -1;
-    }
-    return -1;
+    *in += q.in;
+    return rc;
 }
 
 static void *decode_worker(void *arg)
@@ -818,7 +918,7 @@ static PyMethodDef methods[] = {
      "stage(shards, tiles, threads=1, streaming=0, arenas=None) -> arenas: compare-and-copy into staging"},
     {"place", mod_place, METH_VARARGS, "place(arenas, rows): copy encoded tiles (loc, len, dst) out of the arenas"},
     {"decode", (PyCFunction)(void (*)(void))mod_decode, METH_VARARGS | METH_KEYWORDS,
-     "decode(geoms, tiles, threads=1, check=1) -> (first bad tile or -1, elements written in their boxes)"},
+     "decode(geoms, tiles, threads=1, check=1) -> (first bad tile or -1, elements inside their boxes)"},
     {"digest", (PyCFunction)(void (*)(void))mod_digest, METH_VARARGS | METH_KEYWORDS,
      "digest(geoms, tiles, out, threads=1): XXH3-64 of whole tiles of destination memory"},
     {"hash", mod_hash, METH_O, "hash(buffer) -> int: XXH3-64 of a contiguous buffer"},

@@ -377,23 +377,26 @@ class DeltaPulls:
     # ---- applying --------------------------------------------------------------------------
 
     def _apply(self, dests: list[Entry], plan: DeltaPlan, chains: dict[int, list[Link]], reads: Reads) -> int:
-        """Check every tile, then write the links oldest first, then the raw tiles."""
+        """Check every tile (pass A: the offsets of every element), then write the links oldest
+        first, then the raw tiles (pass B, and torch for converted or device buffers)."""
         depth = max(len(links) for links in chains.values())
         steps = [reads.tiles(plan, chains, li) for li in range(depth)] + [reads.raw_tiles(plan)]
+        applied = 0
         for tiles, _outs in steps:
-            if len(tiles) and native().decode(plan.geoms, tiles, threads=threads(), check=1)[0] >= 0:
-                # read untorn (the words said so): the change map itself is wrong
+            if not len(tiles):
+                continue
+            bad, inside = native().decode(plan.geoms, tiles, threads=threads(), check=1)
+            if bad >= 0:  # read untorn (the words said so): the change map itself is wrong
                 self.ctx.catalog.versions.skips(
                     f"change map of step {version_step(chains)}", "malformed tiles"
                 )
                 raise _Fallback("a change map's encoded tiles are malformed")
-        applied = 0
+            applied += inside
         with torch.no_grad():
             for tiles, outs in steps:
-                if not len(tiles):
-                    continue
-                applied += native().decode(plan.geoms, tiles, threads=threads(), check=0)[1]
-                convert(dests, plan, outs)
+                if len(tiles):
+                    native().decode(plan.geoms, tiles, threads=threads(), check=0)
+                    convert(dests, plan, outs)
         return applied
 
 

@@ -168,34 +168,38 @@ class Reads:
 
 
 def _outputs(plan: DeltaPlan, tb: np.ndarray, outs: list[Any]) -> tuple[np.ndarray, list[Any]]:
-    """Output arrays for the tiles of jobs decode cannot write itself (another dtype, a device
-    buffer): per such tile, its elements' buffer offsets (-1: outside the box) and values, 8
-    bytes of room per value; ``outs`` gets one (job, offsets, values, [(first, count)]) per job."""
+    """The arrays pass A of decode fills: per element of every encoded tile its buffer offset (-1:
+    outside the box), pass B writing host buffers from them; for jobs decode cannot write itself
+    (another dtype, a device buffer) raw tiles' offsets too, and every value (8 bytes of room
+    each). ``outs`` gets the arrays, then one (job, offsets, values, [(first, count)]) per such job."""
     if not len(tb):
         return tb, outs
     native_jobs = np.fromiter((j.native for j in plan.jobs), bool, len(plan.jobs))
     conv = ~native_jobs[tb[:, 0]]
-    if not conv.any():
-        return tb, outs
     esize = plan.geoms[tb[:, 0], 0]
     word = tb[:, 3].astype(np.uint64)
     enc, n = (word >> _WORD).astype(np.int64), (word & _MASK).astype(np.int64)
-    n = np.where(enc == fmt.ENC_RAW, tb[:, 4] // np.maximum(esize, 1), n)
-    n = np.where(conv, n, 0)
+    raw = enc == fmt.ENC_RAW
+    n = np.where(raw, np.where(conv, tb[:, 4] // np.maximum(esize, 1), 0), n)
     start = np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64)
     off = np.full(max(int(n.sum()), 1), -1, dtype=np.int64)
-    vals = np.zeros(max(int(n.sum()), 1) * 8, dtype=np.uint8)
-    tb[conv, 5] = off.ctypes.data + start[conv] * 8
-    tb[conv, 6] = vals.ctypes.data + start[conv] * 8
-    for j in np.unique(tb[conv, 0]).tolist():
-        mine = conv & (tb[:, 0] == j)
-        outs.append((j, off, vals, list(zip(start[mine].tolist(), n[mine].tolist()))))
+    tb[:, 5] = off.ctypes.data + start * 8
+    outs.append(off)  # kept alive until the pull is applied
+    if conv.any():
+        vals = np.zeros(max(int(n.sum()), 1) * 8, dtype=np.uint8)
+        tb[conv, 6] = vals.ctypes.data + start[conv] * 8
+        for j in np.unique(tb[conv, 0]).tolist():
+            mine = conv & (tb[:, 0] == j)
+            outs.append((j, off, vals, list(zip(start[mine].tolist(), n[mine].tolist()))))
     return tb, outs
 
 
 def convert(dests: list[Entry], plan: DeltaPlan, outs: list[Any]) -> None:
     """Write the output arrays of converted or device buffers through torch."""
-    for j, off, vals, pieces in outs:
+    for item in outs:
+        if not isinstance(item, tuple):
+            continue  # the offsets array alone
+        j, off, vals, pieces = item
         job = plan.jobs[j]
         t = dests[job.dest].tensor
         src = plan.ranks[job.rank].shards[job.shard]
