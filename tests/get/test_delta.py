@@ -366,3 +366,39 @@ def test_the_figures_bytes_metrics_and_inspect(store_factory: Any) -> None:
     changes = {c["step"]: c for c in views.inspect(cons.catalog)["changes"]}
     assert changes[1]["fraction"] is None  # the first put: no base
     assert changes[2]["bases"] == [1] and changes[2]["fraction"] == pytest.approx(100 / 100_000)
+
+
+def test_a_delta_read_torn_by_the_publisher_is_discarded_and_retried(
+    store_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publisher overwrites the version's slot while its changes are being read (after the
+    reads, before the step words are checked): nothing is applied, the buffers still hold the
+    older step, and the retry delivers a newer version whole and exact."""
+    from astate_store.get import delta_reads
+
+    pub = store_factory(delta=True, staging_depth=2, retire_timeout=0.0)  # never waits for readers
+    cons = store_factory(delta=True, prepack=False, read_timeout=60.0)
+    w = torch.arange(50_000, dtype=torch.float32)
+    buf = {"w": torch.zeros(50_000)}
+    pub.put(1, {"w": w})
+    cons.get_into(buf, step=1, timeout=30)
+    w[::100] += 1
+    pub.put(2, {"w": w})
+    later = {3: w.clone(), 4: w.clone()}
+    later[3][::50] += 2
+    later[4][::70] += 3
+    run, fired = delta_reads.Reads.run, []
+
+    def run_then_overwrite(self: Any, *a: Any) -> None:
+        run(self, *a)
+        if not fired:  # steps 3 and 4 take both slots: step 2's is reused under the reader
+            fired.append(True)
+            pub.put(3, {"w": later[3]})
+            pub.put(4, {"w": later[4]})
+
+    monkeypatch.setattr(delta_reads.Reads, "run", run_then_overwrite)
+    got = cons.get_into(buf, step=2, timeout=30)
+    assert fired and got in (3, 4)
+    assert torch.equal(buf["w"], later[got])
+    st = cons.stats
+    assert st.torn_retries == 1 and st.pull_errors == 0
