@@ -256,8 +256,7 @@ class DeltaPulls:
         """Phase 2's reads of one rank: each link's encoded tiles, and the raw tiles from N;
         (the link, what is wrong) when some index row makes no sense (nothing is read then)."""
         rp = plan.ranks[r]
-        elems = np.concatenate([t.tile_elements() for t in rp.tilings] or [np.zeros(0, np.int64)])
-        tile_elems = elems[rp.need] if len(rp.need) else np.zeros(0, dtype=np.int64)
+        tile_elems = rp.need_elems
         raw = np.zeros(len(rp.need), dtype=bool)
         for ln in links:
             enc, count, begin, end = fields(ln.rows)

@@ -56,6 +56,7 @@ class RankPlan:
     jt_job: np.ndarray  # per (job, tile) pair of this rank: the job index
     jt_tile: np.ndarray  # ... the tile id
     jt_pos: np.ndarray  # ... the position of the tile's row in need
+    need_elems: np.ndarray  # the elements of each needed tile
 
 
 @dataclass
@@ -163,7 +164,9 @@ def _rank_plan(shards: list[ShardRecord], jobs: list[tuple[int, Job]]) -> RankPl
         runs = np.stack([need[starts], ends - starts, starts], axis=1).astype(np.int64)
     else:
         runs = np.zeros((0, 3), dtype=np.int64)
-    return RankPlan(shards, tilings, first, need, runs, jt_job, jt_tile, jt_pos.astype(np.int64))
+    elems = np.concatenate([t.tile_elements() for t in tilings] or [np.zeros(0, np.int64)])
+    need_elems = elems[need] if len(need) else np.zeros(0, dtype=np.int64)
+    return RankPlan(shards, tilings, first, need, runs, jt_job, jt_tile, jt_pos.astype(np.int64), need_elems)
 
 
 def _geoms(jobs: list[Job], dests: Sequence[Entry], staged: Mapping[int, list[ShardRecord]]) -> np.ndarray:
