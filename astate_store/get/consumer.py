@@ -258,18 +258,10 @@ class Consumer:
         a newer version), None when it must go whole. Its own step-word check replaced
         ``StepWords.check``; the reader ends in the background either way."""
         t0 = _now()
-        try:
-            out = self.delta.pull(version, dests)
-        except TransportError as exc:  # before any byte was applied: the whole pull fails over
-            self._afresh()
-            log.info(
-                "namespace %s: step %d: delta read failed (%s); pulling whole",
-                self.ctx.namespace,
-                version.step,
-                exc,
-            )
-            return None
+        out = self.delta.pull(version, dests)
         t.transfer += _now() - t0
+        if out.failed:  # a read failed before any byte was applied: the whole pull fails over
+            self._afresh()
         if not out.done and not out.torn:
             log.debug("namespace %s: step %d pulled whole: %s", self.ctx.namespace, version.step, out.why)
             return None

@@ -63,6 +63,7 @@ class Outcome:
     done: bool = False
     torn: bool = False
     why: str = ""
+    failed: bool = False  # a read failed (the endpoints may be closed: connect afresh)
     sources: frozenset[object] = frozenset()
     work: Work | None = None
     elements: int = 0  # elements applied
@@ -120,6 +121,8 @@ class DeltaPulls:
             return self._run(version, dests, plan, chains)
         except _Fallback as exc:
             return Outcome(why=str(exc))
+        except TransportError as exc:  # before any byte was applied
+            return Outcome(why=f"a read failed ({exc})", failed=True)
 
     def _chains(self, version: Version, held: int) -> dict[int, list[Link]]:
         """Per rank, the links from ``held`` (exclusive) to ``version`` (inclusive), oldest first."""
