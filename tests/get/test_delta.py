@@ -402,3 +402,34 @@ def test_a_delta_read_torn_by_the_publisher_is_discarded_and_retried(
     assert torch.equal(buf["w"], later[got])
     st = cons.stats
     assert st.torn_retries == 1 and st.pull_errors == 0
+
+
+def test_a_failed_delta_read_goes_whole_through_the_usual_path(
+    store_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transport error while the changes are read (before any byte is applied): the pull goes
+    whole (which fails over as whole pulls do) and is exact; the next one is a delta again."""
+    from astate_store.errors import TransportError
+    from astate_store.get import delta_reads
+
+    pub = store_factory(delta=True)
+    cons = store_factory(delta=True, prepack=False)
+    w = torch.arange(50_000, dtype=torch.float32)
+    buf = {"w": torch.zeros(50_000)}
+    pub.put(1, {"w": w})
+    cons.get_into(buf, step=1, timeout=30)
+    run = delta_reads.Reads.run
+
+    def fail(self: Any, *a: Any) -> None:
+        raise TransportError("the peer hung up")
+
+    monkeypatch.setattr(delta_reads.Reads, "run", fail)
+    w[::100] += 1
+    pub.put(2, {"w": w})
+    assert cons.get_into(buf, step=2, timeout=30) == 2 and torch.equal(buf["w"], w)
+    assert cons.stats.delta_pulls == 0 and cons.stats.pull_errors == 0
+    monkeypatch.setattr(delta_reads.Reads, "run", run)
+    w[::300] += 1
+    pub.put(3, {"w": w})
+    assert cons.get_into(buf, step=3, timeout=30) == 3 and torch.equal(buf["w"], w)
+    assert cons.stats.delta_pulls == 1
