@@ -433,3 +433,14 @@ def test_a_failed_delta_read_goes_whole_through_the_usual_path(
     pub.put(3, {"w": w})
     assert cons.get_into(buf, step=3, timeout=30) == 3 and torch.equal(buf["w"], w)
     assert cons.stats.delta_pulls == 1
+
+
+def test_pulling_the_step_the_buffers_hold_moves_nothing(store_factory: Any) -> None:
+    pub = store_factory(delta=True)
+    cons = store_factory(delta=True, prepack=False)
+    w = torch.arange(1000, dtype=torch.float32)
+    buf = {"w": torch.zeros(1000)}
+    pub.put(1, {"w": w})
+    cons.get_into(buf, step=1, timeout=30)
+    assert cons.get_into(buf, timeout=30) == 1 and torch.equal(buf["w"], w)
+    assert cons.stats.last_pull is not None and cons.stats.last_pull.bytes == 0
