@@ -114,6 +114,10 @@ class OfflineClient:
     def status(self) -> list[dict[str, Any]]:
         return list(self.llm.collective_rpc("weight_transfer_engine"))
 
+    def served(self) -> list[dict[str, str]]:
+        """Per worker: parameter -> SHA-256 of what it computes with (the engine's ``"served"`` query)."""
+        return list(self.llm.collective_rpc("weight_transfer_engine", args=("served",)))
+
 
 class HTTPClient:
     """A vLLM OpenAI server (``VLLM_SERVER_DEV_MODE=1``) over its RL routes (``/start_weight_update`` ...,
@@ -160,6 +164,12 @@ class HTTPClient:
 
     def status(self) -> list[dict[str, Any]]:
         return list(self._post("collective_rpc", {"method": "weight_transfer_engine"})["results"])
+
+    def served(self) -> list[dict[str, str]]:
+        """Per worker: parameter -> SHA-256 of what it computes with (the engine's ``"served"`` query)."""
+        return list(
+            self._post("collective_rpc", {"method": "weight_transfer_engine", "args": ["served"]})["results"]
+        )
 
 
 _CONTROL = (
@@ -242,7 +252,8 @@ def apply_update(llm: Any, *, timeout: float | None = None, inflight: Inflight =
     c = client_for(llm)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        pending = [s.get("pending") for s in c.status()]
+        states = c.status()
+        pending = [s.get("pending") for s in states]
         if all(p is not None and p["ready"] for p in pending):
             break
         if any(p is None or not p["running"] for p in pending):
@@ -251,7 +262,10 @@ def apply_update(llm: Any, *, timeout: float | None = None, inflight: Inflight =
             break  # the engine refuses (NotReady) and the preparation goes on
         time.sleep(_POLL)
     left = None if deadline is None else max(0.0, deadline - time.monotonic())
-    return _swap(c, _info("apply", None, left), inflight)
+    # every worker pulled the same step: the apply serves it (no question asked during the pause)
+    pulled = {p["got"] if p else None for p in pending}
+    known = pulled.pop() if len(pulled) == 1 and None not in pulled else None
+    return _swap(c, _info("apply", None, left), inflight, states, known)
 
 
 def cancel_update(llm: Any) -> None:
@@ -262,11 +276,19 @@ def cancel_update(llm: Any) -> None:
     c.finish_weight_update()
 
 
-def _swap(c: EngineControl, info: dict[str, Any], inflight: Inflight) -> int:
+def _swap(
+    c: EngineControl,
+    info: dict[str, Any],
+    inflight: Inflight,
+    states: list[dict[str, Any]] | None = None,
+    known: int | None = None,
+) -> int:
+    """Steps 2-6 of the module doc. ``states``: the workers' state if just asked; ``known``: the step the
+    update will serve if known before (then not asked during the pause)."""
     if inflight not in ("recompute", "keep"):
         raise LayoutError(f"astate: inflight must be 'recompute' or 'keep', got {inflight!r}")
     if inflight == "keep":
-        _check_keep(c.status())
+        _check_keep(states if states is not None else c.status())
     c.pause()
     try:
         c.start_weight_update()
@@ -276,7 +298,7 @@ def _swap(c: EngineControl, info: dict[str, Any], inflight: Inflight) -> int:
             if any(s.get("touched") for s in _status_or_empty(c)):
                 c.clear_caches()  # a pull that failed after bytes moved: the KV matches no weights now
             raise
-        step = _served(c.status())
+        step = known if known is not None else _served(c.status())
         try:
             c.finish_weight_update(weight_version=str(step))
         finally:

@@ -112,12 +112,26 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
 
     def __call__(self, what: str = "status") -> dict[str, Any]:
         """This worker's state, for ``collective_rpc("weight_transfer_engine")`` (a method name vLLM
-        resolves on the worker, so no function is serialized): the step served (``step``), whether a
-        failed blocking pull left parameters partly written (``touched``), the update being prepared
-        (``pending``: its step, ``ready``, ``running``, ``error``, ``staging_bytes``) and the last
-        update's phases in seconds."""
+        resolves on the worker, so no function is serialized; over HTTP ``/collective_rpc``):
+
+        - ``"status"``: the step served (``step``), whether a failed blocking pull left parameters
+          partly written (``touched``), the update being prepared (``pending``: its ``step``, ``ready``,
+          ``running``, ``error``, ``staging_bytes``), ``prefix_caching``, ``multimodal``, and the last
+          update's phases in seconds;
+        - ``"served"``: parameter name -> SHA-256 of what this worker computes with (:mod:`.served`: a
+          prepacked GEMM's weight read back through the GEMM), to check what an update delivered.
+        """
+        if what == "served":
+            import hashlib
+
+            from astate_store.integrations.vllm.served import served_weights
+
+            return {
+                n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                for n, t in served_weights(self._default_model).items()
+            }
         if what != "status":
-            raise ValueError(f"astate engine: unknown query {what!r} (known: 'status')")
+            raise ValueError(f"astate engine: unknown query {what!r} (known: 'status', 'served')")
         return {
             "step": self.last_step,
             "touched": self.touched,
