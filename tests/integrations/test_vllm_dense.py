@@ -311,3 +311,26 @@ def test_misused_phases_are_refused_and_the_engine_keeps_weights_and_cache(dense
     assert [c for _, _, c in kept] == [V.BLOCK, V.BLOCK]
     assert [t for t, _, _ in kept] == [t for t, _, _ in dense["ref"]["long"]]
     assert V.served(llm, dense["path"]) == []
+
+
+def test_kept_staging_is_reused_by_the_next_prepared_update(dense: dict[str, Any]) -> None:
+    """``keep_staging``: after an apply the staging holds the version served, and the next preparation
+    pulls into the same tensors (where a delta pull applies); a blocking update drops it."""
+    llm = dense["llm"]
+    init = {"namespace": dense["ns"], "etcd": dense["etcd"].endpoint, "keep_staging": True}
+    llm.init_weight_transfer_engine({"init_info": init})
+    update_weights(llm, publish(dense, dense["other"]))
+    reused = []
+    for path in (dense["path"], dense["other"], dense["path"]):
+        begin_update(llm, publish(dense, path))
+        reused.append([s["pending"]["reused"] for s in wait_ready(llm)])
+        apply_update(llm)
+        assert V.served(llm, path) == []
+    assert reused == [[False, False], [True, True], [True, True]]
+    answers_fresh(dense)
+    update_weights(llm, publish(dense, dense["other"]))  # blocking: the staging no longer holds it
+    begin_update(llm, publish(dense, dense["path"]))
+    assert [s["pending"]["reused"] for s in wait_ready(llm)] == [False, False]
+    apply_update(llm)
+    answers_fresh(dense)
+    assert V.served(llm, dense["path"]) == []

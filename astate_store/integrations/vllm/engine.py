@@ -49,6 +49,7 @@ from astate_store.errors import AStateError, LayoutError, WaitTimeout
 from astate_store.integrations.vllm.bake import Baked, bake
 from astate_store.integrations.vllm.paths import decide, pre_processing_metadata, tied_followers
 from astate_store.integrations.vllm.prepared import Prepared
+from astate_store.integrations.vllm.served import served_digests
 from astate_store.integrations.vllm.staged import StagedModule, refresh
 
 __all__ = ["AstateInitInfo", "AstateUpdateInfo", "AstateWeightTransferEngine", "NotReady", "UpdateError"]
@@ -73,6 +74,7 @@ class AstateInitInfo(WeightTransferInitInfo):
     namespace: str
     etcd: str | list[str] | None = None  # None: $ASTATE_ETCD* of the vLLM processes (credentials too)
     timeout: float = 60.0  # seconds to wait for a version to commit
+    keep_staging: bool = False  # keep a prepared update's staging between updates (see prepared.py)
 
 
 @dataclass
@@ -108,28 +110,20 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         self.last_step: int | None = None
         self.last_seconds: dict[str, float] = {}
         self._pending: Prepared | None = None  # an update prepared with phase "begin"
+        self._fingerprint: tuple = ()  # of the published set the pending update pulls
+        self.keep_staging = False
+        self._kept: tuple[tuple, Any] | None = None  # (plan fingerprint, staging) holding the version served
         self.touched = False  # a blocking pull failed after bytes may have moved into live parameters
 
     def __call__(self, what: str = "status") -> dict[str, Any]:
-        """This worker's state, for ``collective_rpc("weight_transfer_engine")`` (a method name vLLM
-        resolves on the worker, so no function is serialized; over HTTP ``/collective_rpc``):
-
-        - ``"status"``: the step served (``step``), whether a failed blocking pull left parameters
-          partly written (``touched``), the update being prepared (``pending``: its ``step``, ``ready``,
-          ``running``, ``error``, ``staging_bytes``), ``prefix_caching``, ``multimodal``, and the last
-          update's phases in seconds;
-        - ``"served"``: parameter name -> SHA-256 of what this worker computes with (:mod:`.served`: a
-          prepacked GEMM's weight read back through the GEMM), to check what an update delivered.
-        """
+        """For ``collective_rpc("weight_transfer_engine", args=(what,))`` (vLLM resolves the name on the
+        worker and calls it: no function serialized; ``/collective_rpc`` over HTTP). ``"status"``: the step
+        served, ``touched`` (a failed blocking pull left parameters partly written), ``pending`` (the
+        update being prepared: ``step``, ``ready``, ``running``, ``error``, ``staging_bytes``),
+        ``prefix_caching``, ``multimodal``, the last update's seconds. ``"served"``: parameter -> SHA-256
+        of what this worker computes with (:mod:`.served`)."""
         if what == "served":
-            import hashlib
-
-            from astate_store.integrations.vllm.served import served_weights
-
-            return {
-                n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-                for n, t in served_weights(self._default_model).items()
-            }
+            return served_digests(self._default_model)
         if what != "status":
             raise ValueError(f"astate engine: unknown query {what!r} (known: 'status', 'served')")
         return {
@@ -173,6 +167,7 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
             self.store.close()
             self.store = None
         self.timeout = float(init_info.timeout)
+        self.keep_staging, self._kept = bool(init_info.keep_staging), None
         # a consumer: rank / world size are publisher settings, not this worker's vLLM rank
         self.store = astate_store.connect(init_info.namespace, etcd=init_info.etcd, rank=0, world_size=1)
         self.paths = decide(self.model)
@@ -220,6 +215,7 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
                 s.drop()  # refused elsewhere after this worker allocated its staging
             raise
         t1 = time.perf_counter()
+        self._kept = None  # the live weights change without it: it no longer holds the version served
         self.touched = bool(plan.baked.pieces)  # from here a failed pull may leave live parameters torn
         try:
             got = self._agreed(lambda: self._pull(buffers, update_info, step, timeout))
@@ -288,6 +284,7 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         t0 = time.perf_counter()
         step, plan, keys = self._agreed(resolve)
         assert self.store is not None
+        kept, self._kept = self._kept, None  # the preparation owns it now (dropped if it fails)
         self._pending = Prepared(
             step=_all_max(step),
             model=self.model,
@@ -298,8 +295,11 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
             shapes={n: s for n, (s, _) in keys.items()},
             store=self.store,
             timeout=timeout,
+            keep=self.keep_staging,
+            reuse=kept[1] if kept is not None and kept[0] == plan.fingerprint else None,
         )
         self._pending.start()
+        self._fingerprint = plan.fingerprint
         self.last_seconds = {"begin": time.perf_counter() - t0}
 
     def _apply(self, info: AstateUpdateInfo) -> None:
@@ -318,11 +318,12 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         try:
             got = self._follow(pending.got, lambda newest: (pending.again(newest), pending.got)[1])
             t2 = time.perf_counter()
-            self._agreed(pending.swap)
+            kept = self._agreed(pending.swap)
         except BaseException:
             self._drop_pending()
             raise
         self._pending = None
+        self._kept = None if kept is None else (self._fingerprint, kept)
         self.last_step = got
         self.last_seconds = {
             **{f"background_{k}": v for k, v in pending.seconds.items()},

@@ -95,6 +95,8 @@ class Prepared:
     shapes: Mapping[str, tuple[int, ...]]  # published HF name -> global shape
     store: Any
     timeout: float
+    keep: bool = False  # keep the staging after apply (same tensors next time: a delta pull applies to them)
+    reuse: tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]] | None = None  # kept before
     staging: dict[str, torch.Tensor] = field(default_factory=dict)  # live parameter name -> its staging
     modules: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # staged module -> its staging
     shadows: dict[str, torch.nn.Module] = field(default_factory=dict)  # module processed ahead -> shadow
@@ -129,16 +131,20 @@ class Prepared:
             self._done.set()
 
     def _allocate(self) -> dict[str, list[Shard]]:
-        """Staging for everything the pull writes, and the views into it (HF name -> shards)."""
+        """Staging for everything the pull writes (the kept one if any: it holds the version served), and
+        the views into it (HF name -> shards)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        self.staging = {}
-        for p in self.pieces:
-            if p.param not in self.staging:
-                self.staging[p.param] = params[p.param].detach().clone()
-        self.modules = {
-            s.name: {n: torch.zeros(tuple(m.shape), dtype=m.dtype) for n, m in s.metadata.items()}
-            for s in self.staged
-        }
+        if self.reuse is not None:
+            self.staging, self.modules = self.reuse
+        else:
+            self.staging = {}
+            for p in self.pieces:
+                if p.param not in self.staging:
+                    self.staging[p.param] = params[p.param].detach().clone()
+            self.modules = {
+                s.name: {n: torch.zeros(tuple(m.shape), dtype=m.dtype) for n, m in s.metadata.items()}
+                for s in self.staged
+            }
         self.staging_bytes = sum(t.numel() * t.element_size() for t in self.staging.values()) + sum(
             t.numel() * t.element_size() for ts in self.modules.values() for t in ts.values()
         )
@@ -159,14 +165,18 @@ class Prepared:
         """Post-process every ahead-safe staged module on a shadow (owners first, then followers)."""
         self.shadows = {}
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        # id(live parameter) -> what replaces it: its staging (written in place), then a shadow's result
-        replaced = {id(params[n]): _dressed(t, params[n], self.model) for n, t in self.staging.items()}
+        # id(live parameter) -> what replaces it: its staging (written in place), then a shadow's result;
+        # post-processing gets aliases (``detach``), so that it cannot rebind the staging's own storage
+        replaced = {
+            id(params[n]): _dressed(t.detach(), params[n], self.model) for n, t in self.staging.items()
+        }
+        late = {s.name for s in self.staged if not ahead_safe(s.module)}
         for s in self.staged:
-            if ahead_safe(s.module):
+            if s.name not in late:
                 self._shadow(s.name, s.module, s.metadata, replaced)
         for name, owner in self.followers.items():
             module = self.model.get_submodule(name)
-            if ahead_safe(module) and owner not in self.modules:  # the owner is not late
+            if ahead_safe(module) and owner not in late:
                 self._shadow(name, module, {}, replaced)
 
     def _shadow(
@@ -185,8 +195,10 @@ class Prepared:
         for pname, p in live._parameters.items():
             if p is not None and id(p) in replaced:
                 shadow._parameters[pname] = replaced[id(p)]
-        for pname, t in self.modules.pop(name, {}).items():  # the pre-processing format
-            shadow._parameters[pname] = _dressed(t, metadata[pname], live)
+        # the pre-processing format; released once processed, unless kept
+        staging = self.modules.get(name, {}) if self.keep else self.modules.pop(name, {})
+        for pname, t in staging.items():
+            shadow._parameters[pname] = _dressed(t.detach(), metadata[pname], live)
         post_process(shadow, self.model_config)
         for pname, p in live._parameters.items():
             new = shadow._parameters.get(pname)
@@ -211,8 +223,9 @@ class Prepared:
         if self.error is not None:
             raise self.error
 
-    def swap(self) -> None:
-        """Move the prepared weights into the live model (the engine is paused; see the module doc)."""
+    def swap(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]] | None:
+        """Move the prepared weights into the live model (the engine is paused; see the module doc);
+        returns the staging if kept (it now holds the version served)."""
         ahead = set(self.shadows)
         params = dict(self.model.named_parameters(remove_duplicate=False))
         copied: set[int] = set()
@@ -223,14 +236,16 @@ class Prepared:
                 copied.add(id(params[name]))
         for s in self.staged:
             if s.name not in ahead:  # late: vLLM's post-processing from the staging, on the live module
-                s.staging = self.modules.pop(s.name)
+                s.staging = {n: t.detach() for n, t in self.modules[s.name].items()}
                 s.commit(self.model_config)
         for name, shadow in self.shadows.items():
             _transplant(self.model.get_submodule(name), shadow, copied)
         for name in self.followers:
             if name not in ahead:  # its owner was late: its kernel rebuilt from the updated parameter
                 post_process(self.model.get_submodule(name), self.model_config)
+        kept = (self.staging, self.modules) if self.keep else None
         self.drop()
+        return kept
 
     def drop(self) -> None:
         """Release the staging and shadows (waits for the thread, which may still be pulling into them)."""
@@ -249,6 +264,7 @@ class Prepared:
             "got": self.got,
             "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}",
             "staging_bytes": self.staging_bytes,
+            "reused": self.reuse is not None,
             "seconds": dict(self.seconds),
         }
 
