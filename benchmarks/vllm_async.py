@@ -219,6 +219,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a tiny model (a quick check of the script)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop our server
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from vllm_sync import load_tensors, make_model
 

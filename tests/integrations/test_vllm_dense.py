@@ -15,6 +15,8 @@ the same batch, and nothing is served from the cache (``num_cached_tokens == 0``
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -333,4 +335,41 @@ def test_kept_staging_is_reused_by_the_next_prepared_update(dense: dict[str, Any
     assert [s["pending"]["reused"] for s in wait_ready(llm)] == [False, False]
     apply_update(llm)
     answers_fresh(dense)
+    assert V.served(llm, dense["path"]) == []
+
+
+def test_a_prepared_update_whose_source_died_is_refused_and_changes_nothing(dense: dict[str, Any]) -> None:
+    """The publisher is SIGKILLed after its version committed: ``begin`` accepts the version (etcd still
+    lists it), the background pull fails on every worker, and ``apply`` refuses: weights and cache kept."""
+    llm, endpoint = dense["llm"], dense["etcd"].endpoint
+    llm.init_weight_transfer_engine({"init_info": {"namespace": dense["ns"], "etcd": endpoint}})
+    update_weights(llm, publish(dense, dense["path"]))
+    V.long_run(llm)  # cached now
+    ns = "dead-" + uuid.uuid4().hex[:8]
+    code = (
+        "import sys, time, astate_store\n"
+        "from tests.integrations._vllm import hf_tensors\n"
+        f"s = astate_store.connect({ns!r}, etcd={endpoint!r})\n"
+        f"s.put(1, hf_tensors({str(dense['other'])!r}))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    publisher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert publisher.stdout is not None and publisher.stdout.readline().strip() == "ready"
+    finally:
+        publisher.kill()  # our own child
+        publisher.wait()
+    llm.init_weight_transfer_engine({"init_info": {"namespace": ns, "etcd": endpoint, "timeout": 30}})
+    begin_update(llm, 1)
+    states = wait_ready(llm)
+    assert all(s["pending"]["error"] and "PeerUnreachable" in s["pending"]["error"] for s in states), states
+    with pytest.raises(Exception, match="PeerUnreachable"):
+        apply_update(llm)
+    assert [s["pending"] for s in update_status(llm)] == [None, None]
+    kept = V.long_run(llm)
+    assert [c for _, _, c in kept] == [V.BLOCK, V.BLOCK]
+    assert [t for t, _, _ in kept] == [t for t, _, _ in dense["ref"]["long"]]
     assert V.served(llm, dense["path"]) == []

@@ -18,21 +18,23 @@ are vLLM ``VLLMWeightSyncClient``\\ s, for its trainer factory, with the few cal
 :func:`update_weights` and :func:`apply_update`, numbered:
 
 1. (apply) wait, while the engine serves, until every worker's preparation is ready (or failed);
-2. pause scheduling with the requests in flight kept (vLLM's ``pause(mode="keep")``): no forward pass
-   runs until 6;
-3. the engine's phases: ``start_weight_update``, ``update_weights`` (phase ``"now"`` or ``"apply"``). A
-   refusal or failure ends the update here: resume, caches untouched, the error raised (the engine keeps
-   its weights; a blocking pull that failed after bytes moved into live parameters is reported by the
-   engine as ``touched``, and then the caches are cleared too, as they no longer match the weights);
+2. ``start_weight_update``; pause scheduling with the requests in flight kept (vLLM's
+   ``pause(mode="keep")``): no forward pass runs until 6;
+3. ``update_weights`` (phase ``"now"`` or ``"apply"``). A refusal or failure ends the update here:
+   resume, caches untouched, the error raised (the engine keeps its weights; a blocking pull that failed
+   after bytes moved into live parameters is reported by the engine as ``touched``, and then the caches
+   are cleared too, as they no longer match the weights);
 4. ask the workers which step they serve; ``finish_weight_update(weight_version=str(step))``;
 5. ``inflight="recompute"`` (default): clear what holds values computed with the weights: the prefix
    cache (KV blocks), preempting the requests in flight, which are recomputed with the new weights when
-   scheduling resumes (their tokens so far are kept), and the encoder cache (multimodal encoder outputs).
-   The multimodal processor cache holds inputs, not values of the weights: kept.
-   ``inflight="keep"``: requests in flight continue on the new weights with the KV they computed with the
-   old ones (as PipelineRL does); allowed only on an engine without prefix caching and not multimodal,
-   where no other request can reuse those blocks;
+   scheduling resumes (their tokens so far are kept), and on a multimodal engine the encoder cache (its
+   encoder outputs). The multimodal processor cache holds inputs, not values of the weights: kept;
 6. resume.
+
+``inflight="keep"``: requests in flight continue on the new weights with the KV they computed with the
+old ones (as PipelineRL does); allowed only on an engine without prefix caching and not multimodal, where
+no other request can reuse those blocks. Nothing is cleared, so no pause is needed: step 3 is one call to
+every worker, between two forward passes, and the engine is held only for it.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class EngineControl(Protocol):
 
     def resume(self) -> None: ...
 
-    def clear_caches(self) -> None: ...
+    def clear_caches(self, encoder: bool = True) -> None: ...
 
     def status(self) -> list[dict[str, Any]]: ...
 
@@ -106,10 +108,13 @@ class OfflineClient:
     def resume(self) -> None:
         self.llm.wake_up(tags=["scheduling"])
 
-    def clear_caches(self) -> None:
+    def clear_caches(self, encoder: bool = True) -> None:
+        """The prefix cache (requests in flight preempted, recomputed when scheduling resumes), the KV
+        connector's cache, and with ``encoder`` the encoder cache (multimodal encoder outputs)."""
         if not self.llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
             raise EngineError("astate: vLLM could not reset its prefix cache (KV blocks still held)")
-        self.llm.llm_engine.reset_encoder_cache()
+        if encoder:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def status(self) -> list[dict[str, Any]]:
         return list(self.llm.collective_rpc("weight_transfer_engine"))
@@ -156,11 +161,14 @@ class HTTPClient:
     def resume(self) -> None:
         self._post("resume")
 
-    def clear_caches(self) -> None:
+    def clear_caches(self, encoder: bool = True) -> None:
+        """As :meth:`OfflineClient.clear_caches`, through ``/reset_prefix_cache`` (``reset_external``: the
+        KV connector's) and ``/reset_encoder_cache``."""
         done = self._post("reset_prefix_cache", reset_running_requests="true", reset_external="true")
         if not (done or {}).get("success"):
             raise EngineError(f"astate: vLLM could not reset its prefix cache: {done}")
-        self._post("reset_encoder_cache")
+        if encoder:
+            self._post("reset_encoder_cache")
 
     def status(self) -> list[dict[str, Any]]:
         return list(self._post("collective_rpc", {"method": "weight_transfer_engine"})["results"])
@@ -284,29 +292,40 @@ def _swap(
     known: int | None = None,
 ) -> int:
     """Steps 2-6 of the module doc. ``states``: the workers' state if just asked; ``known``: the step the
-    update will serve if known before (then not asked during the pause)."""
+    update will serve if known before (then not asked during the pause). ``inflight="keep"`` needs no
+    pause: the update is one call to every worker, between two forward passes, and no cache is cleared."""
     if inflight not in ("recompute", "keep"):
         raise LayoutError(f"astate: inflight must be 'recompute' or 'keep', got {inflight!r}")
     if inflight == "keep":
-        _check_keep(states if states is not None else c.status())
-    c.pause()
+        states = states if states is not None else c.status()
+        _check_keep(states)
+    pause = inflight == "recompute"
+    c.start_weight_update()  # before the pause: it only opens the workers' update session
+    if pause:
+        try:
+            c.pause()
+        except BaseException:
+            c.finish_weight_update()
+            raise
     try:
-        c.start_weight_update()
         try:
             c.update_weights(info)
         except BaseException:
             if any(s.get("touched") for s in _status_or_empty(c)):
                 c.clear_caches()  # a pull that failed after bytes moved: the KV matches no weights now
             raise
-        step = known if known is not None else _served(c.status())
+        if known is None:
+            states = c.status()
+            known = _served(states)
         try:
-            c.finish_weight_update(weight_version=str(step))
+            c.finish_weight_update(weight_version=str(known))
         finally:
-            if inflight == "recompute":
-                c.clear_caches()
+            if pause:
+                c.clear_caches(encoder=states is None or any(s.get("multimodal") for s in states))
     finally:
-        c.resume()
-    return step
+        if pause:
+            c.resume()
+    return known
 
 
 def _status_or_empty(c: EngineControl) -> list[dict[str, Any]]:
