@@ -3,22 +3,25 @@ prepared in the background, in one run.
 
 The 494M-parameter Qwen2 of ``vllm_sync.py`` (Qwen2.5-0.5B's shape, tied embeddings, random bf16) is served by
 vLLM's OpenAI server (``VLLM_SERVER_DEV_MODE=1``, TP=1, CPU). Each trial starts 4 streaming greedy
-completions (16-token prompts, 240 tokens each); once each has 16 tokens and 2 s of baseline passed,
+completions (16-token prompts, 320 tokens each); once each has 16 tokens and 2 s of baseline passed,
 the trainer (this process) publishes the other weights (``store.put``: the reference tensors or their
 negation, alternately) and the engine takes them:
 
-- ``blocking``: ``update_weights(url, step)``: paused, the pull and vLLM's post-processing of the
-  staged (prepacked) linear layers, resumed;
-- ``background``: ``begin_update(url, step)`` returns at once; the engine serves while it pulls and
-  post-processes on a shadow; once every worker is ready, ``apply_update(url)``: paused, the swap, resumed.
+- ``blocking``: once each stream has 160 tokens, ``update_weights(url, step)``: the pull and vLLM's
+  post-processing of the staged (prepacked) linear layers inside the engine's call;
+- ``background``: ``begin_update(url, step)`` at once; the engine serves while it pulls and post-processes
+  on a shadow; once every worker is ready and each stream has 160 tokens, ``apply_update(url)``: the swap.
+
+The swap comes at the same context length both ways (160 tokens a stream, unless the background took
+longer: ``context_at_swap``), so that what ``inflight="recompute"`` recomputes is the same.
 
 Each is run with ``inflight="keep"`` (the requests in flight continue on the new weights with their KV;
 the server runs without prefix caching, which that needs) and with ``inflight="recompute"`` (the default:
 the prefix cache cleared and the requests in flight recomputed on the new weights after the swap, which
 costs the same prefill in both ways).
 
-Measured from the token arrivals of the 4 streams (merged: the engine's output), from the update's start
-until the streams end: the longest gap between two tokens (``blocking_seconds``, ``stall_seconds``; median
+Measured from the token arrivals of the 4 streams (merged: the engine's output), from the put until the
+streams end: the longest gap between two tokens (``blocking_seconds``, ``stall_seconds``; median
 over rounds), ``stall_ratio`` (the second over the first; target <= 0.25), the tokens per second while the
 background pull runs against the same streams without an update. ``verified``: after every update to the
 reference weights, what the engine computes with (the engine's ``"served"`` query: prepacked GEMMs read back
@@ -47,8 +50,9 @@ from typing import Any
 
 STREAMS = 4
 PROMPT = 16
-TOKENS = 240
-BEFORE = 16  # tokens each stream has before the update starts
+TOKENS = 320
+BEFORE = 16  # tokens each stream has when the baseline starts (then the put; background: the begin)
+SWAP_AT = 160  # tokens each stream has when the swap starts: the same context to recompute both ways
 
 
 def _free_port() -> int:
@@ -180,9 +184,12 @@ def trial(
     t0 = time.perf_counter()
     out: dict[str, Any] = {"way": way, "inflight": inflight, "step": step}
     if way == "blocking":
+        streams.wait_tokens(SWAP_AT)
+        t_swap = time.perf_counter()
+        out["context_at_swap"] = PROMPT + statistics.mean(streams.counts())
         update_weights(control, step, inflight=inflight)  # type: ignore[arg-type]
         t_end = time.perf_counter()
-        out["update_seconds"] = t_end - t0
+        out["update_seconds"] = t_end - t_swap
     else:
         begin_update(control, step)
         t_begun = time.perf_counter()
@@ -190,12 +197,15 @@ def trial(
             time.sleep(0.02)
         t_ready = time.perf_counter()
         out["staging_bytes"] = sum(s["pending"]["staging_bytes"] for s in control.status())
+        streams.wait_tokens(SWAP_AT)
+        t_swap = time.perf_counter()
+        out["context_at_swap"] = PROMPT + statistics.mean(streams.counts())
         apply_update(control, inflight=inflight)  # type: ignore[arg-type]
         t_end = time.perf_counter()
         out.update(
             begin_seconds=t_begun - t0,
             background_seconds=t_ready - t_begun,
-            apply_seconds=t_end - t_ready,
+            apply_seconds=t_end - t_swap,
             tokens_per_s_during_pull=rate(streams.merged(), t_begun, t_ready),
         )
     streams.join()
@@ -204,7 +214,7 @@ def trial(
     if way == "background":  # where the longest gap falls: around begin, during the pull, around apply
         out["gap_begin_seconds"] = longest_gap(times, t0, t_begun + 0.3)
         out["gap_pull_seconds"] = longest_gap(times, t_begun + 0.3, t_ready)
-        out["gap_apply_seconds"] = longest_gap(times, t_ready, end)
+        out["gap_apply_seconds"] = longest_gap(times, t_swap, end)
     out["gap_seconds"] = longest_gap(times, t0, end)
     out["tokens_per_s_before"] = baseline
     out["in_flight"] = end > t_end  # the streams outlived the update
@@ -302,6 +312,7 @@ def main() -> None:
         "background_seconds": med("background", "keep", "background_seconds"),
         "apply_seconds": med("background", "keep", "apply_seconds"),
         "update_seconds_blocking": med("blocking", "keep", "update_seconds"),
+        "context_at_swap": med("background", "recompute", "context_at_swap"),
         "staging_bytes": med("background", "keep", "staging_bytes"),
         "in_flight": all(x["in_flight"] for x in results),
         "verified": verified,

@@ -299,6 +299,8 @@ def test_misused_phases_are_refused_and_the_engine_keeps_weights_and_cache(dense
     V.long_run(llm)  # cached now
     with pytest.raises(Exception, match="no update was prepared"):
         apply_update(llm, timeout=5)
+    with pytest.raises(Exception, match="prefix caching"):  # its blocks could be reused by others
+        update_weights(llm, inflight="keep")
     with pytest.raises(Exception, match="not committed"):
         begin_update(llm, 10**6, timeout=1)
     assert [s["pending"] for s in update_status(llm)] == [None, None]

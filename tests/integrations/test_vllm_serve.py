@@ -227,12 +227,14 @@ def test_updates_over_http_leave_no_stale_kv_even_prepared_while_serving(server:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from astate_store.integrations.vllm import update_weights
+    from astate_store.integrations.vllm import update_status, update_weights
     from astate_store.integrations.vllm.trainer import AstateTrainerInitInfo
 
     fresh, w1, w2 = server["long"], V.hf_tensors(server["path"]), V.hf_tensors(server["other"])
     sender = WeightTransferTrainerFactory.trainer_init(
-        AstateTrainerInitInfo(namespace="kv-" + uuid.uuid4().hex[:8], etcd=server["etcd"].endpoint, rank=0),
+        AstateTrainerInitInfo(
+            namespace="kv-" + uuid.uuid4().hex[:8], etcd=server["etcd"].endpoint, rank=0, keep_staging=True
+        ),
         client=HTTPVLLMWeightSyncClient(server["url"]),
         source=V.TensorSource(w2),
     )
@@ -258,5 +260,12 @@ def test_updates_over_http_leave_no_stale_kv_even_prepared_while_serving(server:
         assert sender.apply_weights() == step
         assert done.wait(300) and len(got) == 100  # it went on across the pause
         assert _long(server) == [(t, lp, 0) for t, lp, _ in other]
+        # kept staging: the next preparation pulls into the same tensors (the experts repacked from a copy)
+        step = sender.send_weights(w1, background=True)
+        while not all(s["pending"] and not s["pending"]["running"] for s in update_status(server["url"])):
+            time.sleep(0.05)
+        assert [s["pending"]["reused"] for s in update_status(server["url"])] == [True]
+        assert sender.apply_weights() == step
+        assert _long(server) == [(t, lp, 0) for t, lp, _ in fresh]
     finally:
         sender.shutdown()

@@ -242,7 +242,10 @@ class Prepared:
                 copied.add(id(params[name]))
         for s in self.staged:
             if s.name not in ahead:  # late: vLLM's post-processing from the staging, on the live module
-                s.staging = {n: t.detach() for n, t in self.modules[s.name].items()}
+                # (on a copy when the staging is kept: a repack may work in place, and the kept staging
+                # must still hold the version served in the loaders' format)
+                mine = self.modules[s.name].items()
+                s.staging = {n: t.clone() if self.keep else t.detach() for n, t in mine}
                 s.commit(self.model_config)
         for name, shadow in self.shadows.items():
             _transplant(self.model.get_submodule(name), shadow, copied)

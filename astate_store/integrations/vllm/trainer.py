@@ -59,6 +59,7 @@ class AstateTrainerInitInfo(TrainerInitInfo):
     world_size: int = 1  # publisher ranks (every rank that calls send_weights)
     start_step: int | None = None  # the first step sent (None: the newest committed + 1, or 1)
     timeout: float = 60.0  # seconds the engine waits for a version to commit
+    keep_staging: bool = False  # the engine keeps a prepared update's staging between updates (prepared.py)
 
 
 class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
@@ -88,7 +89,12 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
         if engine.is_sender:
             etcd = init_info.engine_etcd or init_info.etcd or store.catalog.endpoint
             client.init_weight_transfer_engine(
-                {"namespace": init_info.namespace, "etcd": etcd, "timeout": init_info.timeout}
+                {
+                    "namespace": init_info.namespace,
+                    "etcd": etcd,
+                    "timeout": init_info.timeout,
+                    "keep_staging": init_info.keep_staging,
+                }
             )
         return engine
 
