@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 Inflight = Literal["recompute", "keep"]
-_POLL = 0.02  # seconds between readiness checks while the engine serves
+_POLL = 0.05  # seconds between readiness checks while the engine serves (each is a call through its loop)
 
 
 class EngineError(LayoutError):
