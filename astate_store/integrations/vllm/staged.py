@@ -28,7 +28,7 @@ from astate_store import Shard
 from astate_store.errors import LayoutError
 from astate_store.integrations.vllm.bake import Piece
 
-__all__ = ["StagedModule", "refresh"]
+__all__ = ["StagedModule", "post_process", "refresh"]
 
 log = logging.getLogger("astate_store.integrations.vllm")
 
@@ -75,7 +75,7 @@ class StagedModule:
             t.__dict__ = meta.__dict__.copy()
             module._parameters[pname] = restore_layer_refs(t, module)
         try:
-            _post_process(module, model_config)
+            post_process(module, model_config)
         except BaseException:
             module._parameters.clear()
             module._parameters.update(kernel)
@@ -99,10 +99,10 @@ class StagedModule:
 def refresh(module: torch.nn.Module, model_config: Any) -> None:
     """Post-process a module again on its live parameters (a tied follower, whose owner was just
     updated): what a first load does after the loaders wrote them, e.g. its prepacked GEMM rebuilt."""
-    _post_process(module, model_config)
+    post_process(module, model_config)
 
 
-def _post_process(module: torch.nn.Module, model_config: Any) -> None:
+def post_process(module: torch.nn.Module, model_config: Any) -> None:
     """vLLM's post-processing of one module, from the state a first load has."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
