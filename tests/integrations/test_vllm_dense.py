@@ -375,3 +375,77 @@ def test_a_prepared_update_whose_source_died_is_refused_and_changes_nothing(dens
     assert [c for _, _, c in kept] == [V.BLOCK, V.BLOCK]
     assert [t for t, _, _ in kept] == [t for t, _, _ in dense["ref"]["long"]]
     assert V.served(llm, dense["path"]) == []
+
+
+# ---- delta versions ---------------------------------------------------------------------------------
+
+
+def _sparse_versions(base: dict[str, Any], tmp: Path, steps: range) -> Iterator[tuple[int, Path, dict]]:
+    """Each step's tensors: the previous ones with about 2% of every tensor's elements new, saved (what
+    ``V.served`` reads) and yielded."""
+    import torch
+    from safetensors.torch import save_file
+
+    cur = {n: t.clone() for n, t in base.items()}
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        for t in cur.values():
+            flat = t.view(-1)
+            pick = torch.rand(flat.numel(), generator=g) < 0.02
+            flat[pick] = (torch.randn(int(pick.sum()), generator=g) * 0.2).to(t.dtype)
+        path = tmp / f"v{step}"
+        path.mkdir()
+        save_file(cur, str(path / "model.safetensors"))
+        yield step, path, cur
+
+
+def _pulls(llm: Any) -> list[dict[str, int]]:
+    return [dict(s["pulls"]) for s in update_status(llm)]
+
+
+def test_delta_updates_patch_the_engine_exactly(dense: dict[str, Any], tmp_path: Path) -> None:
+    """A publisher with ``delta=True``: the engine (delta by default) pulls only what changed since the
+    version its buffers hold, its in-place parameters patched in place and its staged modules' staging kept
+    between updates; after each update what every worker computes with is that version's tensors, bit for
+    bit. ``reset_weights`` makes the next update whole; so does a new preparation's staging, and the next
+    preparation then reuses it."""
+    llm, endpoint = dense["llm"], dense["etcd"].endpoint
+    ns = "delta-" + uuid.uuid4().hex[:8]
+    pub = astate_store.connect(ns, etcd=endpoint, delta=True)
+    kinds: dict[int, str] = {}
+    try:
+        llm.init_weight_transfer_engine({"init_info": {"namespace": ns, "etcd": endpoint, "timeout": 30}})
+        whole = 0
+        for step, path, tensors in _sparse_versions(V.hf_tensors(dense["path"]), tmp_path, range(1, 9)):
+            pub.put(step, tensors)
+            before = _pulls(llm)
+            if step == 6:
+                llm.llm_engine.collective_rpc("reset_weights")
+            if step < 7:
+                assert update_weights(llm, step) == step
+            else:  # prepared while serving: the first allocates its staging, the next reuses it
+                begin_update(llm, step)
+                wait_ready(llm)
+                assert apply_update(llm) == step
+            assert V.served(llm, path) == [], step
+            after = _pulls(llm)
+            deltas = [a["delta"] - b["delta"] for a, b in zip(after, before)]
+            moved = [a["bytes"] - b["bytes"] for a, b in zip(after, before)]
+            whole = whole or min(moved)  # the first update: each worker's slice, whole
+            if deltas == [1, 1] and max(moved) < whole / 4:
+                kinds[step] = "delta"
+            elif deltas == [0, 0] and min(moved) >= whole:
+                kinds[step] = "whole"
+            else:
+                kinds[step] = f"{deltas} {moved}"
+        assert all(s["kept_bytes"] > 0 for s in update_status(llm))  # the staging, kept
+    finally:
+        pub.close()
+        llm.init_weight_transfer_engine({"init_info": {"namespace": dense["ns"], "etcd": endpoint}})
+    # whole: the first; after reset_weights; into a new preparation's staging. One of steps 2-5 may be whole
+    # too: the publisher lays its slots out anew once, with the pre-packed copies the workers asked for.
+    assert [kinds[s] for s in (1, 6, 7)] == ["whole"] * 3, kinds
+    assert kinds[8] == "delta", kinds
+    assert sorted(kinds[s] for s in (2, 3, 4, 5)) in (["delta"] * 4, ["delta"] * 3 + ["whole"]), kinds
+    V.update(llm, {"step": publish(dense, dense["path"])})
+    assert_reference(dense)

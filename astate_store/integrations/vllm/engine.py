@@ -4,20 +4,31 @@ Selected with ``weight_transfer_config={"backend": "astate"}`` (``--weight-trans
 ``vllm serve``) once astate-store is installed: the ``vllm.general_plugins`` entry point registers it
 in every vLLM process. Driven by vLLM's four phases:
 
-1. ``init_weight_transfer_engine({"namespace": NS, "etcd": ..., "timeout": ...})``: connect to the
-   namespace; decide per module whether it is written in place or staged (:mod:`.paths`).
+1. ``init_weight_transfer_engine({"namespace": NS, "etcd": ..., "timeout": ..., "delta": True})``:
+   connect to the namespace (a consumer of delta versions unless ``delta`` is false); decide per module
+   whether it is written in place or staged (:mod:`.paths`).
 2. ``start_weight_update()``: nothing to prepare.
 3. ``update_weights({"step": N})`` (the newest committed version >= N; ``{}``: the newest committed)
    or ``{"checkpoint": URI, "step": N}`` (cold start from an astate checkpoint, no trainer needed):
    a. list what the version publishes (names, global shapes, dtypes);
    b. bake once per published set: learn each parameter's boxes from vLLM's loaders (:mod:`.bake`);
    c. build the buffers: in-place views of the live parameters, staging views for staged modules;
-      validate names, shapes and dtypes on every worker and agree (a collective) before any byte moves;
+      validate names, shapes and dtypes on every worker and agree (a collective) before any byte moves.
+      With delta versions the buffers are kept from one update to the next (the staged modules' staging
+      too, unless ``keep_staging`` is false), so that the pull moves only what changed since the
+      version they hold;
    d. one ``get_into`` (or ``restore``) pulls this worker's TP/EP slice of that version (agreed too:
       if it fails on one worker, every worker raises);
    e. the workers agree on the step; a worker behind pulls again at the newest;
    f. staged modules are post-processed by vLLM and copied in (:mod:`.staged`).
 4. ``finish_weight_update()``: nothing left to do (vLLM records the weight version).
+
+Delta pulls (docs/delta.md): the engine owns its buffers, so it promises the store that they hold the
+version it last delivered, and breaks the promise (``Store.forget``: the next update moves every byte)
+whenever something else may have written them: vLLM's ``reset_weights`` and ``reload_weights`` (a load
+from disk; the worker's methods are wrapped to say so, :func:`watch_worker_writes`), a cold start from a
+checkpoint, an update that failed or was refused, and ``collective_rpc("weight_transfer_engine",
+args=("forget",))`` for any other write.
 
 ``update_info["phase"]`` (default ``"now"``, the steps above) splits an update around serving
 (:mod:`.prepared`): ``"begin"`` resolves and checks the version as in 3a-3c, starts the pull and the
@@ -30,6 +41,7 @@ helpers (:mod:`.clients`) use it to learn the step served and whether a preparat
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -52,7 +64,14 @@ from astate_store.integrations.vllm.prepared import Prepared
 from astate_store.integrations.vllm.served import served_digests
 from astate_store.integrations.vllm.staged import StagedModule, refresh
 
-__all__ = ["AstateInitInfo", "AstateUpdateInfo", "AstateWeightTransferEngine", "NotReady", "UpdateError"]
+__all__ = [
+    "AstateInitInfo",
+    "AstateUpdateInfo",
+    "AstateWeightTransferEngine",
+    "NotReady",
+    "UpdateError",
+    "watch_worker_writes",
+]
 
 PHASES = ("now", "begin", "apply", "cancel")
 
@@ -74,7 +93,10 @@ class AstateInitInfo(WeightTransferInitInfo):
     namespace: str
     etcd: str | list[str] | None = None  # None: $ASTATE_ETCD* of the vLLM processes (credentials too)
     timeout: float = 60.0  # seconds to wait for a version to commit
-    keep_staging: bool = False  # keep a prepared update's staging between updates (see prepared.py)
+    delta: bool = True  # pull delta versions: only what changed since the version the buffers hold
+    # keep the staging between updates (staged modules' in blocking updates, a prepared update's all of
+    # it; see prepared.py), so that the next pull into it is a delta; None: whenever ``delta`` is on
+    keep_staging: bool | None = None
 
 
 @dataclass
@@ -94,6 +116,20 @@ class _Plan:
     staged: list[StagedModule]
 
 
+@dataclass
+class _Held:
+    """The buffers of the last blocking update, kept for the next one (delta versions): the store counts
+    them as holding the version it delivered while they are the very same objects."""
+
+    key: tuple  # (plan fingerprint, id of the model): what they were built for
+    buffers: dict[str, Any]  # HF name -> Shard views (in place and staging)
+    live: list[tuple[torch.Tensor, int, tuple[int, ...]]]  # parameter viewed in place, its address, shape
+
+    def valid(self, key: tuple) -> bool:
+        """Built for this plan and model, and every live parameter still where the views point."""
+        return key == self.key and all(p.data_ptr() == a and tuple(p.shape) == s for p, a, s in self.live)
+
+
 class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpdateInfo]):
     """Pulls published HF tensors straight into this worker's vLLM parameters (see the module doc)."""
 
@@ -111,21 +147,31 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         self.last_seconds: dict[str, float] = {}
         self._pending: Prepared | None = None  # an update prepared with phase "begin"
         self._fingerprint: tuple = ()  # of the published set the pending update pulls
+        self.delta = True
         self.keep_staging = False
         self._kept: tuple[tuple, Any] | None = None  # (plan fingerprint, staging) holding the version served
+        self._held: _Held | None = None  # the blocking updates' buffers, kept for delta pulls
         self.touched = False  # a blocking pull failed after bytes may have moved into live parameters
+        watch_worker_writes()
 
     def __call__(self, what: str = "status") -> dict[str, Any]:
         """For ``collective_rpc("weight_transfer_engine", args=(what,))`` (vLLM resolves the name on the
         worker and calls it: no function serialized; ``/collective_rpc`` over HTTP). ``"status"``: the step
         served, ``touched`` (a failed blocking pull left parameters partly written), ``pending`` (the
         update being prepared: ``step``, ``ready``, ``running``, ``error``, ``staging_bytes``),
-        ``prefix_caching``, ``multimodal``, the last update's seconds. ``"served"``: parameter -> SHA-256
-        of what this worker computes with (:mod:`.served`)."""
+        ``prefix_caching``, ``multimodal``, the last update's seconds, ``pulls`` (``delta``: pulls served
+        as deltas, ``all``, ``bytes`` read, of this engine's store) and ``kept_bytes`` (staging kept
+        between updates). ``"served"``: parameter -> SHA-256 of what this worker computes with
+        (:mod:`.served`). ``"forget"``: the weights were written another way; the next update moves
+        every byte (:meth:`forget`)."""
         if what == "served":
             return served_digests(self._default_model)
+        if what == "forget":
+            self.forget()
+            return {"forgotten": True}
         if what != "status":
-            raise ValueError(f"astate engine: unknown query {what!r} (known: 'status', 'served')")
+            raise ValueError(f"astate engine: unknown query {what!r} (known: 'status', 'served', 'forget')")
+        stats = None if self.store is None else self.store.stats
         return {
             "step": self.last_step,
             "touched": self.touched,
@@ -133,7 +179,26 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
             "multimodal": bool(getattr(self._default_model_config, "is_multimodal_model", False)),
             "pending": None if self._pending is None else self._pending.status(),
             "seconds": dict(self.last_seconds),
+            "pulls": None
+            if stats is None
+            else {"delta": stats.delta_pulls, "all": stats.pulls, "bytes": stats.pull_bytes},
+            "kept_bytes": self._kept_bytes(),
         }
+
+    def forget(self) -> None:
+        """The engine's weights were written another way: the next update moves every byte (its buffers
+        no longer hold the version the store delivered into them)."""
+        if self.store is not None:
+            self.store.forget()
+
+    def _kept_bytes(self) -> int:
+        staging = [] if self._held is None or self._plan is None else self._plan.staged
+        n = sum(t.numel() * t.element_size() for s in staging for t in s.staging.values())
+        if self._kept is not None:
+            staging_, modules, _views = self._kept[1]
+            n += sum(t.numel() * t.element_size() for t in staging_.values())
+            n += sum(t.numel() * t.element_size() for ts in modules.values() for t in ts.values())
+        return n
 
     # ---- the four phases --------------------------------------------------------------------------
 
@@ -167,9 +232,13 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
             self.store.close()
             self.store = None
         self.timeout = float(init_info.timeout)
-        self.keep_staging, self._kept = bool(init_info.keep_staging), None
+        self.delta = bool(init_info.delta)
+        keep = init_info.keep_staging
+        self.keep_staging, self._kept, self._held = self.delta if keep is None else bool(keep), None, None
         # a consumer: rank / world size are publisher settings, not this worker's vLLM rank
-        self.store = astate_store.connect(init_info.namespace, etcd=init_info.etcd, rank=0, world_size=1)
+        self.store = astate_store.connect(
+            init_info.namespace, etcd=init_info.etcd, rank=0, world_size=1, delta=self.delta
+        )
         self.paths = decide(self.model)
         self.followers = tied_followers(self.model, self.paths)
         self._plan = None
@@ -211,23 +280,29 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         try:
             step, plan, buffers = self._agreed(lambda: self._prepare(update_info, timeout))
         except BaseException:
-            for s in self._plan.staged if self._plan is not None else ():
-                s.drop()  # refused elsewhere after this worker allocated its staging
+            self.forget()  # refused (elsewhere after this worker allocated its staging): whole next time
+            self._drop_held()
             raise
         t1 = time.perf_counter()
         self._kept = None  # the live weights change without it: it no longer holds the version served
         self.touched = bool(plan.baked.pieces)  # from here a failed pull may leave live parameters torn
+        keep = self._held is not None and self._held.buffers is buffers
         try:
             got = self._agreed(lambda: self._pull(buffers, update_info, step, timeout))
             got = self._follow(got, lambda newest: self.store.get_into(buffers, step=newest, timeout=timeout))
             t2 = time.perf_counter()
             for s in plan.staged:
-                s.commit(self.model_config)
+                s.commit(self.model_config, keep=keep)
             for name in self.followers:  # tied to a module just committed (or written in place)
                 refresh(self.model.get_submodule(name), self.model_config)
+        except BaseException:
+            self.forget()
+            self._drop_held()
+            raise
         finally:
-            for s in plan.staged:
-                s.drop()
+            if not keep:
+                for s in plan.staged:
+                    s.drop()
         self.touched = False
         self.last_step = got
         self.last_seconds = {"prepare": t1 - t0, "pull": t2 - t1, "staged": time.perf_counter() - t2}
@@ -237,7 +312,22 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
 
     def _prepare(self, info: AstateUpdateInfo, timeout: float) -> tuple[int, _Plan, dict[str, Any]]:
         step, plan, keys = self._resolve(info, timeout)
-        return step, plan, self._buffers(plan, keys)
+        key = (plan.fingerprint, id(self.model))
+        if self._held is not None and self._held.valid(key):
+            return step, plan, self._held.buffers  # the very buffers of the last update: a delta pull
+        self._drop_held()
+        buffers = self._buffers(plan, keys)
+        if self.delta and (self.keep_staging or not plan.staged):
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            live = {p.param: params[p.param] for p in plan.baked.pieces}
+            self._held = _Held(key, buffers, [(t, t.data_ptr(), tuple(t.shape)) for t in live.values()])
+        return step, plan, buffers
+
+    def _drop_held(self) -> None:
+        """Drop the blocking updates' kept buffers and staging (the next one allocates anew)."""
+        self._held = None
+        for s in self._plan.staged if self._plan is not None else ():
+            s.drop()
 
     def _resolve(
         self, info: AstateUpdateInfo, timeout: float
@@ -282,8 +372,13 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
             return step, plan, keys
 
         t0 = time.perf_counter()
-        step, plan, keys = self._agreed(resolve)
+        try:
+            step, plan, keys = self._agreed(resolve)
+        except BaseException:
+            self.forget()
+            raise
         assert self.store is not None
+        self._drop_held()  # the preparation pulls into buffers of its own; the blocking path's go
         kept, self._kept = self._kept, None  # the preparation owns it now (dropped if it fails)
         self._pending = Prepared(
             step=_all_max(step),
@@ -337,6 +432,7 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         if self._pending is not None:
             self._pending.drop()
             self._pending = None
+            self.forget()  # a failed or cancelled preparation: the next update moves every byte
 
     # ---- steps ------------------------------------------------------------------------------------
 
@@ -414,6 +510,7 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
     def _pull(self, buffers: Mapping[str, Any], info: AstateUpdateInfo, step: int, timeout: float) -> int:
         assert self.store is not None
         if info.checkpoint is not None:
+            self.store.forget()  # a restore writes them behind the store's back
             return self.store.restore(buffers, uri=info.checkpoint, step=step)
         return self.store.get_into(buffers, step=step, timeout=timeout)
 
@@ -471,6 +568,33 @@ def _end_worker_session(engine: AstateWeightTransferEngine) -> None:
     log.warning(
         "astate: refused update: the vLLM worker that called it was not found; its session stays open"
     )
+
+
+_WRITERS = ("reset_weights", "reload_weights")  # vLLM worker methods that write every weight
+
+
+def watch_worker_writes() -> None:
+    """Wrap vLLM's worker methods that write every weight (``reset_weights``, ``reload_weights``: a load
+    from disk) so that they first tell the worker's astate engine to forget (its next update moves every
+    byte: its buffers no longer hold what it delivered). Once per process; they behave as before."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    for name in _WRITERS:
+        fn = getattr(Worker, name, None)
+        if fn is not None and not getattr(fn, "_astate_forgets", False):
+            setattr(Worker, name, _forgetting(fn))
+
+
+def _forgetting(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(worker: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = getattr(worker, "weight_transfer_engine", None)
+        if isinstance(engine, AstateWeightTransferEngine):
+            engine.forget()
+        return fn(worker, *args, **kwargs)
+
+    wrapper._astate_forgets = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def _check_views(model: torch.nn.Module, plan: _Plan, keys: Mapping[str, tuple[tuple, str]]) -> None:

@@ -53,7 +53,7 @@ from astate_store.integrations.vllm.bake import Piece
 from astate_store.integrations.vllm.paths import IN_PLACE_METHODS
 from astate_store.integrations.vllm.staged import StagedModule, post_process
 
-__all__ = ["Prepared", "ahead_safe"]
+__all__ = ["Kept", "Prepared", "ahead_safe"]
 
 log = logging.getLogger("astate_store.integrations.vllm")
 
@@ -62,6 +62,10 @@ log = logging.getLogger("astate_store.integrations.vllm")
 NICE = 10
 _MODULE_STATE = ("_parameters", "_buffers", "_modules")  # dicts a shadow owns or shares deliberately
 _MISSING = object()
+
+# what ``keep`` holds from one apply to the next preparation: in-place staging (live parameter name ->
+# tensor), staged modules' staging (module -> parameter -> tensor) and the views the pull wrote through
+Kept = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, list[Shard]]]
 
 
 def ahead_safe(module: torch.nn.Module) -> bool:
@@ -100,9 +104,10 @@ class Prepared:
     store: Any
     timeout: float
     keep: bool = False  # keep the staging after apply (same tensors next time: a delta pull applies to them)
-    reuse: tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]] | None = None  # kept before
+    reuse: Kept | None = None  # kept by the last apply: it holds the version served
     staging: dict[str, torch.Tensor] = field(default_factory=dict)  # live parameter name -> its staging
     modules: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # staged module -> its staging
+    views: dict[str, list[Shard]] = field(default_factory=dict)  # HF name -> views into the staging
     shadows: dict[str, torch.nn.Module] = field(default_factory=dict)  # module processed ahead -> shadow
     got: int | None = None  # the step the pull delivered
     error: BaseException | None = None  # why the preparation failed (set by the thread)
@@ -137,11 +142,11 @@ class Prepared:
             self._done.set()
 
     def _allocate(self) -> dict[str, list[Shard]]:
-        """Staging for everything the pull writes (the kept one if any: it holds the version served), and
-        the views into it (HF name -> shards)."""
+        """Staging for everything the pull writes, and the views into it (HF name -> shards): the kept
+        ones if any (they hold the version served; the very same views, so the pull is a delta)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         if self.reuse is not None:
-            self.staging, self.modules = self.reuse
+            self.staging, self.modules, self.views = self.reuse
         else:
             self.staging = {}
             for p in self.pieces:
@@ -154,6 +159,8 @@ class Prepared:
         self.staging_bytes = sum(t.numel() * t.element_size() for t in self.staging.values()) + sum(
             t.numel() * t.element_size() for ts in self.modules.values() for t in ts.values()
         )
+        if self.reuse is not None:
+            return self.views
         views: dict[str, list[Shard]] = {}
         for p in self.pieces:
             views.setdefault(p.hf, []).append(
@@ -165,6 +172,7 @@ class Prepared:
                 views.setdefault(p.hf, []).append(
                     Shard(p.view(self.modules[s.name][local]), p.offsets, self.shapes[p.hf])
                 )
+        self.views = views if self.keep else {}
         return views
 
     def _ahead(self) -> None:
@@ -229,7 +237,7 @@ class Prepared:
         if self.error is not None:
             raise self.error
 
-    def swap(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]] | None:
+    def swap(self) -> Kept | None:
         """Move the prepared weights into the live model (the engine is paused; see the module doc);
         returns the staging if kept (it now holds the version served)."""
         ahead = set(self.shadows)
@@ -252,7 +260,7 @@ class Prepared:
         for name in self.followers:
             if name not in ahead:  # its owner was late: its kernel rebuilt from the updated parameter
                 post_process(self.model.get_submodule(name), self.model_config)
-        kept = (self.staging, self.modules) if self.keep else None
+        kept = (self.staging, self.modules, self.views) if self.keep else None
         self.drop()
         return kept
 
@@ -260,7 +268,7 @@ class Prepared:
         """Release the staging and shadows (waits for the thread, which may still be pulling into them)."""
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        self.staging, self.modules, self.shadows = {}, {}, {}
+        self.staging, self.modules, self.shadows, self.views = {}, {}, {}, {}
         for s in self.staged:
             s.drop()
 

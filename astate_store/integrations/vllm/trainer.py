@@ -59,7 +59,11 @@ class AstateTrainerInitInfo(TrainerInitInfo):
     world_size: int = 1  # publisher ranks (every rank that calls send_weights)
     start_step: int | None = None  # the first step sent (None: the newest committed + 1, or 1)
     timeout: float = 60.0  # seconds the engine waits for a version to commit
-    keep_staging: bool = False  # the engine keeps a prepared update's staging between updates (prepared.py)
+    # delta versions (docs/delta.md): the trainer's puts record what changed, the engine pulls only that
+    delta: bool = True
+    # the engine keeps its staging between updates (staged modules', a prepared update's), where delta
+    # pulls apply; None: the engine's default (kept when delta is on)
+    keep_staging: bool | None = None
 
 
 class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
@@ -81,7 +85,11 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
         store = astate_store.connect(
-            init_info.namespace, etcd=init_info.etcd, rank=init_info.rank, world_size=init_info.world_size
+            init_info.namespace,
+            etcd=init_info.etcd,
+            rank=init_info.rank,
+            world_size=init_info.world_size,
+            delta=init_info.delta,
         )
         engine.store = store
         latest = store.latest()
@@ -93,6 +101,7 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
                     "namespace": init_info.namespace,
                     "etcd": etcd,
                     "timeout": init_info.timeout,
+                    "delta": init_info.delta,
                     "keep_staging": init_info.keep_staging,
                 }
             )
