@@ -253,7 +253,9 @@ def test_updates_over_http_leave_no_stale_kv_even_prepared_while_serving(server:
         step = sender.send_weights(w2, background=True)
         got: list[int] = []
         done = threading.Event()
-        threading.Thread(target=_stream, args=(server, [3, 1, 4, 1, 5, 9, 2, 6], 100, got, done)).start()
+        threading.Thread(
+            target=_stream, args=(server, [3, 1, 4, 1, 5, 9, 2, 6], 100, got, done), daemon=True
+        ).start()
         while not got and not done.is_set():
             time.sleep(0.01)
         assert not done.is_set()  # in flight
