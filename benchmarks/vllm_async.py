@@ -29,7 +29,7 @@ reference weights, what the engine computes with (the engine's ``"served"`` quer
 through the GEMM) hashes to what it computed with after loading them from disk, and after every update to
 the negation it does not. Prints one JSON line and appends it to benchmarks/results/vllm_async.jsonl.
 
-    .venv/bin/python benchmarks/vllm_async.py [--rounds 2] [--small] [--keep-staging]
+    .venv/bin/python benchmarks/vllm_async.py [--rounds 2] [--small]
 """
 
 from __future__ import annotations
@@ -232,9 +232,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a tiny model (a quick check of the script)")
-    ap.add_argument(
-        "--keep-staging", action="store_true", help="the engine keeps its staging between updates"
-    )
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop our server
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -257,9 +254,7 @@ def main() -> None:
     verified = {"blocking": True, "background": True}
     try:
         ref = control.served()
-        control.init_weight_transfer_engine(
-            {"namespace": ns, "etcd": etcd.endpoint, "timeout": 300, "keep_staging": args.keep_staging}
-        )
+        control.init_weight_transfer_engine({"namespace": ns, "etcd": etcd.endpoint, "timeout": 300})
         # the first update of a published set bakes (drives the loaders once): untimed
         step = 1
         store.put(step, negated)
@@ -310,7 +305,6 @@ def main() -> None:
         "tp": 1,
         "streams": STREAMS,
         "rounds": args.rounds,
-        "keep_staging": args.keep_staging,
         "blocking_seconds": blocking,
         "stall_seconds": stall,
         "stall_ratio": ratio(stall, blocking),

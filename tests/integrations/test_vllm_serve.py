@@ -252,7 +252,9 @@ def test_updates_over_http_leave_no_stale_kv_even_prepared_while_serving(server:
         step = sender.send_weights(w2, background=True)
         got: list[int] = []
         done = threading.Event()
-        threading.Thread(target=_stream, args=(server, [3, 1, 4, 1, 5, 9, 2, 6], 100, got, done)).start()
+        threading.Thread(
+            target=_stream, args=(server, [3, 1, 4, 1, 5, 9, 2, 6], 100, got, done), daemon=True
+        ).start()
         wait_until(lambda: got or done.is_set(), 300, interval=0.01, message="the stream never started")
         assert not done.is_set()  # in flight
         assert sender.apply_weights() == step
