@@ -91,17 +91,19 @@ def transport_store_factory(store_factory: Callable[..., Any], transport: str) -
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Next to pyproject's markers (gpu, slow); ``make test-fast`` leaves out ``slow`` and ``vllm``.
+    # Next to pyproject's markers (gpu, slow); ``make test-fast`` leaves out slow, vllm and sglang.
     config.addinivalue_line("markers", "vllm: starts or imports real vLLM (minutes each)")
+    config.addinivalue_line("markers", "sglang: starts a real SGLang engine from .venv-sglang (minutes each)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The real-vLLM tests (``xdist_group("vllm")``) first: their files, minutes of engine start-up
-    each, start while the rest of the suite is still queued, instead of arriving last and leaving
-    one worker idle behind them (``make test`` hands whole files to a worker)."""
+    """The real-engine tests (``xdist_group("vllm")``, ``xdist_group("sglang")``) first: their files,
+    minutes of engine start-up each, start while the rest of the suite is still queued, instead of
+    arriving last and leaving one worker idle behind them (``make test`` hands whole files to a worker)."""
 
     def first(item: pytest.Item) -> int:
-        return 0 if any(m.args[:1] == ("vllm",) for m in item.iter_markers("xdist_group")) else 1
+        engines = (("vllm",), ("sglang",))
+        return 0 if any(m.args[:1] in engines for m in item.iter_markers("xdist_group")) else 1
 
     items.sort(key=first)
 
