@@ -71,16 +71,29 @@ class StoreOptions:
     replicas: int = 0
     # seconds a put waits for `replicas` servers before ReplicationTimeout (the step stays committed)
     replica_timeout: float = 60.0
+    # delta versions (docs/delta.md): a put also records which elements changed since this rank's
+    # previous put; a pull into the buffers of the last pull moves only what changed since
+    delta: bool = False
+    # the changes' room per staging slot, as a fraction of the slot's snapshot bytes (delta=True);
+    # tiles that do not fit are read whole
+    delta_budget: float = 0.25
+    # after each pull, check the tiles' XXH3 digests the publishers recorded (delta=True
+    # publishers) against the buffers; a mismatch raises DeltaMismatch naming the tensor
+    verify: bool = False
 
     def __post_init__(self) -> None:
-        """ValueError for a ``replicas`` that is not an int >= 0 or a ``replica_timeout`` that is
-        not a number of seconds > 0 (before anything is created)."""
+        """ValueError for a ``replicas`` that is not an int >= 0, a ``replica_timeout`` that is
+        not a number of seconds > 0 or a ``delta_budget`` outside [0, 4] (before anything is
+        created)."""
         r, t = self.replicas, self.replica_timeout
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ValueError(f"replicas must be an int >= 0 (replica servers to wait for), got {r!r}")
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"replica_timeout must be a number of seconds > 0, got {t!r}")
         object.__setattr__(self, "replica_timeout", float(t))
+        b = self.delta_budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 4:
+            raise ValueError(f"delta_budget must be a fraction of the snapshot bytes in [0, 4], got {b!r}")
 
     @classmethod
     def of(cls, fields: dict[str, object]) -> StoreOptions:

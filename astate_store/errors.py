@@ -21,6 +21,7 @@ __all__ = [
     "PeerUnreachable",
     "NoLiveSource",
     "TornReadError",
+    "DeltaMismatch",
     "CheckpointError",
     "CheckpointNotFound",
     "CheckpointCorrupted",
@@ -142,6 +143,23 @@ class NoLiveSource(PeerUnreachable):
 
 class TornReadError(AStateError):
     """The version was retired while being read; the bytes may mix two steps."""
+
+
+class DeltaMismatch(AStateError):
+    """``verify=True``: after a pull, a buffer's bytes disagree with the digests its publisher
+    recorded (a buffer changed behind the store's back, or a fault on the way): the tensor and
+    the tiles are named. The next pull into these buffers is whole."""
+
+    def __init__(self, message: str, *, step: int | None = None, tensors: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.step, self.tensors = step, tensors
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_mismatch, (self.args[0], self.step, self.tensors))
+
+
+def _rebuild_mismatch(message: str, step: int | None, tensors: tuple[str, ...]) -> DeltaMismatch:
+    return DeltaMismatch(message, step=step, tensors=tensors)
 
 
 class CheckpointError(AStateError):

@@ -147,8 +147,12 @@ class Stats:
     ``pull_bytes``, ``pull_seconds`` (their whole duration), ``torn_retries`` (reads discarded
     because a source retired the memory under them), ``failovers`` (a source set failed, another
     was tried), ``plans`` and ``plan_hits`` (planner runs and cache hits), ``reads`` (transport
-    read operations), ``local_conversions`` (buffers converted on this side), ``delivered_step``
-    and ``last_pull``.
+    read operations), ``local_conversions`` (buffers converted on this side), ``delta_pulls``
+    (pulls served as deltas: only the changes since the buffers' step moved, docs/delta.md),
+    ``delta_elements`` (the elements those pulls wrote into the buffers), ``verified_tiles`` and
+    ``unverified_tiles`` (``verify=True``: tiles checked against their digests, and tiles of the
+    buffers that could not be: held in part, converted, on a device, or without a digest),
+    ``delivered_step`` and ``last_pull``.
 
     Publisher side: ``puts``, ``put_bytes`` (this rank's bytes published), ``put_seconds``,
     ``put_errors`` (puts that raised, e.g. fenced by a newer session), ``commits`` (puts that
@@ -172,6 +176,10 @@ class Stats:
     plan_hits: int = 0
     reads: int = 0
     local_conversions: int = 0
+    delta_pulls: int = 0
+    delta_elements: int = 0
+    verified_tiles: int = 0
+    unverified_tiles: int = 0
     puts: int = 0
     put_bytes: int = 0
     put_seconds: float = 0.0
@@ -223,6 +231,10 @@ _COUNTERS = (
     "plan_hits",
     "reads",
     "local_conversions",
+    "delta_pulls",
+    "delta_elements",
+    "verified_tiles",
+    "unverified_tiles",
     "put_bytes",
     "put_errors",
     "commits",
@@ -290,6 +302,11 @@ class StoreMetrics:
             t.convert,
             seconds,
         )
+
+    def delta_pulled(self, elements: int) -> None:
+        """A pull served as a delta (counted in ``pulled`` too), which wrote ``elements``."""
+        self.delta_pulls += 1
+        self.delta_elements += elements
 
     def pull_failed(self, outcome: str) -> None:
         self.pulls_by[outcome if outcome in self.pulls_by else "error"] += 1
@@ -395,6 +412,10 @@ _COUNTER_HELP = {
     "plan_hits": "Pulls served by a cached plan or ready-made batch.",
     "reads": "Transport read operations (runs) issued by pulls.",
     "local_conversions": "Buffers converted to another dtype on the consumer.",
+    "delta_pulls": "Pulls served as deltas: only the changes since the buffers' version were read.",
+    "delta_elements": "Elements delta pulls wrote into buffers.",
+    "verified_tiles": "Tiles of pulled buffers checked against their publishers' digests (verify=True).",
+    "unverified_tiles": "Tiles verify could not check (held in part, converted, no digest).",
     "put_bytes": "Bytes this rank published with put.",
     "put_errors": "put calls that raised (a fenced session, etcd unreachable, a bad input past validation).",
     "commits": "Puts of this rank that completed (committed) their version.",

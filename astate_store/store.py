@@ -340,6 +340,13 @@ class Store:
         buffers = self._get_sd.convert(buffers, non_tensors)
         return self._pulls.get_into(buffers, step, timeout, progress)  # withdraws a re-served offer first
 
+    def forget(self, buffers: Mapping[str, Any] | None = None) -> None:
+        """With ``delta=True``: the buffers of the last :meth:`get_into` no longer hold the step it
+        delivered (the caller wrote into them, or loaded other weights): the next pull into them
+        moves every byte. New buffers are whole anyway; so is the pull after a failed one.
+        ``buffers``: the buffers forgotten (None: whichever this store's last pull filled)."""
+        self._consumer.forget(None if buffers is None else self._get_sd.convert(buffers, "skip"))
+
     def serve(self, step: int, buffers: Mapping[str, TensorLike], *, group: str | None = None) -> None:
         """Offer buffers that :meth:`get_into` just filled with ``step`` as an extra source of that
         step, so later consumers and recovering publishers can pull from this process instead of

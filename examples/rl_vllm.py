@@ -49,15 +49,17 @@ def vllm_rollout(index: int, o: LoopOptions, *, echo: bool = False) -> list[floa
     1. save a Qwen2 with other random weights than the trainer's (``save_pretrained``) and start
        ``LLM(model_dir, weight_transfer_config={"backend": "astate"})`` on it;
     2. ``init_weight_transfer_engine`` once, on the trainer's namespace;
-    3. each step: ``start_weight_update``, ``update_weights({"step": s})``, ``finish_weight_update``,
-       then greedy generation; the engine's parameters, mapped back to HF names by the ``qwen2``
-       preset's views (no copy), go to trainer rank 0 through the acks, which compares them bit for
-       bit with its own unsharded weights.
+    3. each step: ``update_weights(llm, s)`` (the four phases, then the prefix cache cleared: the fixed
+       prompt, answered every step, must not be served from KV blocks of the previous weights), then
+       greedy generation; the engine's parameters, mapped back to HF names by the ``qwen2`` preset's
+       views (no copy), go to trainer rank 0 through the acks, which compares them bit for bit with its
+       own unsharded weights.
     """
     import tempfile
 
     import astate_store
     from astate_store.integrations import presets
+    from astate_store.integrations.vllm import update_weights
     from examples.rl_loop import _quiet_worker, fixed_prompt, llama_config, log, make_model, rollout_label
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: the KV cache of a tiny model
@@ -95,9 +97,7 @@ def vllm_rollout(index: int, o: LoopOptions, *, echo: bool = False) -> list[floa
             ) as acks:
                 for step in range(1, o.steps + 1):
                     t0 = time.perf_counter()
-                    llm.start_weight_update()
-                    llm.update_weights({"update_info": {"step": step}})
-                    llm.finish_weight_update(weight_version=str(step))
+                    update_weights(llm, step)  # the newest version >= step, the prefix cache cleared
                     times.append(time.perf_counter() - t0)
                     out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
                     hf = presets.views("qwen2", _engine_weights(llm), llama_config(o))

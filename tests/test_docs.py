@@ -53,11 +53,14 @@ def _room(module: str) -> str | None:
         return "astate_store"
     if (PKG / parts[1]).is_dir():
         return parts[1] + "/"
-    return parts[1] if parts[1] == "_ucx" else parts[1] + ".py"
+    return parts[1] if parts[1] in NATIVE else parts[1] + ".py"
+
+
+NATIVE = ("_ucx", "_delta")  # the C extensions: modules without a .py file
 
 
 def _is_module(name: str) -> bool:
-    return name == "_ucx" or (PKG / name).is_dir() or (PKG / f"{name}.py").is_file()
+    return name in NATIVE or (PKG / name).is_dir() or (PKG / f"{name}.py").is_file()
 
 
 def _dotted(path: str) -> str:
@@ -136,7 +139,7 @@ def test_a_module_imports_only_the_rooms_its_row_lists(path: str) -> None:
         pytest.skip("no row (test_every_module_has_one_row_in_the_architecture_table)")
     listed = rows[path][1]
     unknown = sorted(
-        t for t in listed if not (t in ROOMS or t in ("_ucx", "astate_store") or (PKG / t).is_file())
+        t for t in listed if not (t in ROOMS or t in (*NATIVE, "astate_store") or (PKG / t).is_file())
     )
     assert not unknown, f"{path}: its row lists what is no room or root module of the package: {unknown}"
     undeclared = sorted(imported_rooms(path) - listed)

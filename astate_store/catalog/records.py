@@ -9,6 +9,7 @@ Pure functions and data only: no etcd access here, so every role decodes a recor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from astate_store.catalog.deltas import Delta, delta_from_record
 from astate_store.catalog.shard_tables import Layout
 from astate_store.errors import CatalogCorrupted, CodecError, VersionNotFound
 from astate_store.model import codec
@@ -156,6 +158,8 @@ class Piece:
     slot_bases: tuple[int, ...] = ()  # every slot of the rank's staging pool (a prefault hint)
     # the slot's step word: (region, offset, token); None: none (in place, a device pool, older writer)
     step_word: tuple[int, int, int] | None = None
+    # the rank's change map of this version (catalog/deltas.py); None: none, or a bad record skipped
+    delta: Delta | None = None
 
 
 @dataclass(frozen=True)
@@ -246,7 +250,7 @@ def version_from_kvs(
             continue  # a fenced session's leftover: not read
         piece, is_bad = _piece_record(found, epoch, world, r, k, value, rev)
         if piece is not None:
-            pieces[r] = piece
+            pieces[r] = _with_delta(found, piece)
         elif is_bad:
             bad.append(k)
     _require_every_rank(found, epoch, world, pieces, bad)
@@ -264,6 +268,7 @@ class _VersionKvs:
     commit: dict[str, Any] | None = None
     # (epoch, rank) -> (key, undecoded value, mod revision)
     pieces_raw: dict[tuple[int, int], tuple[str, bytes, int | None]] = field(default_factory=dict)
+    deltas_raw: dict[tuple[int, int], tuple[str, bytes, int | None]] = field(default_factory=dict)  # likewise
     replicas: dict[str, Replica] = field(default_factory=dict)  # member -> replica
 
 
@@ -284,12 +289,21 @@ def _sort_kv(found: _VersionKvs, value: bytes, meta: Any) -> None:
             found.report(k, "not a piece key (epoch and rank are 20 digits)", rev)
         else:
             found.pieces_raw[er] = (k, value, rev)
+    elif len(tail) == 3 and tail[0] == "deltas":
+        er = _piece_key(tail)
+        if er is None:
+            found.report(k, "not a delta key (epoch and rank are 20 digits)", rev)
+        else:
+            found.deltas_raw[er] = (k, value, rev)
     elif len(tail) == 3 and tail[0] == "replicas" and tail[1] and tail[2]:
         replica = _replica_record(found, tail[1], tail[2], k, value, rev)
         if replica is not None:
             found.replicas[replica.member] = replica
     else:
-        why = "not a key of a version (commit, pieces/<epoch>/<rank>, replicas/<group>/<member>)"
+        why = (
+            "not a key of a version (commit, pieces/<epoch>/<rank>, deltas/<epoch>/<rank>, "
+            "replicas/<group>/<member>)"
+        )
         found.report(k, why, rev)
 
 
@@ -368,6 +382,21 @@ def _piece_record(
         tuple(p.get("slot_bases", ())),
         _step_word(found, k, p.get("step_word"), rev),
     ), False
+
+
+def _with_delta(found: _VersionKvs, piece: Piece) -> Piece:
+    """The piece with its delta record, when it has a good one (a bad one is reported: the piece
+    stays good, and its readers pull it whole)."""
+    raw = found.deltas_raw.get((piece.epoch, piece.rank))
+    if raw is None:
+        return piece
+    k, value, rev = raw
+    try:
+        d = delta_from_record(value, piece.step, piece.epoch, piece.rank, piece.layout_id)
+    except CodecError as exc:
+        found.report(k, str(exc), rev)
+        return piece
+    return dataclasses.replace(piece, delta=d)
 
 
 def _step_word(

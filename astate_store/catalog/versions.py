@@ -24,6 +24,7 @@ from pyetcd import transactions as tx
 
 from astate_store.catalog.background import own_job
 from astate_store.catalog.blobs import CHUNK_BYTES, blob_requests
+from astate_store.catalog.deltas import Delta, delta_record
 from astate_store.catalog.latest import LatestWatch
 from astate_store.catalog.records import Skips, counter_value, pad20, parse_pad20
 from astate_store.catalog.retention import PER_STEP, Retention
@@ -142,12 +143,14 @@ class Versions:
         slot_bases: Sequence[int] = (),
         *,
         step_word: tuple[int, int, int] | None = None,
+        delta: Delta | None = None,
     ) -> bool:
         """Write this rank's piece of ``step`` (and its ``meta``, the msgpack of ``put(meta=...)``)
         and, when this piece completes the set, commit it in the same transaction; True if the
         version is committed. ``slot_bases``: the staging pool's slot offsets, for consumers to
         prefault ahead; ``step_word``: (region, offset, token) of the slot's step word (both in
-        ``schemas/piece.json``).
+        ``schemas/piece.json``); ``delta``: the rank's change map of the step, written next to the
+        piece in the same transaction (``schemas/delta.json``, docs/delta.md).
 
         Raises:
             CatalogError: ``step`` is not an int in [0, 1e19), or ``layout_id`` was not written here.
@@ -161,7 +164,7 @@ class Versions:
             raise CatalogError(f"layout {layout_id} was not written by this process (write_layout first)")
         for _attempt in range(2):
             committed = self._piece_result(
-                step, self._piece_txn(step, layout_id, mid, base_offset, meta, slot_bases, step_word)
+                step, self._piece_txn(step, layout_id, mid, base_offset, meta, slot_bases, step_word, delta)
             )
             if committed is not None:
                 return committed
@@ -183,6 +186,7 @@ class Versions:
         meta: bytes | None,
         slot_bases: Sequence[int] = (),
         step_word: tuple[int, int, int] | None = None,
+        delta: Delta | None = None,
     ) -> Any:
         """One transaction: the piece (with its meta), and the commit when every other rank's
         piece is there. etcd serializes transactions, so the last rank's transaction sees all
@@ -204,6 +208,9 @@ class Versions:
         piece = codec.encode("piece", rec)
         pkey = k("versions", pad20(step), "pieces", pad20(s.epoch), pad20(s.rank))
         writes = [tx.Put(pkey, piece)]
+        if delta is not None:
+            drec = codec.encode("delta", delta_record(step, s.epoch, s.rank, lid, delta))
+            writes.append(tx.Put(k("versions", pad20(step), "deltas", pad20(s.epoch), pad20(s.rank)), drec))
         if meta is not None:
             writes.append(
                 tx.Put(

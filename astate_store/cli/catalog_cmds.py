@@ -114,8 +114,9 @@ def inspect(
     user: UserOpt = None,
     password: PasswordOpt = None,
 ) -> None:
-    """One namespace: versions retained, session and ranks, readers, consumers, replicas,
-    checkpoints, and each tensor's shape, dtype, shards (distinct boxes) and bytes."""
+    """One namespace: versions retained (with the fraction of elements each changed, for
+    ``delta=True`` publishers), session and ranks, readers, consumers, replicas, checkpoints, and
+    each tensor's shape, dtype, shards (distinct boxes) and bytes."""
     from astate_store.cli import views
 
     with guarded():
@@ -141,6 +142,7 @@ def _show(info: dict[str, Any]) -> None:
         )
     if info["step"] is not None:
         out.print(f"step {info['step']} committed {when(info['committed_at'])}")
+    _show_changes(info["changes"])
     ranks = Table(title="ranks", box=None, header_style="bold", title_justify="left")
     for col in ("RANK", "EPOCH", "ALIVE", "SHARDS", "BYTES", "LAYOUT"):
         ranks.add_column(col)
@@ -178,6 +180,22 @@ def _show(info: dict[str, Any]) -> None:
         out.print(f"[yellow]{info['skipped_records']} bad records skipped[/]")
     for p in info["problems"]:
         out.print(f"[red]problem:[/] {p}")
+
+
+def _show_changes(changes: list[dict[str, Any]]) -> None:
+    """Each retained version's changed fraction (delta versions); nothing without them."""
+    if not any(c["fraction"] is not None for c in changes):
+        return
+    t = Table(title="changes", box=None, header_style="bold", title_justify="left")
+    for col in ("STEP", "SINCE", "CHANGED", "OF", "FRACTION"):
+        t.add_column(col)
+    for c in changes:
+        if c["fraction"] is None:
+            t.add_row(str(c["step"]), "-", "-", "-", "whole")
+        else:
+            since = ",".join(map(str, c["bases"]))
+            t.add_row(str(c["step"]), since, str(c["changed"]), str(c["elements"]), f"{c['fraction']:.4%}")
+    out.print(t)
 
 
 _ALL_EVENTS = ("commit", "pull started", "pulled", "retired", "torn", "re-serve", "checkpoint", "session")

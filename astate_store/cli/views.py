@@ -159,7 +159,9 @@ def inspect(catalog: Catalog, step: int | None = None) -> dict[str, Any]:
     """Everything ``astate inspect`` shows of one namespace, JSON-ready: ``namespace``, ``latest``,
     ``step`` (the one described: ``step`` or the newest), ``committed_at``, ``versions`` (the steps
     retained), ``session``, ``ranks``, ``readers``, ``consumers``, ``replicas``, ``checkpoints``,
-    ``tensors`` (name -> {shape, dtype, shards, bytes}), ``skipped_records`` and ``problems``.
+    ``tensors`` (name -> {shape, dtype, shards, bytes}), ``changes`` (per version retained, what its
+    delta records say changed since each rank's previous put: ``step``, ``bases``, ``changed``,
+    ``elements``, ``fraction``; None where a rank has none), ``skipped_records`` and ``problems``.
 
     Raises:
         VersionNotFound: ``step`` was given and is not committed (or no longer retained).
@@ -186,6 +188,7 @@ def inspect(catalog: Catalog, step: int | None = None) -> dict[str, Any]:
         "tensors": {},
     }
     out["checkpoints"] = [asdict(c) for c in _guard(problems, "checkpoints", catalog.checkpoints.list, [])]
+    out["changes"] = [_changes(catalog, s, problems) for s in versions]
     if shown is not None:
         version = _read(catalog, shown, step is not None, problems)
         if version is not None:
@@ -193,6 +196,26 @@ def inspect(catalog: Catalog, step: int | None = None) -> dict[str, Any]:
     out["skipped_records"] = catalog.skipped_records + skips.count
     out["problems"] = problems
     return out
+
+
+def _changes(catalog: Catalog, step: int, problems: list[str]) -> dict[str, Any]:
+    """What one version's delta records say (docs/delta.md): elements changed since each rank's
+    previous put, of how many; ``fraction`` None when some rank recorded none (a whole version)."""
+    row: dict[str, Any] = {"step": step, "bases": [], "changed": None, "elements": None, "fraction": None}
+    version = _guard(problems, f"step {step}", lambda: catalog.versions.read_version(step), None)
+    if version is None:
+        return row
+    deltas = [p.delta for _r, p in sorted(version.pieces.items())]
+    if not deltas or any(d is None or d.base is None for d in deltas):
+        return row
+    changed, elements = sum(d.changed for d in deltas), sum(d.elements for d in deltas)
+    row.update(
+        bases=sorted({d.base for d in deltas}),
+        changed=changed,
+        elements=elements,
+        fraction=changed / elements if elements else 0.0,
+    )
+    return row
 
 
 def _read(catalog: Catalog, step: int, asked: bool, problems: list[str]) -> Version | None:

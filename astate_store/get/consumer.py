@@ -33,6 +33,7 @@ from astate_store.errors import (
 )
 from astate_store.get.batches import Batches, Work, conversion_nbytes
 from astate_store.get.conversion import Converter
+from astate_store.get.delta import DeltaPulls
 from astate_store.get.links import Links
 from astate_store.get.sources import PUBLISHERS, SourceGroup
 from astate_store.get.step_words import StepWords
@@ -62,6 +63,7 @@ class Consumer:
         self.delivered_step: int | None = None  # the step self.buffers.entries hold
         self.links = Links(ctx)
         self.batches = Batches(ctx, converter, self.links, self.buffers)
+        self.delta = DeltaPulls(ctx, self.links, self.batches)  # what the buffers hold; delta pulls
         self.words = StepWords()
         self._last: Work | None = None  # the batch the last good attempt ran
         # (the tries of Batches.tries, those whose sources' processes live): see _live_tries
@@ -75,6 +77,7 @@ class Consumer:
         self.delivered_step = None
         self.links = Links(self.ctx)
         self.batches = Batches(self.ctx, self.converter, self.links, self.buffers)
+        self.delta = DeltaPulls(self.ctx, self.links, self.batches)
         self._last = None
 
     def get_into(
@@ -104,6 +107,12 @@ class Consumer:
             # next version. A begun read registered in begin_read's transaction.
             self.ctx.catalog.consumers.ensure_registered(self.ctx.reader_id)
         return self._timed(dests, step, timeout, progress, begun)
+
+    def forget(self, buffers: Mapping[str, TensorLike] | None) -> None:
+        """``Store.forget``: the next pull into ``buffers`` (None: the last pull's) is whole. Other
+        buffers than the last pull's hold no known step anyway."""
+        if buffers is None or self.buffers.validate(buffers) is self.buffers.entries:
+            self.delta.forget()
 
     def begin(self, step: int) -> Version:
         """Register as a reader of committed ``step`` and read it (``Readers.begin_read``, which
@@ -174,6 +183,7 @@ class Consumer:
             got, begun = self._read(s, dests, t, begun), None
             if got:
                 self.delivered_step = s
+                self.delta.delivered(dests, s)
                 return s
             want = s + 1  # retired, dropped or torn: only a newer version can serve
             if got is None:
@@ -217,6 +227,12 @@ class Consumer:
         try:
             version = self.ctx.catalog.versions.layouts_of(version)
             t.metadata += _now() - t0
+            if self.ctx.options.delta and self.delta.held(dests) is not None:
+                got = self._delta(version, dests, t)
+                if got is not None:
+                    return got
+            self.delta.forget()  # the buffers are written whole from here: no base until it succeeds
+            check = self.delta.verify_rows(version, dests) if self.ctx.options.verify else None
             sources = self._pull(version, dests, t)
         except BaseException:
             readers.end_read(step, self.ctx.reader_id)
@@ -231,7 +247,32 @@ class Consumer:
         else:
             readers.end_read_later(step, self.ctx.reader_id, sources)
         t.metadata += _now() - t0
+        if ok and check is not None and set(version.pieces) <= sources:
+            # the digests were read from the publishers' slots, which the words just proved unchanged
+            self.delta.verify(check, dests)  # DeltaMismatch names the tensors
         return ok
+
+    def _delta(self, version: Version, dests: list[Entry], t: PullTimes) -> bool | None:
+        """A delta pull of ``version`` (``get/delta.py``): True when the buffers hold it, False
+        when N's slot changed under the read (the buffers still hold the older step: retried on
+        a newer version), None when it must go whole. Its own step-word check replaced
+        ``StepWords.check``; the reader ends in the background either way."""
+        t0 = _now()
+        out = self.delta.pull(version, dests)
+        t.transfer += _now() - t0
+        if out.failed:  # a read failed before any byte was applied: the whole pull fails over
+            self._afresh()
+        if not out.done and not out.torn:
+            log.debug("namespace %s: step %d pulled whole: %s", self.ctx.namespace, version.step, out.why)
+            return None
+        self.ctx.catalog.readers.end_read_later(version.step, self.ctx.reader_id, out.sources)
+        if out.done:
+            assert out.work is not None
+            self._last = out.work
+            self.ctx.stats.delta_pulled(out.elements)
+            if t.progress is not None:
+                _report(t, out.work.nbytes, out.work.nbytes)
+        return out.done
 
     # ---- one pull -------------------------------------------------------------------------
 

@@ -68,6 +68,7 @@ KINDS = (
     "recovery_plan",
     "recovery_outcome",
     "meta",
+    "delta",
 )
 
 

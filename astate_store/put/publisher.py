@@ -27,6 +27,7 @@ from astate_store.model.layout import ShardRecord, TensorLike
 from astate_store.model.validated import ValidatedTensors
 from astate_store.model.validation import Entry, validate_tensors, with_aliases
 from astate_store.plan import Copy, servable
+from astate_store.put.delta import DeltaStager
 from astate_store.put.drain import drain, wait_pulled
 from astate_store.put.registry import Registry
 from astate_store.put.staging import SnapshotPool, StagingCapExceeded
@@ -43,6 +44,17 @@ def default_staging_cap(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory // 4
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+def new_pool(ctx: StoreContext, device: torch.device) -> SnapshotPool:
+    """The snapshot pool of a store's puts of tensors on ``device``; with delta versions a host
+    pool compares as it copies (the compare-and-copy is the CPU's; docs/delta.md)."""
+    opts = ctx.options
+    cap = opts.staging_cap_bytes if opts.staging_cap_bytes is not None else default_staging_cap(device)
+    stager = DeltaStager(opts.delta_budget) if opts.delta and device.type == "cpu" else None
+    return SnapshotPool(
+        opts.staging_depth, cap, lambda n: ctx.alloc(n, device, shared=True), ctx.transport, stager
+    )
 
 
 class Publisher:
@@ -146,7 +158,9 @@ class Publisher:
             except StagingCapExceeded as exc:
                 return self._put_streamed(step, entries, exc, meta), "streamed"
             versions = self.ctx.catalog.versions
-            return versions.put_piece(step, lid, base, meta, self._slot_bases(), step_word=word), "copy"
+            delta = self._pool.delta.last if self._pool is not None and self._pool.delta is not None else None
+            piece = versions.put_piece(step, lid, base, meta, self._slot_bases(), step_word=word, delta=delta)
+            return piece, "copy"
         else:
             lid, base = self._in_place(entries), 0
             if self._zero_copy_live:
@@ -173,13 +187,7 @@ class Publisher:
             )
         device = devices.pop()
         if self._pool is None or self._pool_device != device:
-            tr, opts = self.ctx.transport, self.ctx.options
-            cap = (
-                opts.staging_cap_bytes if opts.staging_cap_bytes is not None else default_staging_cap(device)
-            )
-            self._pool = SnapshotPool(
-                opts.staging_depth, cap, lambda n: self.ctx.alloc(n, device, shared=True), tr
-            )
+            self._pool = new_pool(self.ctx, device)
             self._pool_device = device
         return self._pool
 

@@ -19,7 +19,7 @@ import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -44,6 +44,20 @@ _MAX_WORDS = WORDS_BYTES // 8
 # Tokens: unique per fill in this process, never 0, and from a random start so that no other
 # process's (or earlier run's) memory holds them by chance; below 2^53 (exact in any JSON reader).
 _tokens = iter(range(random.randrange(1 << 40, 1 << 51), 1 << 53))
+
+
+class ChangeMaps(Protocol):
+    """What a pool with delta versions asks of its change maps (``put/delta.py``'s ``DeltaStager``)."""
+
+    def area_bytes(self, entries: Sequence[SlotEntry]) -> int:
+        """Bytes a slot needs after its snapshot (index rows and room for changes)."""
+        ...
+
+    def stage(
+        self, pool: SnapshotPool, k: int, tensors: Sequence[torch.Tensor], step: int, key: object = None
+    ) -> None:
+        """Copy the shards into slot k, recording their changes since the previous fill."""
+        ...
 
 
 class StagingCapExceeded(LayoutError):
@@ -84,19 +98,27 @@ class SnapshotPool:
         alloc: ``alloc(nbytes) -> uint8 tensor`` (NUMA-local allocation by default: plain).
         transport: registers the slots (``register_tensor`` / ``unregister``), prepares fresh
             memory (``prepare_staging``) and runs the copies into it (``copy_rows``).
+        delta: with delta versions (docs/delta.md), the change maps' stager: each slot then ends
+            with its delta area, and the shards go through its compare-and-copy.
 
     Raises:
         LayoutError: one slot alone is larger than ``cap_bytes``.
     """
 
     def __init__(
-        self, depth: int, cap_bytes: int | None, alloc: Callable[[int], torch.Tensor], transport: Transport
+        self,
+        depth: int,
+        cap_bytes: int | None,
+        alloc: Callable[[int], torch.Tensor],
+        transport: Transport,
+        delta: ChangeMaps | None = None,
     ):
         if depth < 1:
             raise ValueError(f"staging depth must be >= 1, got {depth}")
         self.want_depth, self.cap_bytes = depth, cap_bytes
-        self._alloc, self._transport = alloc, transport
+        self._alloc, self._transport, self.delta = alloc, transport, delta
         self.signature: tuple[object, ...] | None = None
+        self.data_bytes = 0  # where a slot's snapshot ends (its delta area follows)
         self.entries: tuple[SlotEntry, ...] = ()
         self.slot_size = 0
         self.depth = 0
@@ -129,7 +151,8 @@ class SnapshotPool:
             dtype = to or dtype
             entries.append(SlotEntry(name, dtype, gshape, box, off, idx))
             off += -(-box.numel * itemsize(dtype) // ALIGN) * ALIGN
-        slot = max(off, ALIGN)
+        data_bytes = max(off, ALIGN)
+        slot = data_bytes + (self.delta.area_bytes(entries) if self.delta is not None else 0)
         depth = self.want_depth
         if self.cap_bytes is not None:
             if slot + WORDS_BYTES > self.cap_bytes:
@@ -167,6 +190,7 @@ class SnapshotPool:
             words = self.buffer[self.buffer.numel() - WORDS_BYTES :]
             self._words = words.view(torch.int64) if words.device.type == "cpu" else None
         self.signature, self.entries, self.slot_size, self.depth = sig, tuple(entries), slot, depth
+        self.data_bytes = data_bytes
         self.slot_step = [None] * depth
         self.slot_token = [0] * depth
         self._views = {}
@@ -252,7 +276,7 @@ class SnapshotPool:
         cores)."""
         views = self._slot_views(k)
         n = len(tensors)
-        plan, rest = self._copy_plan(k, tensors[:n], key)
+        plan, rest = self._copy_plan(k, tensors[:n], key) if self.delta is None else (None, [])
         words = self._words if k < _MAX_WORDS else None
         if words is not None:
             # Zeroed before any byte of the slot changes: the native copy releases the GIL (locked
@@ -260,7 +284,9 @@ class SnapshotPool:
             words[k] = 0
             self.slot_token[k] = 0
         with torch.no_grad():
-            if len(plan):
+            if self.delta is not None:  # the compare-and-copy: the shards and their change map
+                self.delta.stage(self, k, tensors, step, key)
+            elif len(plan):
                 self._transport.copy_rows(plan)
             if rest:
                 torch._foreach_copy_([views[i] for i in rest], [tensors[i] for i in rest])

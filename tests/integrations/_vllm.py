@@ -15,6 +15,9 @@ import torch
 
 PROMPTS = [[1, 17, 33, 250, 7], [900, 3, 3, 511]]
 MAX_TOKENS = 8
+BLOCK = 128  # tokens per KV block of vLLM on CPU: a prompt longer than this fills a prefix-cache block
+# prompts longer than one KV block: answered again after an update, a stale prefix cache shows
+LONG_PROMPTS = [[(7 * i + 3 * k) % 997 + 1 for i in range(200)] for k in range(2)]
 
 
 def make_model(kind: str, path: Path, *, seed: int = 0, **overrides: Any) -> Path:
@@ -105,6 +108,25 @@ def greedy(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def long_run(llm: Any) -> list[tuple[list[int], list[float], int]]:
+    """Greedy answers to :data:`LONG_PROMPTS`: per prompt (tokens, their logprobs, prompt tokens served
+    from the prefix cache)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True, logprobs=0
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in LONG_PROMPTS], params, use_tqdm=False)
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
+            o.num_cached_tokens,
+        )
+        for o in outs
+    ]
+
+
 def checksums(llm: Any) -> dict[str, str]:
     """vLLM's own per-parameter digests, over every worker (keys carry the TP rank)."""
     out: dict[str, str] = {}
@@ -117,25 +139,6 @@ def update(llm: Any, update_info: dict[str, Any], version: str | None = None) ->
     llm.start_weight_update()
     llm.update_weights({"update_info": update_info})
     llm.finish_weight_update(weight_version=version)
-
-
-class LLMClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol over an offline ``LLM`` (the four phases by method)."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version=weight_version)
 
 
 def shutdown(llm: Any) -> None:

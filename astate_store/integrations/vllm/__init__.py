@@ -8,12 +8,36 @@ lazily (nothing heavy is imported until a backend is chosen):
 - the trainer engine :class:`~astate_store.integrations.vllm.trainer.AstateTrainerEngine`
   (``WeightTransferTrainerFactory.trainer_init(AstateTrainerInitInfo(...), client=..., source=...)``).
 
+The caller side of an update (:mod:`.clients`): :func:`update_weights` (blocking), :func:`begin_update`
+and :func:`apply_update` (prepared while the engine serves, swapped in during a short pause), each
+clearing the caches that hold values computed with the old weights.
+
 See docs/vllm.md.
 """
 
 from __future__ import annotations
 
-__all__ = ["BACKEND", "register"]
+from astate_store.integrations.vllm.clients import (
+    HTTPClient,
+    OfflineClient,
+    apply_update,
+    begin_update,
+    cancel_update,
+    update_status,
+    update_weights,
+)
+
+__all__ = [
+    "BACKEND",
+    "HTTPClient",
+    "OfflineClient",
+    "apply_update",
+    "begin_update",
+    "cancel_update",
+    "register",
+    "update_status",
+    "update_weights",
+]
 
 BACKEND = "astate"
 

@@ -8,7 +8,7 @@ such a weight is read through the layer's own GEMM: ``cpu_linear(I, ...)`` with 
 the weight's dtype, which holds ``w``), so a staged update's result can be compared bit for bit with the
 published tensors. (Only the sign of a zero can differ: ``-0.0`` reads as ``0.0``.)
 
-Used by the tests and by ``examples/rl_vllm.py``; not on the update path.
+Used by the tests, ``examples/rl_vllm.py`` and the engine's ``"served"`` query; not on the update path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from astate_store.integrations.vllm.paths import pre_processing_metadata, prepacked_gemm
 
-__all__ = ["served_weights"]
+__all__ = ["served_digests", "served_weights"]
 
 
 def _through_gemm(module: torch.nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -48,3 +48,13 @@ def served_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             elif p.numel() > 0 and (m is None or tuple(p.shape) == tuple(m.shape)):
                 out[name] = p.detach()
     return out
+
+
+def served_digests(model: torch.nn.Module) -> dict[str, str]:
+    """SHA-256 of each of :func:`served_weights` (the engine's ``"served"`` query)."""
+    import hashlib
+
+    return {
+        n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n, t in served_weights(model).items()
+    }

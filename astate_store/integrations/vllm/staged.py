@@ -27,8 +27,9 @@ import torch
 from astate_store import Shard
 from astate_store.errors import LayoutError
 from astate_store.integrations.vllm.bake import Piece
+from astate_store.integrations.vllm.paths import IN_PLACE_METHODS
 
-__all__ = ["StagedModule", "refresh"]
+__all__ = ["StagedModule", "post_process", "refresh"]
 
 log = logging.getLogger("astate_store.integrations.vllm")
 
@@ -62,20 +63,28 @@ class StagedModule:
     def drop(self) -> None:
         self.staging = {}
 
-    def commit(self, model_config: Any) -> None:
+    def commit(self, model_config: Any, keep: bool = False) -> None:
         """Run vLLM's post-processing on the staged tensors as on a first load, then copy the results
-        into the live parameters (same shape and dtype) or, where the format differs, keep the new ones."""
+        into the live parameters (same shape and dtype) or, where the format differs, keep the new ones.
+
+        ``keep``: the staging stays as it is (it holds the version now served: the base of the next
+        delta pull), so post-processing gets an alias of it (it cannot rebind the staging's storage)
+        where its method leaves the weights as loaded, else a copy (a repack may work in place), and a
+        new parameter that still shares the staging's memory gets its own."""
         from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
         module = self.module
         kernel = dict(module._parameters)
+        aliases = type(getattr(module, "quant_method", None)).__name__ in IN_PLACE_METHODS
         for pname, meta in self.metadata.items():
             t = self.staging[pname]
+            if keep:
+                t = t.detach() if aliases else t.clone()
             t.__class__ = meta.__class__
             t.__dict__ = meta.__dict__.copy()
             module._parameters[pname] = restore_layer_refs(t, module)
         try:
-            _post_process(module, model_config)
+            post_process(module, model_config)
         except BaseException:
             module._parameters.clear()
             module._parameters.update(kernel)
@@ -86,6 +95,8 @@ class StagedModule:
                 old.data.copy_(new.data)  # keep the engine's storage (addresses captured by kernels, graphs)
                 module._parameters[pname] = old
             else:
+                if keep and new is not None and any(_shares(new, t) for t in self.staging.values()):
+                    new.data = new.data.clone()  # the next pull writes the staging: not what is served
                 log.info(
                     "staged %s: %s now %s (was %s)",
                     self.name,
@@ -93,16 +104,22 @@ class StagedModule:
                     None if new is None else tuple(new.shape),
                     None if old is None else tuple(old.shape),
                 )
-        self.drop()
+        if not keep:
+            self.drop()
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' storages are the same memory."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.numel() > 0
 
 
 def refresh(module: torch.nn.Module, model_config: Any) -> None:
     """Post-process a module again on its live parameters (a tied follower, whose owner was just
     updated): what a first load does after the loaders wrote them, e.g. its prepacked GEMM rebuilt."""
-    _post_process(module, model_config)
+    post_process(module, model_config)
 
 
-def _post_process(module: torch.nn.Module, model_config: Any) -> None:
+def post_process(module: torch.nn.Module, model_config: Any) -> None:
     """vLLM's post-processing of one module, from the state a first load has."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 

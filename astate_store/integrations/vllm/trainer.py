@@ -10,15 +10,22 @@
         source=ModuleSource(model))
     for step in ...:
         train_step(model)
-        sender.send_weights()          # every rank: publish its piece; rank 0 drives the engine's four phases
+        sender.send_weights()          # every rank: publish its piece; rank 0 updates the engine
 
 1. ``trainer_init`` (every rank): connect to the namespace as publisher ``rank`` of ``world_size``; the
    sender (rank 0) calls the engine's ``init_weight_transfer_engine`` with the namespace.
 2. ``send_weights`` (every rank): ``store.put(step, tensors)``: a :class:`ModuleSource` publishes its
    module's ``state_dict()`` as it is (FSDP2 / TP DTensors: every rank its own boxes, nothing gathered);
    any other ``WeightSource`` is iterated (its collectives run on every rank) and rank 0 publishes the
-   full tensors. Then the sender drives ``start_weight_update``, ``update_weights({"step": step})``,
-   ``finish_weight_update(str(step))``: the engine pulls its slices of exactly that version or newer.
+   full tensors. Then the sender updates the engine with :func:`.clients.update_weights`: scheduling
+   paused, the four phases (the engine pulls its slices of that version or newer), the prefix cache
+   cleared (requests in flight are recomputed with the new weights), scheduling resumed.
+3. ``send_weights(background=True)`` publishes and only begins the update (:func:`.clients.begin_update`:
+   the engine pulls while it serves); ``apply_weights()`` then swaps it in during a short pause.
+
+The client is the engine's: vLLM's ``HTTPVLLMWeightSyncClient`` (a server in dev mode: its ``/pause``,
+``/resume`` and ``/reset_prefix_cache`` routes are used too), :class:`.clients.OfflineClient` (an ``LLM`` in
+this process), or any object with the methods of :class:`.clients.EngineControl`.
 """
 
 from __future__ import annotations
@@ -31,6 +38,13 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 import astate_store
 from astate_store.errors import LayoutError
+from astate_store.integrations.vllm.clients import (
+    Inflight,
+    apply_update,
+    begin_update,
+    client_for,
+    update_weights,
+)
 
 __all__ = ["AstateTrainerInitInfo", "AstateTrainerEngine"]
 
@@ -45,6 +59,11 @@ class AstateTrainerInitInfo(TrainerInitInfo):
     world_size: int = 1  # publisher ranks (every rank that calls send_weights)
     start_step: int | None = None  # the first step sent (None: the newest committed + 1, or 1)
     timeout: float = 60.0  # seconds the engine waits for a version to commit
+    # delta versions (docs/delta.md): the trainer's puts record what changed, the engine pulls only that
+    delta: bool = True
+    # the engine keeps its staging between updates (staged modules', a prepared update's), where delta
+    # pulls apply; None: the engine's default (kept when delta is on)
+    keep_staging: bool | None = None
 
 
 class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
@@ -57,6 +76,7 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
         self.info: AstateTrainerInitInfo | None = None
         self.store: astate_store.Store | None = None
         self.step = 1
+        self.control = client_for(client) if is_sender else None  # pause, caches, status around an update
 
     @classmethod
     def trainer_init(
@@ -65,7 +85,11 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.info = init_info
         store = astate_store.connect(
-            init_info.namespace, etcd=init_info.etcd, rank=init_info.rank, world_size=init_info.world_size
+            init_info.namespace,
+            etcd=init_info.etcd,
+            rank=init_info.rank,
+            world_size=init_info.world_size,
+            delta=init_info.delta,
         )
         engine.store = store
         latest = store.latest()
@@ -73,7 +97,13 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
         if engine.is_sender:
             etcd = init_info.engine_etcd or init_info.etcd or store.catalog.endpoint
             client.init_weight_transfer_engine(
-                {"namespace": init_info.namespace, "etcd": etcd, "timeout": init_info.timeout}
+                {
+                    "namespace": init_info.namespace,
+                    "etcd": etcd,
+                    "timeout": init_info.timeout,
+                    "delta": init_info.delta,
+                    "keep_staging": init_info.keep_staging,
+                }
             )
         return engine
 
@@ -94,20 +124,31 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
         full = {name: t for name, t in self.source}  # every rank runs the source's collectives
         return full if self.info.rank == 0 else None
 
-    def send_weights(self, tensors: Mapping[str, Any] | None = None, *, step: int | None = None) -> int:
+    def send_weights(
+        self, tensors: Mapping[str, Any] | None = None, *, step: int | None = None, background: bool = False
+    ) -> int:
         """Publish ``tensors`` (default: the source's) as ``step`` (default: the next) and, on the sender,
-        have the engine pull it. Returns the step."""
+        update the engine to it (its caches cleared); ``background=True``: only begin the update, the
+        engine pulling while it serves (:meth:`apply_weights` swaps it in). Returns the step."""
         assert self.store is not None
         step = self.step if step is None else step
         tensors = self._tensors() if tensors is None else tensors
         if tensors is not None:
             self.store.put(step, tensors)
-        if self.is_sender:
-            self.client.start_weight_update()
-            self.client.update_weights({"step": step})
-            self.client.finish_weight_update(weight_version=str(step))
+        if self.control is not None:
+            if background:
+                begin_update(self.control, step)
+            else:
+                update_weights(self.control, step)
         self.step = step + 1
         return step
+
+    def apply_weights(self, *, timeout: float | None = None, inflight: Inflight = "recompute") -> int:
+        """On the sender: swap in the update begun by ``send_weights(background=True)`` (a short pause,
+        the caches cleared); returns the step the engine now serves."""
+        if self.control is None:
+            raise LayoutError("astate trainer: apply_weights() is the sender's (rank 0's) call")
+        return apply_update(self.control, timeout=timeout, inflight=inflight)
 
     def shutdown(self) -> None:
         if self.store is not None:
