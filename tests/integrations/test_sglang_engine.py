@@ -52,7 +52,7 @@ def sg(etcd: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
         assert ref["a"]["tokens"] != ref["b"]["tokens"]
         assert len(ref["a"]["sums"]) > 10 and {k.split(":")[0] for k in ref["a"]["sums"]} == {"0", "1"}
         ns = "sglang-" + uuid.uuid4().hex[:10]
-        store = astate_store.connect(ns, etcd=etcd.endpoint)
+        store = astate_store.connect(ns, etcd=etcd.endpoint, delta=True)  # records what changed
         hf = {k: V.hf_tensors(p) for k, p in paths.items()}
         yield {"engine": engine, "ref": ref, "store": store, "ns": ns, "etcd": etcd, "hf": hf, "root": root}
     finally:
@@ -68,10 +68,10 @@ def update(sg: dict[str, Any], **request: Any) -> int:
     return sg["engine"].call("update", **request)
 
 
-def publish(sg: dict[str, Any], which: str) -> int:
-    """Publish checkpoint ``which`` as the next step; the step."""
+def publish(sg: dict[str, Any], which: str | dict[str, torch.Tensor]) -> int:
+    """Publish checkpoint ``which`` (or these tensors) as the next step; the step."""
     step = (sg["store"].latest() or 0) + 1
-    sg["store"].put(step, sg["hf"][which])
+    sg["store"].put(step, sg["hf"][which] if isinstance(which, str) else which)
     return step
 
 
@@ -150,6 +150,29 @@ def test_bad_input_is_refused_and_the_engine_keeps_its_weights(sg: dict[str, Any
         assert not ok and words in message, message
     assert_serves(sg, "a")
     at(sg, "b")  # and the engine still takes a good update
+
+
+def test_a_delta_update_moves_what_changed_and_sglangs_own_writes_make_the_next_whole(
+    sg: dict[str, Any],
+) -> None:
+    """The publisher records what changed (``delta=True``): an update that changes one tensor is a
+    delta pull on both ranks. SGLang writing the weights itself (its weights checker's reset, its
+    load from disk) makes the next update whole again (the plugin's hooks): a delta pull of the very
+    step the engine had would move nothing, and the noise would stay."""
+    engine, norm = sg["engine"], "model.norm.weight"
+    at(sg, "a")
+    step = publish(sg, dict(sg["hf"]["a"], **{norm: sg["hf"]["b"][norm]}))
+    assert update(sg, step=step) == step
+    ref = sg["ref"]
+    mixed = {k: (ref["b"] if k.endswith(":" + norm) else ref["a"])["sums"][k] for k in ref["a"]["sums"]}
+    assert engine.call("checksums") == mixed
+    reports = engine.call("probe", out=str(sg["root"] / "pulls"), preset="qwen2")
+    assert len(reports) == TP and all(r["pulls"]["delta"] >= 1 for r in reports), reports
+    for write in ({"op": "reset"}, {"op": "from_disk", "path": str(sg["root"] / "b")}):
+        engine.call(**write)
+        assert engine.call("checksums") != mixed
+        assert update(sg, step=step) == step
+        assert engine.call("checksums") == mixed
 
 
 def test_cold_start_from_an_astate_checkpoint(sg: dict[str, Any]) -> None:

@@ -121,8 +121,9 @@ def _ops() -> dict[str, Callable[..., Any]]:
 
 def probe(model: torch.nn.Module, named_tensors: Any) -> None:
     """A custom weight loader (tests only): this rank's preset views next to the astate bake, as
-    ``{"preset": {hf: [...]}, "bake": {hf: [...]}}``, each entry (parameter, element offset, sizes,
-    strides, HF offsets), written to ``<out>.<tp rank>``."""
+    ``{"preset": {hf: [...]}, "bake": {hf: [...]}, "pulls": {...}}``, each entry (parameter, element
+    offset, sizes, strides, HF offsets), and the astate store's pull counts, written to
+    ``<out>.<tp rank>``. It writes no weight, but counts as another writer (the next pull is whole)."""
     from sglang.srt.distributed import get_tp_group
 
     ((name, _),) = named_tensors
@@ -151,7 +152,12 @@ def _preset_and_bake(model: torch.nn.Module, preset: str, rank: int, size: int) 
     for p in state().plan.baked.pieces:
         baked.setdefault(p.hf, []).append([p.param, p.base, p.sizes, p.strides, p.offsets])
     norm = lambda rows: sorted(json.loads(json.dumps(rows)))  # tuples and lists alike
-    return {"preset": {k: norm(v) for k, v in got.items()}, "bake": {k: norm(v) for k, v in baked.items()}}
+    stats = state().store.stats
+    return {
+        "preset": {k: norm(v) for k, v in got.items()},
+        "bake": {k: norm(v) for k, v in baked.items()},
+        "pulls": {"delta": stats.delta_pulls, "all": stats.pulls},  # this rank's store, so far
+    }
 
 
 def main() -> None:

@@ -72,13 +72,15 @@ def update(
     etcd: str | list[str] | None = None,
     timeout: float = 60.0,
     checkpoint: str | None = None,
+    delta: bool = True,
 ) -> int:
     """Update an offline ``sglang.Engine`` to the newest committed version ``>= step`` of
     ``namespace`` (``step=None``: the newest committed; ``checkpoint=URI``: cold start from the
-    newest astate checkpoint under it, or its ``step``). Returns the step delivered."""
+    newest astate checkpoint under it, or its ``step``; ``delta``: pull only what changed since the
+    version the engine holds, where the publisher records changes). Returns the step delivered."""
     from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
 
-    request = Request(namespace, etcd, step, timeout, checkpoint)
+    request = Request(namespace, etcd, step, timeout, checkpoint, delta)
     _session(engine.begin_weight_update(), "begin_weight_update")
     try:
         ok, message = engine.update_weights_from_tensor(
@@ -118,11 +120,12 @@ def update_http(
     etcd: str | list[str] | None = None,
     timeout: float = 60.0,
     checkpoint: str | None = None,
+    delta: bool = True,
     api_key: str | None = None,
 ) -> int:
     """As :func:`update`, for an SGLang server at ``url`` (``sglang.launch_server``; its admin routes
     take ``api_key`` if it has one). Returns the step delivered."""
-    request = Request(namespace, etcd, step, timeout, checkpoint)
+    request = Request(namespace, etcd, step, timeout, checkpoint, delta)
     wait = timeout + 600.0  # the engine waits up to `timeout` for the commit, then pulls
     info = _call(url, "/server_info", None, api_key, 60.0)
     if LOADER not in (info.get("custom_weight_loader") or []):

@@ -6,7 +6,8 @@ SGLang runs :func:`load` on every TP rank (its scheduler processes) when an upda
 session, with ``custom_weight_loader=[LOADER]`` among the engine's settings (:mod:`.client` makes the
 whole call). Per update, on each rank:
 
-1. parse the request (:mod:`.request`); connect to its namespace (once per namespace and etcd);
+1. parse the request (:mod:`.request`); connect to its namespace (once per namespace, etcd and
+   ``delta``: a consumer of delta versions by default, docs/delta.md);
 2. what the version publishes: the newest committed version ``>= step`` (waiting up to ``timeout``)
    or an astate checkpoint's manifest (cold start);
 3. bake, once per published set: drive the model's own ``load_weights`` with placeholders and learn
@@ -15,9 +16,11 @@ whole call). Per update, on each rank:
    that transforms, and a layer SGLang computes on through an AMX-packed copy of its weight;
 4. build the views (``Shard`` s of the live parameters; inside the session they are in the loaders'
    format: ``begin_weight_update`` put back what SGLang packs) and check dtypes;
-5. one ``get_into`` (or ``restore``) per rank; the ranks agree on the step, a rank behind pulls again
-   at the newest; what the loaders fill with zeros from no tensor (vocabulary padding rows) is zeroed
-   again, as a load does;
+5. one ``get_into`` (or ``restore``) per rank, a delta pull where the publisher records changes and
+   the views still hold the version the last pull delivered (the same view objects while the
+   parameters stay put; SGLang's other weight writers make the next pull whole, :func:`forgetting`);
+   the ranks agree on the step, a rank behind pulls again at the newest; what the loaders fill with
+   zeros from no tensor (vocabulary padding rows) is zeroed again, as a load does;
 6. the model's ``post_load_weights`` (what its ``load_weights`` runs after loading: derived weights);
    SGLang's ``end_weight_update`` then post-processes as after any load, and the update call flushes
    the prefix cache.
@@ -44,7 +47,7 @@ from astate_store.errors import LayoutError, WaitTimeout
 from astate_store.integrations.bake_common import Baked, Swap, bake_with
 from astate_store.integrations.sglang.request import LOADER, Request, UpdateError
 
-__all__ = ["load", "guarded", "state"]
+__all__ = ["load", "guarded", "forgetting", "state"]
 
 log = logging.getLogger("astate_store.integrations.sglang")
 
@@ -68,7 +71,7 @@ class _Rank:
 
     def __init__(self) -> None:
         self.store: astate_store.Store | None = None
-        self.source: tuple[str, str] | None = None  # (namespace, etcd) the store is connected to
+        self.source: tuple[str, str, bool] | None = None  # (namespace, etcd, delta) of the store
         self.plan: _Plan | None = None
         self.last_step: int | None = None
         self.last_seconds: dict[str, float] = {}
@@ -104,15 +107,24 @@ class _Rank:
         _post_load(model)
 
     def _connect(self, request: Request) -> astate_store.Store:
-        source = (request.namespace, repr(request.etcd))
+        source = (request.namespace, repr(request.etcd), request.delta)
         if self.store is None or self.source != source:
-            if self.store is not None:
+            if self.store is not None:  # the plan stays: it depends on the published names and shapes only
                 self.store.close()
-                self.store, self.plan = None, None
+                self.store = None
             # a consumer: rank / world size are publisher settings, not this engine's TP rank
-            self.store = astate_store.connect(request.namespace, etcd=request.etcd, rank=0, world_size=1)
+            self.store = astate_store.connect(
+                request.namespace, etcd=request.etcd, rank=0, world_size=1, delta=request.delta
+            )
             self.source = source
         return self.store
+
+    def forget(self) -> None:
+        """The parameters were written another way (SGLang's own loads, its weights checker's reset,
+        weights brought back to memory): the next pull moves every byte (delta versions count on the
+        views holding the version the last pull delivered)."""
+        if self.store is not None:
+            self.store.forget()
 
     def _published(self, named_tensors: Any) -> tuple[Request, int, dict[str, tuple[tuple, str]]]:
         """The request, the step to pull and what it publishes: name -> (global shape, dtype name)."""
@@ -281,13 +293,23 @@ def load(model: torch.nn.Module, named_tensors: Any) -> None:
     _RANK.update(model, named_tensors)
 
 
+def forgetting(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The AROUND hook on SGLang's other weight writers: they run as they would; then this rank's
+    next astate pull moves every byte (:meth:`_Rank.forget`)."""
+    try:
+        return original(*args, **kwargs)
+    finally:
+        _RANK.forget()
+
+
 def guarded(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """The AROUND hook on SGLang's ``WeightUpdater.update_weights_from_tensor``: for the astate
     loader, an error becomes a failed update call (SGLang's scheduler would die of it) and a success
-    reports the step; every other load format passes through untouched."""
+    reports the step; every other load format runs as it would, and counts as another writer
+    (:func:`forgetting`)."""
     load_format = kwargs.get("load_format", args[2] if len(args) > 2 else None)
     if load_format != LOADER:
-        return original(*args, **kwargs)
+        return forgetting(original, *args, **kwargs)
     try:
         ok, message = original(*args, **kwargs)
     except Exception as exc:

@@ -41,6 +41,7 @@ class Request:
     step: int | None = None  # the oldest acceptable step (None: the newest committed)
     timeout: float = 60.0  # seconds to wait for that version to commit
     checkpoint: str | None = None  # cold start: fill from the newest astate checkpoint under this URI
+    delta: bool = True  # pull delta versions: only what changed since the version the parameters hold
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -63,6 +64,8 @@ class Request:
             raise LayoutError(
                 f"astate request: 'etcd' must be endpoints (a string or strings), got {self.etcd!r}"
             )
+        if not isinstance(self.delta, bool):
+            raise LayoutError(f"astate request: 'delta' must be true or false, got {self.delta!r}")
         if self.checkpoint is not None and not isinstance(self.checkpoint, str):
             raise LayoutError(f"astate request: 'checkpoint' must be a URI string, got {self.checkpoint!r}")
 
