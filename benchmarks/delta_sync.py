@@ -9,29 +9,45 @@ with delta over the put without, of the same tensors, in alternating order). Wha
 AdamW changed: the trainer counts the bf16 elements whose bits differ from the previous step's
 (``changed_fraction``), nothing is synthesised.
 
-Every version is pulled twice, side by side, by each consumer: whole (a store without delta, into
-its own buffers) and as a delta (a store with ``delta=True``, into the buffers of its previous pull):
+Every version is pulled twice, side by side, by each consumer, into the same buffers: first as a delta
+(a store with ``delta=True``; the buffers hold the previous version), then whole (a store without
+delta, which writes every byte again; the delta store's next pull still finds the buffers holding the
+version it delivered):
 
 - ``tcp``: a consumer on host B pulls from host A over tcp. Host A and host B are two network
-  namespaces joined by a veth link (needs root and iproute2): etcd, the trainer and the other
-  consumers run in A (one ``ip netns exec``, so they share A's mount namespace and count as one
-  host), this consumer in B. Everything binds A's or B's own address.
+  namespaces joined by a veth link (needs root and iproute2): etcd, the trainer and the other roles
+  run in A (one ``ip netns exec``, so they share A's mount namespace and count as one host), this
+  consumer in B. Everything binds A's or B's own address.
 - ``shm``: a consumer on host A pulls over shared memory.
-- ``vllm``: a TP=1 vLLM engine on host A takes each version through the ``astate`` backend
-  (``delta`` on by default) and again whole (the same version, forgotten first), and what it
-  computes with is compared with the published tensors (``--no-vllm``: skipped).
+- ``vllm``: a TP=1 vLLM engine on host A (``load_format="dummy"``: random weights until the first
+  update) takes each version through the ``astate`` backend's ``update_weights`` (its defaults: delta
+  pulls, the staged modules' staging kept between updates) and then the same version whole (the
+  engine told to forget first); after each, what it computes with (the engine's ``served`` query: a
+  prepacked GEMM's weight read back through the GEMM) is compared with SHA-256 digests of the
+  published tensors in vLLM's layout. At the end the engine is re-initialised with ``keep_staging``
+  false (its staged modules then pull whole into fresh staging, so every update is whole) and takes
+  the last version three times (``vllm_nokeep_seconds``: the median of the last two; the first
+  bakes). ``--no-vllm``: skipped.
 
-The consumers run one after another (2 shared cores); the trainer waits meanwhile.
-Exactness (``exact``): after every step, on every path, the delta pull's buffers equal the whole
-pull's, every element compared as raw bits, and the whole pull's buffers hash (XXH3 per tensor) to
-the trainer's published tensors.
+Two phases, so that their memory does not add up (about 13 GB each on a 24 GB machine shared with
+others): the trainer and the two consumers, in lockstep per step (the consumers one after another,
+the trainer waiting: 2 shared cores); then the engine, fed by a publisher that replays the trainer's
+versions (copies of each, saved in phase 1) in the same lockstep.
+Exactness (``exact``): after every pull on every path, every element of the buffers is compared (as
+raw bits) with what the trainer published, read from the file it published from (``/dev/shm``, mapped
+by the consumers: an oracle outside the data path); the engine's served weights equal the published
+ones (SHA-256 per parameter) after both its updates.
 
 Keys: params, bytes (of one bf16 version), steps, changed_fraction (median over the trained
-steps), ratio_delta_tcp / ratio_delta_shm (median whole pull seconds / median delta pull seconds),
-bytes_ratio (bytes a delta pull moved / bytes a whole pull moved, over the trained steps, tcp),
-ratio_put (median put seconds with delta / without), ratio_vllm (median whole update / median delta
-update, seconds), exact, per_step [...], null_reasons, date, load (the 1-minute load average at the
-start and the end), cores. Appended to benchmarks/results/delta_sync.jsonl unless ``--small``.
+steps), ratio_delta_tcp / ratio_delta_shm (median whole pull seconds / median delta pull seconds,
+with both medians as ``<path>_whole_seconds`` / ``<path>_delta_seconds``), bytes_ratio (bytes the
+delta pulls moved / bytes the whole pulls moved, over the trained steps, tcp), ratio_put (median put
+seconds with delta / without), ratio_vllm (median whole update / median delta update, seconds, with
+``vllm_whole_seconds``, ``vllm_delta_seconds``, ``vllm_nokeep_seconds``, ``vllm_kept_bytes``), exact,
+per_step [...] (the engine's update phases too), null_reasons, date, load (the 1-minute load average
+at the start; ``load_end`` at the end), cores. Appended to benchmarks/results/delta_sync.jsonl unless
+``--small``. Memory: about 11 GB for the trainer (fp32 masters, AdamW, the published bf16 copy,
+staging), 1.2 GB per consumer; then about 6 GB for the engine, 3 GB for the replaying publisher.
 
     .venv/bin/python benchmarks/delta_sync.py [--steps 6] [--small] [--no-vllm]
 """
@@ -44,6 +60,7 @@ import multiprocessing as mp
 import multiprocessing.spawn
 import os
 import queue
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,7 +80,7 @@ import torch  # noqa: E402
 CTX = mp.get_context("spawn")
 TIMEOUT = 900.0
 LR = 1e-6
-SEQ, BATCH = 128, 2
+SEQ, BATCH = 128, 1  # one sequence: the logits of 151,936 tokens are most of the activations
 
 DIMS = {
     # Qwen2.5-0.5B's shape with 18 of its 24 layers: 404,558,464 parameters (tied embeddings)
@@ -97,14 +114,37 @@ def qwen2_config(small: bool) -> Any:
     )
 
 
-def digests(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """XXH3-64 of every tensor's bytes."""
-    import xxhash
+def shapes_of(small: bool) -> dict[str, tuple[int, ...]]:
+    """The published tensors: the model's parameters (tied: ``lm_head`` is the embedding), in order."""
+    import transformers
 
-    return {
-        n: xxhash.xxh3_64_intdigest(t.contiguous().view(-1).view(torch.uint8).numpy())
-        for n, t in tensors.items()
-    }
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(qwen2_config(small))
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def mapped(path: str, small: bool, create: bool = False) -> dict[str, torch.Tensor]:
+    """The published tensors (bf16) as views of one file mapped shared: the trainer writes what it
+    publishes there (``/dev/shm``), the consumers compare their buffers with it (an oracle outside the
+    data path: both hosts share one kernel), and the engine's publisher replays saved copies of it."""
+    shapes = shapes_of(small)
+    total = sum(_numel(s) for s in shapes.values()) * 2
+    if create:
+        with open(path, "wb") as f:
+            f.truncate(total)
+    flat = torch.from_file(path, shared=True, size=total // 2, dtype=torch.bfloat16)
+    out, at = {}, 0
+    for n, shape in shapes.items():
+        out[n] = flat[at : at + _numel(shape)].view(shape)
+        at += _numel(shape)
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _send(out: Any, role: str, kind: str, payload: Any) -> None:
@@ -123,9 +163,10 @@ def _role(role: str, out: Any, fn: Any, *args: Any) -> None:
 # ------------------------------------------------------------------------------------ trainer
 
 
-def trainer(endpoint: str, ns: str, small: bool, cmds: Any, out: Any) -> None:
-    """Builds the model; on ("step", k): trains one step (none for k == 0), publishes bf16 to both
-    namespaces, and answers what changed, the put times and the published tensors' digests."""
+def trainer(endpoint: str, ns: str, small: bool, oracle: str, save: str | None, cmds: Any, out: Any) -> None:
+    """Builds the model; on ("step", k): trains one step (none for k == 0), writes the bf16 copy into
+    the oracle file, publishes it to both namespaces, and answers what changed and the put times;
+    with ``save``, a copy of the version goes to ``save/v{k}.bin`` (for the engine's phase)."""
     import transformers
 
     from astate_store.store import Store
@@ -135,14 +176,18 @@ def trainer(endpoint: str, ns: str, small: bool, cmds: Any, out: Any) -> None:
     model.train()
     params = dict(model.named_parameters())  # tied: lm_head.weight is model.embed_tokens.weight
     opt = torch.optim.AdamW(params.values(), lr=LR, fused=True)
-    pub = {n: torch.empty_like(p, dtype=torch.bfloat16) for n, p in params.items()}
+    pub = mapped(oracle, small, create=True)  # what is published, where the consumers check it
+    assert list(pub) == list(params)
     for n, p in params.items():
         pub[n].copy_(p.detach())
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     stores = {
         "delta": Store(ns, endpoint=endpoint, rank=0, world_size=1, session_id=ns + "-d", delta=True),
-        "plain": Store(ns + "-plain", endpoint=endpoint, rank=0, world_size=1, session_id=ns + "-p"),
+        # one slot (nobody reads it): the copy costs the same, the memory is the engine's
+        "plain": Store(
+            ns + "-plain", endpoint=endpoint, rank=0, world_size=1, session_id=ns + "-p", staging_depth=1
+        ),
     }
     _send(out, "trainer", "ready", {"params": sum(p.numel() for p in params.values())})
     try:
@@ -154,9 +199,10 @@ def trainer(endpoint: str, ns: str, small: bool, cmds: Any, out: Any) -> None:
                 tokens = torch.randint(vocab, (BATCH, SEQ), generator=gen)
                 loss = model(input_ids=tokens, labels=tokens).loss
                 loss.backward()
+                info["loss"] = round(float(loss.detach()), 4)
+                del loss  # the activations go before AdamW's step
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                info["loss"] = round(float(loss.detach()), 4)
                 info["train_seconds"] = round(time.perf_counter() - t, 3)
                 changed = 0
                 with torch.no_grad():
@@ -170,44 +216,98 @@ def trainer(endpoint: str, ns: str, small: bool, cmds: Any, out: Any) -> None:
                 t = time.perf_counter()
                 stores[which].put(k, pub)
                 info[f"put_{which}_seconds"] = round(time.perf_counter() - t, 4)
-            info["digests"] = digests(pub)
+            if save is not None:
+                shutil.copyfile(oracle, os.path.join(save, f"v{k}.bin"))
             _send(out, "trainer", "put", info)
     finally:
         for s in stores.values():
             s.close()
 
 
+def replayer(endpoint: str, ns: str, small: bool, save: str, cmds: Any, out: Any) -> None:
+    """The engine's publisher: on ("step", k) puts the trainer's version k again (``save/v{k}.bin``,
+    with ``delta=True``) and answers what the engine must compute with (:func:`served_digests`)."""
+    from astate_store.store import Store
+
+    tied = qwen2_config(small).tie_word_embeddings
+    store = Store(ns, endpoint=endpoint, rank=0, world_size=1, session_id=ns + "-r", delta=True)
+    pub = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in shapes_of(small).items()}
+    _send(out, "replayer", "ready", {})
+    try:
+        while (cmd := cmds.get(timeout=TIMEOUT))[0] == "step":
+            k = cmd[1]
+            version = mapped(os.path.join(save, f"v{k}.bin"), small)
+            for n, t in pub.items():
+                t.copy_(version[n])
+            del version
+            t0 = time.perf_counter()
+            store.put(k, pub)
+            info = {"put_seconds": round(time.perf_counter() - t0, 4)}
+            info["served"] = served_digests(pub, tied)
+            _send(out, "replayer", "put", info)
+    finally:
+        store.close()
+
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def served_digests(tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, str]:
+    """SHA-256 of what a TP=1 vLLM Qwen2 must compute with once it took ``tensors``, by vLLM's parameter
+    names (the engine's ``served`` query): q, k, v fused into ``qkv_proj`` and gate, up into
+    ``gate_up_proj`` (vLLM's Qwen2 layers), ``lm_head`` tied to the embedding. A matrix's ``-0.0`` reads
+    back as ``0.0`` through a prepacked GEMM (integrations/vllm/served.py): compared as ``0.0``."""
+    import hashlib
+
+    parts = {p: (f, i) for f, ps in FUSED.items() for i, p in enumerate(ps)}
+    groups: dict[str, list[Any]] = {}
+    for name, t in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        if last in parts:
+            f, i = parts[last]
+            groups.setdefault(f"{parent}.{f}.{leaf}", [None] * len(FUSED[f]))[i] = t
+        else:
+            groups[name] = [t]
+    if tied:
+        groups["lm_head.weight"] = [tensors["model.embed_tokens.weight"]]
+    out = {}
+    for name, ts in groups.items():
+        t = torch.cat(ts) if len(ts) > 1 else ts[0]
+        if t.dim() == 2:
+            t = t + 0  # -0.0 -> 0.0
+        out[name] = hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+    return out
+
+
 # ------------------------------------------------------------------------------------ consumers
 
 
-def consumer(role: str, endpoint: str, ns: str, small: bool, cmds: Any, out: Any) -> None:
-    """On ("pull", k, digests): pulls step k whole and as a delta (the order alternating), checks
-    both, and answers the times and the bytes each moved."""
-    import transformers
-
+def consumer(role: str, endpoint: str, ns: str, small: bool, oracle: str, cmds: Any, out: Any) -> None:
+    """On ("pull", k): pulls step k into its buffers as a delta (they hold k-1), then whole (a store
+    without delta writes them all again); after each, every element is compared with what the
+    trainer published (the oracle file). Answers the times and the bytes each moved."""
     from astate_store.store import Store
 
-    with torch.device("meta"):
-        shapes = {
-            n: tuple(p.shape)
-            for n, p in transformers.Qwen2ForCausalLM(qwen2_config(small)).named_parameters()
-        }
+    ref = mapped(oracle, small)
     stores = {
-        "whole": Store(ns, endpoint=endpoint, session_id=f"{ns}-{role}-w"),
         "delta": Store(ns, endpoint=endpoint, session_id=f"{ns}-{role}-d", delta=True),
+        "whole": Store(ns, endpoint=endpoint, session_id=f"{ns}-{role}-w"),
     }
-    bufs = {w: {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()} for w in stores}
+    # One set of buffers for both (memory): the whole pull rewrites the version the delta pull left, so
+    # the delta store's next pull still finds them holding it. The delta pull goes first: it is checked
+    # on buffers that held the previous version.
+    bufs = {n: torch.zeros_like(t) for n, t in ref.items()}
     _send(out, role, "ready", {})
     try:
         while (cmd := cmds.get(timeout=TIMEOUT))[0] == "pull":
-            k, want = cmd[1], cmd[2]
+            k = cmd[1]
             info: dict[str, Any] = {"step": k}
-            order = ("whole", "delta") if k % 2 else ("delta", "whole")
-            for which in order:
+            for which in ("delta", "whole"):
                 st = stores[which]
                 before = st.stats
                 t = time.perf_counter()
-                got = st.get_into(bufs[which], step=k, timeout=TIMEOUT)
+                got = st.get_into(bufs, step=k, timeout=TIMEOUT)
                 info[f"{which}_seconds"] = round(time.perf_counter() - t, 4)
                 after = st.stats
                 assert got == k, (got, k)
@@ -215,17 +315,83 @@ def consumer(role: str, endpoint: str, ns: str, small: bool, cmds: Any, out: Any
                 if which == "delta":
                     info["delta_pull"] = after.delta_pulls > before.delta_pulls
                     info["delta_elements"] = after.delta_elements - before.delta_elements
-            same = all(
-                torch.equal(bufs["delta"][n].view(torch.int16), bufs["whole"][n].view(torch.int16))
-                for n in shapes
-            )
-            info["exact"] = bool(same and digests(bufs["whole"]) == want)
+                info[f"{which}_exact"] = all(
+                    torch.equal(b.view(torch.int16), ref[n].view(torch.int16)) for n, b in bufs.items()
+                )
+            info["exact"] = info["delta_exact"] and info["whole_exact"]
             tr = stores["whole"].transport
             info["streamed_bytes"] = tr.streamed_bytes if hasattr(tr, "streamed_bytes") else None
             _send(out, role, "pull", info)
     finally:
         for s in stores.values():
             s.close()
+
+
+# ------------------------------------------------------------------------------------ engine
+
+
+def engine(endpoint: str, ns: str, model_dir: str, cmds: Any, out: Any) -> None:
+    """A TP=1 vLLM engine (random weights until the first update) with the ``astate`` backend (delta
+    pulls, staging kept: the defaults). On ("update", k, want): takes step k as a delta (the engine holds
+    k-1), then again whole (forgotten first); after each, what it computes with against ``want``. On
+    ("nokeep", k): re-initialised with ``keep_staging`` false, takes step k whole (staging allocated each
+    time) twice after a first (which bakes)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from vllm import LLM
+
+    from astate_store.integrations.vllm import OfflineClient, update_weights
+
+    llm = LLM(
+        model=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        enforce_eager=True,
+        max_num_seqs=2,
+        dtype="bfloat16",
+        weight_transfer_config={"backend": "astate"},
+    )
+    client = OfflineClient(llm)
+    init = {"namespace": ns, "etcd": endpoint, "timeout": 300}
+    llm.init_weight_transfer_engine({"init_info": init})
+    _send(out, "vllm", "ready", {})
+    try:
+        while (cmd := cmds.get(timeout=TIMEOUT))[0] in ("update", "nokeep"):
+            if cmd[0] == "nokeep":
+                llm.init_weight_transfer_engine({"init_info": {**init, "keep_staging": False}})
+                times = []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    update_weights(llm, cmd[1])
+                    times.append(round(time.perf_counter() - t, 4))
+                (st,) = client.status()
+                _send(out, "vllm", "nokeep", {"seconds": times, "kept_bytes": st["kept_bytes"]})
+                continue
+            k, want = cmd[1], cmd[2]
+            info: dict[str, Any] = {"step": k}
+            for which in ("delta", "whole"):
+                (before,) = client.status()
+                if which == "whole":
+                    llm.collective_rpc("weight_transfer_engine", args=("forget",))
+                t = time.perf_counter()
+                got = update_weights(llm, k)
+                info[f"{which}_seconds"] = round(time.perf_counter() - t, 4)
+                assert got == k, (got, k)
+                (st,) = client.status()
+                info[f"{which}_bytes"] = st["pulls"]["bytes"] - before["pulls"]["bytes"]
+                info[f"{which}_pull"] = st["pulls"]["delta"] > before["pulls"]["delta"]
+                info[f"{which}_phases"] = {p: round(x, 4) for p, x in st["seconds"].items()}
+                (served,) = client.served()
+                wrong = sorted(n for n in set(served) | set(want) if served.get(n) != want.get(n))
+                info[f"{which}_exact"] = not wrong
+                if wrong:
+                    info[f"{which}_wrong"] = wrong[:8]
+            info["exact"] = info["delta_exact"] and info["whole_exact"]
+            info["kept_bytes"] = st["kept_bytes"]
+            _send(out, "vllm", "update", info)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -239,10 +405,12 @@ class Roles:
         self.cmds: dict[str, Any] = {}
         self.procs: dict[str, Any] = {}
 
-    def start(self, role: str, fn: Any, args: tuple[Any, ...], netns: str | None = None) -> None:
+    def start(
+        self, role: str, fn: Any, args: tuple[Any, ...], netns: str | None = None, daemon: bool = True
+    ) -> None:
         self.cmds[role] = CTX.Queue()
         p = CTX.Process(
-            target=_role, args=(role, self.out, fn, *args, self.cmds[role], self.out), daemon=True
+            target=_role, args=(role, self.out, fn, *args, self.cmds[role], self.out), daemon=daemon
         )
         exe = mp.spawn.get_executable()
         if netns is not None:  # the interpreter started through `ip netns exec` (host B)
@@ -302,42 +470,80 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Inside host A: etcd, the trainer, the shm consumer, the engine; the tcp consumer in host B."""
+    """Inside host A: etcd, then two phases (their memory does not add up: about 13 GB each).
+    1. the trainer, the shm consumer here and the tcp consumer in host B, in lockstep per step;
+    2. (the engine) a publisher replaying the trainer's versions and a vLLM engine, in lockstep."""
     from astate_store.etcd.embedded import EmbeddedEtcd
 
     load0 = os.getloadavg()[0]
     ns = "delta-" + uuid.uuid4().hex[:8]
     result: dict[str, Any] = {"bench": "delta_sync", "null_reasons": {}}
+    engine_on = not args.no_vllm
+    oracle = f"/dev/shm/{ns}.bin"
+    with EmbeddedEtcd(host=args.a_addr) as etcd, tempfile.TemporaryDirectory(prefix="delta_sync-") as tmp:
+        try:
+            per_step = pulls(args, etcd.endpoint, ns, oracle, tmp if engine_on else None, result)
+        finally:
+            if os.path.exists(oracle):
+                os.unlink(oracle)
+        if engine_on:
+            updates(args, etcd.endpoint, ns + "-engine", tmp, per_step, result)
+        else:
+            result["null_reasons"]["vllm"] = "skipped (--no-vllm)"
+    return summarize(result, per_step, load0)
+
+
+def pulls(
+    args: argparse.Namespace, endpoint: str, ns: str, oracle: str, save: str | None, result: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Phase 1: per step, the trainer's step and puts, then each consumer's delta and whole pulls."""
     per_step: list[dict[str, Any]] = []
     roles = Roles()
-    with EmbeddedEtcd(host=args.a_addr) as etcd:
-        try:
-            roles.start("trainer", trainer, (etcd.endpoint, ns, args.small))
-            result["params"] = roles.wait("trainer")["params"]
-            paths = ["shm"] + (["tcp"] if args.b_ns else [])
-            if not args.b_ns:
-                result["null_reasons"]["tcp"] = args.no_hosts
+    try:
+        roles.start("trainer", trainer, (endpoint, ns, args.small, oracle, save))
+        result["params"] = roles.wait("trainer")["params"]
+        paths = ["shm"] + (["tcp"] if args.b_ns else [])
+        if not args.b_ns:
+            result["null_reasons"]["tcp"] = args.no_hosts
+        for path in paths:
+            host = args.b_ns if path == "tcp" else None
+            roles.start(path, consumer, (path, endpoint, ns, args.small, oracle), host)
+            roles.wait(path)
+        for k in range(args.steps + 1):
+            row = {"step": k, **roles.ask("trainer", "step", k)}
             for path in paths:
-                roles.start(
-                    path,
-                    consumer,
-                    (path, etcd.endpoint, ns, args.small),
-                    args.b_ns if path == "tcp" else None,
-                )
-                roles.wait(path)
-            for k in range(args.steps + 1):
-                put = roles.ask("trainer", "step", k)
-                want = put.pop("digests")
-                row = {"step": k, **put}
-                for path in paths:
-                    got = roles.ask(path, "pull", k, want)
-                    row[path] = {key: v for key, v in got.items() if key != "step"}
-                per_step.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
-        finally:
-            roles.close()
-    result["null_reasons"]["vllm"] = args.vllm_reason
-    return summarize(result, per_step, load0)
+                got = roles.ask(path, "pull", k)
+                row[path] = {key: v for key, v in got.items() if key != "step"}
+            per_step.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    finally:
+        roles.close()
+    return per_step
+
+
+def updates(
+    args: argparse.Namespace, endpoint: str, ns: str, save: str, per_step: list[dict[str, Any]], result: dict
+) -> None:
+    """Phase 2: per step, the trainer's version published again, then the engine's delta and whole
+    updates (into ``per_step``); then the engine without kept staging."""
+    roles = Roles()
+    model_dir = os.path.join(save, "model")
+    qwen2_config(args.small).save_pretrained(model_dir)
+    try:
+        roles.start("replayer", replayer, (endpoint, ns, args.small, save))
+        roles.wait("replayer")
+        roles.start("vllm", engine, (endpoint, ns, model_dir), daemon=False)  # vLLM starts processes
+        roles.wait("vllm")
+        for row in per_step:
+            k = row["step"]
+            put = roles.ask("replayer", "step", k)
+            got = roles.ask("vllm", "update", k, put.pop("served"))
+            row["vllm"] = {key: v for key, v in got.items() if key != "step"}
+            row["vllm"]["put_seconds"] = put["put_seconds"]
+            print(json.dumps({"step": k, "vllm": row["vllm"]}), file=sys.stderr, flush=True)
+        result["vllm_nokeep"] = roles.ask("vllm", "nokeep", per_step[-1]["step"])
+    finally:
+        roles.close()
 
 
 def summarize(result: dict[str, Any], per_step: list[dict[str, Any]], load0: float) -> dict[str, Any]:
@@ -363,13 +569,23 @@ def summarize(result: dict[str, Any], per_step: list[dict[str, Any]], load0: flo
     )
     result["put_delta_seconds"] = _median([r["put_delta_seconds"] for r in trained])
     result["put_plain_seconds"] = _median([r["put_plain_seconds"] for r in trained])
-    result.setdefault("ratio_vllm", None)
+    rows = [r["vllm"] for r in trained if "vllm" in r]
+    result["vllm_whole_seconds"] = _median([x["whole_seconds"] for x in rows])
+    result["vllm_delta_seconds"] = _median([x["delta_seconds"] for x in rows])
+    result["ratio_vllm"] = _ratio(result["vllm_whole_seconds"], result["vllm_delta_seconds"])
+    result["vllm_delta_pulls"] = sum(bool(x["delta_pull"]) for x in rows)
+    if rows:
+        result["vllm_kept_bytes"] = rows[-1]["kept_bytes"]
+    nokeep = result.get("vllm_nokeep")
+    if nokeep:  # the first update after the re-init bakes: the others are the steady cost
+        result["vllm_nokeep_seconds"] = _median(nokeep["seconds"][1:])
     result["exact"] = all(r[p]["exact"] for r in per_step for p in ("tcp", "shm", "vllm") if p in r) and bool(
         per_step
     )
     result["per_step"] = per_step
-    result["date"] = time.strftime("%Y-%m-%d %H:%M")
-    result["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result["load"] = f"load {load0:.1f}"  # the 1-minute load average at the start (report.py's form)
+    result["load_end"] = round(os.getloadavg()[0], 2)
     result["cores"] = len(os.sched_getaffinity(0))
     return result
 
@@ -425,7 +641,6 @@ def main() -> None:
     ap.add_argument("--b-ns", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-hosts", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.vllm_reason = "skipped (--no-vllm)" if args.no_vllm else VLLM_PENDING
     if args.inside:
         print(json.dumps(run(args)), flush=True)
         return
@@ -435,12 +650,6 @@ def main() -> None:
         out = Path(_HERE) / "results" / "delta_sync.jsonl"
         with out.open("a") as f:
             f.write(json.dumps(line) + "\n")
-
-
-VLLM_PENDING = (
-    "the vLLM backend's delta updates are not merged yet (issue 37's engine branch adds keep_staging, "
-    "which staged modules need to keep a base between updates)"
-)
 
 
 def outer(args: argparse.Namespace) -> dict[str, Any]:

@@ -57,13 +57,16 @@ RUNS = (
     Run("peers", ("peers.py",), 1800),
     Run("stream_lanes", ("stream_lanes.py",), 1200),
     Run("fault_suite", ("fault_suite.py",), 3600),
+    # a 0.40B trainer, two network-namespace hosts (root) and a vLLM engine: about 10 minutes, 20 GB
+    Run("delta_sync", ("delta_sync.py",), 2400, records_itself=True),
 )
 
 
 @dataclass(frozen=True)
 class Figure:
     """One row of the report: ``key`` of the newest line of ``results/<file>.jsonl`` for which
-    ``match`` holds, compared with ``target`` by ``op`` ("<", "<=", ">="; None: no target)."""
+    ``match`` holds, compared with ``target`` by ``op`` ("<", "<=", ">=", "==": a flag that must hold
+    when the target is 1; None: no target)."""
 
     label: str
     file: str
@@ -212,6 +215,19 @@ FIGURES = (
     Figure("fault suite: lost versions", "fault_suite", "totals.lost_versions", "<=", 0),
     Figure("fault suite: crashes", "fault_suite", "totals.crashes", "<=", 0),
     Figure("stream lanes: ratio_lanes", "stream_lanes", "ratio_lanes"),
+    Figure(
+        "delta: changed_fraction per step (median; AdamW lr 1e-6, bf16)", "delta_sync", "changed_fraction"
+    ),
+    Figure(
+        "delta: ratio_delta_tcp (whole / delta pull, two hosts)", "delta_sync", "ratio_delta_tcp", ">=", 5.0
+    ),
+    Figure(
+        "delta: ratio_delta_shm (whole / delta pull, one host)", "delta_sync", "ratio_delta_shm", ">=", 1.5
+    ),
+    Figure("delta: bytes_ratio (bytes moved / whole)", "delta_sync", "bytes_ratio"),
+    Figure("delta: ratio_put (put with delta / without)", "delta_sync", "ratio_put", "<=", 1.75),
+    Figure("delta: ratio_vllm (whole / delta update, TP=1 engine)", "delta_sync", "ratio_vllm"),
+    Figure("delta: exact (every step, every path, every element)", "delta_sync", "exact", "==", 1),
 )
 
 
@@ -234,9 +250,11 @@ def _lines(name: str) -> list[dict[str, Any]]:
 def _met(value: Any, op: str | None, target: float | None) -> str:
     if op is None or target is None:
         return "—"
+    if op == "==" and isinstance(value, bool):
+        return "met" if value == bool(target) else "**missed**"
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return "no figure"
-    ok = {"<": value < target, "<=": value <= target, ">=": value >= target}[op]
+    ok = {"<": value < target, "<=": value <= target, ">=": value >= target, "==": value == target}[op]
     return "met" if ok else "**missed**"
 
 
