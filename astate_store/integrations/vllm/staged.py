@@ -1,8 +1,9 @@
 """Staged reload for modules whose weights vLLM transforms after loading (CPU MoE repack, quantization).
 
-The HF slices a staged module needs are pulled into bounded staging: fresh tensors in the module's
-*pre-processing* format (as vLLM recorded it at construction), through the views the bake learned from
-the module's own loaders. Only after the whole pull succeeded does each module run vLLM's own
+The HF slices a staged module needs are pulled into bounded staging: tensors in the module's
+*pre-processing* format (as vLLM recorded it at construction; fresh ones, or with delta pulls the ones
+kept from the last update, which hold the version served: engine.py), through the views the bake learned
+from the module's own loaders. Only after the whole pull succeeded does each module run vLLM's own
 post-processing on them, as on a first load, and the results are copied into the live parameters'
 storage (addresses kept, as vLLM's layerwise reload does).
 
