@@ -3,21 +3,23 @@
  * every byte of a model.
  *
  *   stage(shards, tiles, threads, streaming)  the put's compare-and-copy into a staging slot:
- *       one pass that copies every shard, compares it with the previous version (raw bits),
- *       encodes each tile's changes into per-thread arenas and hashes each tile (XXH3-64).
- *       Returns an Arena; tiles[] says, per tile, what was found and where its bytes are.
+ *       one pass that copies every shard, compares it with the previous version (raw bits, 64
+ *       bytes at a time: AVX-512 where the CPU has it, else SSE2), encodes each tile's changes
+ *       into per-thread arenas and hashes each tile (XXH3-64). Returns an Arena; tiles[] says,
+ *       per tile, what was found and where its bytes are.
  *   place(arena, rows)                         copy encoded tiles from the arena to the slot.
  *   decode(geoms, tiles, threads, check)      the pull's side, in two passes so that nothing is
- *       written before every tile was checked: pass A (check=1) checks every tile and finds each
- *       element's buffer offset (into the out_off arrays; values too where output arrays stand for
- *       the buffer); pass B (check=0) writes host buffers from them, prefetching ahead.
+ *       written before every tile was checked: pass A (check=1) checks every tile (for buffers
+ *       decode cannot write itself, it also reports each element's buffer offset and value into
+ *       the out_off / out_val arrays); pass B (check=0) decodes the tiles of host buffers again
+ *       and writes each value in place.
  *   digest(geoms, tiles, out, threads)         XXH3-64 of whole tiles of destination memory.
- *   load_xxh3(path)                            XXH3_64bits, from the xxhash package's extension
- *       (a declared dependency: called through its exported C API, not copied).
+ *   load_xxh3(path)                            XXH3_64bits (its runtime-dispatched build where
+ *       present), from the xxhash package's extension (a declared dependency: called through
+ *       its exported C API, not copied).
  *
- * A tile's digest is XXH3-64 of its bytes when its rows are one run of memory (one column block,
- * or one row); else of its rows' XXH3-64s (8 bytes each, little-endian), each taken while the
- * compare-and-copy has the row in cache.
+ * A tile's digest is XXH3-64 of its bytes, its rows in order: where they are not one run of
+ * memory (a column block), the compare-and-copy gathers each row while it is in cache.
  *
  * The tile geometry and the row format are defined in astate_store/model/delta_format.py; the
  * Python layer computes and checks every address it passes here (the publisher its own
@@ -64,7 +66,10 @@ static PyObject *mod_load_xxh3(PyObject *m, PyObject *arg)
     if (path == NULL) return NULL;
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (h == NULL) Py_RETURN_FALSE;
-    H.oneshot = (xxh3_fn)dlsym(h, "XXH3_64bits");
+    /* the runtime-dispatched variant (AVX2 / AVX-512 where the CPU has them) when the package
+     * was built with it: the same function, about twice as fast as its SSE2 build here */
+    H.oneshot = (xxh3_fn)dlsym(h, "XXH3_64bits_dispatch");
+    if (!H.oneshot) H.oneshot = (xxh3_fn)dlsym(h, "XXH3_64bits");
     if (!H.oneshot) Py_RETURN_FALSE;
     Py_RETURN_TRUE;
 }
@@ -138,6 +143,9 @@ static inline void elem_copy(unsigned char *d, const unsigned char *s, size_t es
 /* tile rows written: count | enc << 56, encoded length, digest, arena location (thread << 48 | offset) */
 #define TL_COLS 4
 
+typedef void (*segment_fn)(const unsigned char *, const unsigned char *, unsigned char *, size_t, size_t, uint32_t,
+                           uint32_t *, unsigned char *, size_t *, int);
+
 typedef struct {
     unsigned char *buf;
     size_t len, cap;
@@ -150,15 +158,15 @@ typedef struct {
     const uint64_t *unit_start; /* per shard: its first unit; [nshards] = total */
     uint64_t *tiles;
     int streaming;
-    size_t next; /* next unit (atomic) */
+    size_t next;       /* next unit (atomic) */
+    segment_fn segment; /* stage_segment, or its AVX-512 build where the CPU has it */
 } stage_t;
 
-#define MAX_TILE_ROWS (TILE_BYTES / 64) /* a tile split in column blocks has rows of >= 64 bytes */
 
 typedef struct {
     uint32_t *idx;       /* UNIT_BLOCKS tiles x TILE_BYTES indices */
     unsigned char *vals; /* UNIT_BLOCKS tiles x TILE_BYTES value bytes */
-    uint64_t *rowh;      /* UNIT_BLOCKS tiles x MAX_TILE_ROWS row hashes */
+    unsigned char *tmp;  /* UNIT_BLOCKS tiles x TILE_BYTES: a column block's rows gathered, to hash */
     size_t n[UNIT_BLOCKS];
 } tilebuf_t;
 
@@ -225,33 +233,12 @@ static inline uint64_t block_diff(const unsigned char *a, const unsigned char *b
 #endif
 }
 
-/* one row segment of one tile: copy src to dst and record the elements that differ from prev */
-static void stage_segment(const unsigned char *s, const unsigned char *p, unsigned char *d, size_t w, size_t esize,
-                          uint32_t base, uint32_t *idx, unsigned char *vals, size_t *np, int streaming)
+/* elements [i, j) of a segment one by one: copy (unless in place) and record those that differ */
+static inline size_t stage_elems(const unsigned char *s, const unsigned char *p, unsigned char *d, size_t i, size_t j,
+                                 size_t esize, uint32_t base, uint32_t *idx, unsigned char *vals, size_t n)
 {
-    const size_t nb = w * esize;
-    if (p == NULL) { /* no base: a plain copy */
-        size_t i = 0;
-        for (; i + 64 <= nb; i += 64) store_block(d + i, s + i, 64, streaming);
-        memcpy(d + i, s + i, nb - i);
-        return;
-    }
     const int inplace = p == d;
-    size_t i = 0, n = *np;
-    for (; i + 64 <= nb; i += 64) {
-        uint64_t m = block_diff(s + i, p + i, esize);
-        if (!inplace) store_block(d + i, s + i, 64, streaming);
-        else if (m) memcpy(d + i, s + i, 64);
-        const uint32_t first = base + (uint32_t)(i / esize);
-        while (m) {
-            const unsigned e = (unsigned)__builtin_ctzll(m);
-            m &= m - 1;
-            idx[n] = first + e;
-            elem_copy(vals + n * esize, s + i + (size_t)e * esize, esize);
-            n++;
-        }
-    }
-    for (; i < nb; i += esize) { /* the tail: fewer than 64 bytes */
+    for (; i < j; i += esize) {
         if (elem_differs(s + i, p + i, esize)) {
             idx[n] = base + (uint32_t)(i / esize);
             memcpy(vals + n * esize, s + i, esize);
@@ -260,7 +247,114 @@ static void stage_segment(const unsigned char *s, const unsigned char *p, unsign
         }
         if (!inplace) memcpy(d + i, s + i, esize);
     }
-    *np = n;
+    return n;
+}
+
+/* the elements set in m (those of the 64-byte block at s + i) into idx / vals */
+static inline size_t take_changes(uint64_t m, const unsigned char *s, size_t i, size_t esize, uint32_t base,
+                                  uint32_t *idx, unsigned char *vals, size_t n)
+{
+    const uint32_t first = base + (uint32_t)(i / esize);
+    while (m) {
+        const unsigned e = (unsigned)__builtin_ctzll(m);
+        m &= m - 1;
+        idx[n] = first + e;
+        elem_copy(vals + n * esize, s + i + (size_t)e * esize, esize);
+        n++;
+    }
+    return n;
+}
+
+/* One row segment of one tile: copy src to dst and record the elements that differ from prev
+ * (NULL: no base, a plain copy). The segment's head up to d's next line, and its tail, go
+ * element by element; the lines between are compared 64 bytes at a time and, with streaming,
+ * written with non-temporal stores (whole lines only: a partial one would cost a read). */
+static void stage_segment(const unsigned char *s, const unsigned char *p, unsigned char *d, size_t w, size_t esize,
+                          uint32_t base, uint32_t *idx, unsigned char *vals, size_t *np, int streaming)
+{
+    const size_t nb = w * esize;
+    size_t h = (64 - ((uintptr_t)d & 63)) & 63;
+    h -= h % esize;
+    if (h > nb) h = nb;
+    const size_t body = h + (nb - h) / 64 * 64;
+    if (p == NULL) { /* no base: a plain copy */
+        memcpy(d, s, h);
+        for (size_t i = h; i < body; i += 64) store_block(d + i, s + i, 64, streaming);
+        memcpy(d + body, s + body, nb - body);
+        return;
+    }
+    const int inplace = p == d;
+    size_t n = stage_elems(s, p, d, 0, h, esize, base, idx, vals, *np);
+    for (size_t i = h; i < body; i += 64) {
+        const uint64_t m = block_diff(s + i, p + i, esize);
+        if (!inplace) store_block(d + i, s + i, 64, streaming);
+        else if (m) memcpy(d + i, s + i, 64);
+        if (m) n = take_changes(m, s, i, esize, base, idx, vals, n);
+    }
+    *np = stage_elems(s, p, d, body, nb, esize, base, idx, vals, n);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+/* The same with AVX-512BW (one compare to a mask per 64 bytes, 64-byte streaming stores): the
+ * compare and the copy cost a few instructions per line, so the pass runs at memory speed. */
+__attribute__((target("avx512f,avx512bw"))) static void stage_segment_avx512(
+    const unsigned char *s, const unsigned char *p, unsigned char *d, size_t w, size_t esize, uint32_t base,
+    uint32_t *idx, unsigned char *vals, size_t *np, int streaming)
+{
+    const size_t nb = w * esize;
+    size_t h = (64 - ((uintptr_t)d & 63)) & 63;
+    h -= h % esize;
+    if (h > nb) h = nb;
+    const size_t body = h + (nb - h) / 64 * 64;
+    if (p == NULL) {
+        memcpy(d, s, h);
+        for (size_t i = h; i < body; i += 64) {
+            const __m512i x = _mm512_loadu_si512((const void *)(s + i));
+            if (streaming) _mm512_stream_si512((void *)(d + i), x);
+            else _mm512_store_si512((void *)(d + i), x);
+        }
+        memcpy(d + body, s + body, nb - body);
+        return;
+    }
+    const int inplace = p == d;
+    size_t n = stage_elems(s, p, d, 0, h, esize, base, idx, vals, *np);
+    for (size_t i = h; i < body; i += 64) {
+        const __m512i x = _mm512_loadu_si512((const void *)(s + i));
+        const __m512i y = _mm512_loadu_si512((const void *)(p + i));
+        uint64_t m;
+        switch (esize) {
+        case 1: m = _mm512_cmpneq_epi8_mask(x, y); break;
+        case 2: m = _mm512_cmpneq_epi16_mask(x, y); break;
+        case 4: m = _mm512_cmpneq_epi32_mask(x, y); break;
+        default: m = _mm512_cmpneq_epi64_mask(x, y); break;
+        }
+        if (!inplace) {
+            if (streaming) _mm512_stream_si512((void *)(d + i), x);
+            else _mm512_store_si512((void *)(d + i), x);
+        } else if (m) {
+            _mm512_store_si512((void *)(d + i), x);
+        }
+        if (m) n = take_changes(m, s, i, esize, base, idx, vals, n);
+    }
+    *np = stage_elems(s, p, d, body, nb, esize, base, idx, vals, n);
+}
+
+#define SEGMENT_AVX512 stage_segment_avx512
+#else
+#define HAVE_AVX512 0
+#define SEGMENT_AVX512 stage_segment
+#endif
+
+static int has_avx512(void)
+{
+#if HAVE_AVX512
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+#else
+    return 0;
+#endif
 }
 
 static int arena_reserve(arena_t *a, size_t more)
@@ -274,49 +368,48 @@ static int arena_reserve(arena_t *a, size_t more)
     return 0;
 }
 
-/* encode one finished tile into the thread's arena; fills its row of the tiles table */
+/* Encode one finished tile into the thread's arena, in one pass: the gaps as LEB128 (at most 3
+ * bytes each: a tile has fewer than 2^21 elements), or a bitmap when that is smaller; raw when
+ * neither beats the tile itself. Fills the tile's row of the tiles table. */
 static void finish_tile(stage_job_t *J, uint64_t *row, const uint32_t *idx, const unsigned char *vals, size_t n,
                         size_t elems, size_t esize, int has_base)
 {
-    uint64_t enc, count = n, len = 0, loc = 0;
+    uint64_t enc = ENC_RAW, count = n, len = 0, loc = 0;
+    const size_t blen = (elems + 7) / 8, vbytes = n * esize;
     if (!has_base) {
-        enc = ENC_RAW, count = elems;
+        count = elems;
     } else if (n == 0) {
         enc = ENC_NONE;
-    } else {
-        size_t vlen = 0;
-        int64_t last = -1;
-        for (size_t k = 0; k < n; k++) {
-            vlen += leb_len((uint64_t)((int64_t)idx[k] - last - 1));
-            last = idx[k];
-        }
-        const size_t blen = (elems + 7) / 8;
-        const int bitmap = blen < vlen;
-        const size_t ilen = bitmap ? blen : vlen;
-        const size_t total = ilen + n * esize;
-        if (total >= elems * esize || arena_reserve(&J->room->arena, total) != 0) {
-            if (total < elems * esize) J->nomem = 1; /* an arena that cannot grow: the tile goes raw */
-            enc = ENC_RAW;
+    } else if (vbytes + (n < blen ? n : blen) < elems * esize) { /* some encoding can be smaller */
+        arena_t *a = &J->room->arena;
+        if (arena_reserve(a, 3 * n + blen + vbytes) != 0) {
+            J->nomem = 1; /* an arena that cannot grow: the tile goes raw */
         } else {
-            unsigned char *o = J->room->arena.buf + J->room->arena.len;
-            if (bitmap) {
-                memset(o, 0, blen);
-                for (size_t k = 0; k < n; k++) o[idx[k] >> 3] |= (unsigned char)(1u << (idx[k] & 7));
-            } else {
-                unsigned char *q = o;
-                last = -1;
+            unsigned char *o = a->buf + a->len, *q = o;
+            size_t ilen = blen;
+            if (n < blen) { /* at least one byte per gap: a varint stream can only be smaller */
+                uint32_t next = 0; /* the first index not yet covered */
                 for (size_t k = 0; k < n; k++) {
-                    uint64_t g = (uint64_t)((int64_t)idx[k] - last - 1);
-                    last = idx[k];
+                    uint32_t g = idx[k] - next;
+                    next = idx[k] + 1;
                     while (g >= 0x80) *q++ = (unsigned char)(g | 0x80), g >>= 7;
                     *q++ = (unsigned char)g;
                 }
+                ilen = (size_t)(q - o);
             }
-            memcpy(o + ilen, vals, n * esize);
-            enc = bitmap ? ENC_BITMAP : ENC_VARINT;
-            len = total;
-            loc = ((uint64_t)J->tid << 48) | (uint64_t)J->room->arena.len;
-            J->room->arena.len += total;
+            const int bitmap = ilen >= blen;
+            if (bitmap) {
+                ilen = blen;
+                memset(o, 0, blen);
+                for (size_t k = 0; k < n; k++) o[idx[k] >> 3] |= (unsigned char)(1u << (idx[k] & 7));
+            }
+            if (ilen + vbytes < elems * esize) {
+                memcpy(o + ilen, vals, vbytes);
+                enc = bitmap ? ENC_BITMAP : ENC_VARINT;
+                len = ilen + vbytes;
+                loc = ((uint64_t)J->tid << 48) | (uint64_t)a->len;
+                a->len += len;
+            }
         }
     }
     row[0] = count | (enc << ENC_SHIFT);
@@ -324,6 +417,9 @@ static void finish_tile(stage_job_t *J, uint64_t *row, const uint32_t *idx, cons
     row[3] = loc;
 }
 
+/* One unit: a band of a shard, the column blocks cb0.. of it, row by row (the rows are read in
+ * memory order). A tile that is one run of the shard is hashed where it lies, in cache after
+ * the pass; the rows of a column block are gathered while in cache, and hashed together. */
 static void stage_unit(stage_job_t *J, size_t u)
 {
     stage_t *S = J->S;
@@ -354,20 +450,17 @@ static void stage_unit(stage_job_t *J, size_t u)
         for (size_t cb = cb0; cb < cb1; cb++) {
             const size_t c0 = cb * TC, w = TC < C - c0 ? TC : C - c0, i = cb - cb0;
             const size_t off = (r * C + c0) * esize;
-            stage_segment(src + off, prev ? prev + off : NULL, dst + off, w, esize, (uint32_t)((r - row0) * w),
-                          tb->idx + i * TILE_BYTES, tb->vals + i * TILE_BYTES, &tb->n[i], S->streaming);
-            if (hashing && !contiguous) /* row by row, while the row is in cache */
-                tb->rowh[i * MAX_TILE_ROWS + (r - row0)] = H.oneshot(src + off, w * esize);
+            S->segment(src + off, prev ? prev + off : NULL, dst + off, w, esize, (uint32_t)((r - row0) * w),
+                       tb->idx + i * TILE_BYTES, tb->vals + i * TILE_BYTES, &tb->n[i], S->streaming);
+            if (hashing && !contiguous) /* gathered while the row is in cache */
+                memcpy(tb->tmp + i * TILE_BYTES + (r - row0) * w * esize, src + off, w * esize);
         }
     }
     for (size_t cb = cb0; cb < cb1; cb++) {
         const size_t c0 = cb * TC, w = TC < C - c0 ? TC : C - c0, i = cb - cb0;
         uint64_t *row = S->tiles + TL_COLS * (tile_base + cb * nbands + j);
-        uint64_t dg = 0;
-        if (hashing)
-            dg = contiguous ? H.oneshot(src + (row0 * C + c0) * esize, nrows * w * esize)
-                            : H.oneshot(tb->rowh + i * MAX_TILE_ROWS, nrows * sizeof(uint64_t));
-        row[2] = dg;
+        const unsigned char *bytes = contiguous ? src + (row0 * C + c0) * esize : tb->tmp + i * TILE_BYTES;
+        row[2] = hashing ? H.oneshot(bytes, nrows * w * esize) : 0;
         finish_tile(J, row, tb->idx + i * TILE_BYTES, tb->vals + i * TILE_BYTES, tb->n[i], nrows * w, esize,
                     prev != NULL);
     }
@@ -400,7 +493,7 @@ static void arenas_free(PyObject *cap)
         free(A->t[t].arena.buf);
         free(A->t[t].tb.idx);
         free(A->t[t].tb.vals);
-        free(A->t[t].tb.rowh);
+        free(A->t[t].tb.tmp);
     }
     free(A);
 }
@@ -410,8 +503,8 @@ static int room_ready(stage_room_t *r)
     r->arena.len = 0;
     if (r->tb.idx == NULL) r->tb.idx = malloc((size_t)UNIT_BLOCKS * TILE_BYTES * sizeof(uint32_t));
     if (r->tb.vals == NULL) r->tb.vals = malloc((size_t)UNIT_BLOCKS * TILE_BYTES);
-    if (r->tb.rowh == NULL) r->tb.rowh = malloc((size_t)UNIT_BLOCKS * MAX_TILE_ROWS * sizeof(uint64_t));
-    return r->tb.idx && r->tb.vals && r->tb.rowh ? 0 : -1;
+    if (r->tb.tmp == NULL) r->tb.tmp = malloc((size_t)UNIT_BLOCKS * TILE_BYTES);
+    return r->tb.idx && r->tb.vals && r->tb.tmp ? 0 : -1;
 }
 
 /* the units (shard, band, group of column blocks) of every shard: unit_start[s] is shard s's
@@ -431,10 +524,11 @@ static int count_units(const uint64_t *shards, size_t ns, uint64_t ntiles, uint6
 
 static PyObject *mod_stage(PyObject *m, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"shards", "tiles", "threads", "streaming", "arenas", NULL};
+    static char *kwlist[] = {"shards", "tiles", "threads", "streaming", "arenas", "simd", NULL};
     PyObject *sh_obj, *tl_obj, *cap = Py_None;
-    int threads = 1, streaming = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iiO", kwlist, &sh_obj, &tl_obj, &threads, &streaming, &cap))
+    int threads = 1, streaming = 0, simd = 1; /* simd 0: the SSE2 build even where AVX-512 runs (tests) */
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iiOi", kwlist, &sh_obj, &tl_obj, &threads, &streaming, &cap,
+                                     &simd))
         return NULL;
     arenas_t *A = NULL;
     if (cap != Py_None && (A = PyCapsule_GetPointer(cap, "astate_delta.arenas")) == NULL) return NULL;
@@ -459,7 +553,7 @@ static PyObject *mod_stage(PyObject *m, PyObject *args, PyObject *kwds)
         if (out == NULL) free(A);
     }
     if (out != NULL) {
-        stage_t S = {sb.buf, ns, unit_start, tb.buf, streaming && HAVE_STREAM, 0};
+        stage_t S = {sb.buf, ns, unit_start, tb.buf, streaming && HAVE_STREAM, 0, simd && has_avx512() ? SEGMENT_AVX512 : stage_segment};
         const uint64_t units = unit_start[ns];
         const int nj = units <= 1 ? 1 : (uint64_t)threads > units ? (int)units : threads;
         stage_job_t jobs[MAX_JOBS];
@@ -647,6 +741,10 @@ static int decode_raw(const int64_t *g, const tile_geo_t *t, const unsigned char
 static inline int report(cursor_t *q, size_t n, const unsigned char *vals)
 {
     const int64_t at = cursor_at(q);
+    if (q->out_off == NULL) { /* a host buffer: pass B decodes again and writes */
+        q->in += at >= 0;
+        return 0;
+    }
     q->out_off[n] = at;
     q->in += at >= 0;
     if (q->dest == NULL) elem_copy(q->out_val + n * q->esize, vals + n * q->esize, q->esize);
@@ -693,17 +791,172 @@ static int check_coded(const tile_geo_t *t, uint64_t enc, size_t count, const un
     return n == count ? 0 : -1;
 }
 
-/* pass B of an encoded tile into host memory: the offsets pass A found, prefetched ahead */
-#define PREFETCH_AHEAD 16
-static void write_coded(const int64_t *ats, size_t count, const unsigned char *vals, unsigned char *dest, size_t esize)
+/* Whether every element of the tile lies in the box with columns one run (col_stride 1): then
+ * element i of the tile lands at row_map[row0 + i / w] + (tile c0 - box c0) + i % w. */
+static int tile_inside(const int64_t *g, const tile_geo_t *t)
 {
-    for (size_t n = 0; n < count && n < PREFETCH_AHEAD; n++)
-        if (ats[n] >= 0) __builtin_prefetch(dest + ats[n] * (int64_t)esize, 1);
-    for (size_t n = 0; n < count; n++) {
-        if (n + PREFETCH_AHEAD < count && ats[n + PREFETCH_AHEAD] >= 0)
-            __builtin_prefetch(dest + ats[n + PREFETCH_AHEAD] * (int64_t)esize, 1);
-        if (ats[n] >= 0) elem_copy(dest + ats[n] * (int64_t)esize, vals + n * esize, esize);
+    const int64_t *row_map = (const int64_t *)(uintptr_t)g[7];
+    if (g[10] != 1 || (int64_t)t->c0 < g[8] || (int64_t)(t->c0 + t->w) > g[9]) return 0;
+    for (size_t r = t->row0; r < t->row0 + t->nrows; r++)
+        if (row_map[r] < 0) return 0;
+    return 1;
+}
+
+/* i / w for i < 2^32 without a division (Lemire's fastdiv; w >= 2) */
+static inline uint64_t fastdiv(uint64_t i, uint64_t magic) { return (uint64_t)(((__uint128_t)magic * i) >> 64); }
+
+/* one LEB128 gap (the stream was checked in pass A) */
+static inline uint64_t leb_next(const unsigned char **pp)
+{
+    const unsigned char *p = *pp;
+    uint64_t g = *p++;
+    if (__builtin_expect(g >= 0x80, 0)) {
+        g &= 0x7f;
+        int shift = 7;
+        for (;;) {
+            const unsigned char b = *p++;
+            g |= (uint64_t)(b & 0x7f) << shift;
+            shift += 7;
+            if (!(b & 0x80)) break;
+        }
     }
+    *pp = p;
+    return g;
+}
+
+/* Pass B of an encoded tile wholly inside its box, into host memory: decode the indices once
+ * more and write each value where it lands (the tile's elements in increasing order, so the
+ * writes walk the buffer forwards). */
+#ifndef APPLY_CHUNK
+#define APPLY_CHUNK 256
+#endif
+#ifndef APPLY_PF
+#define APPLY_PF 0
+#endif
+#define APPLY_INSIDE(T)                                                                               \
+    do {                                                                                            \
+        T *d = (T *)(void *)dest;                                                                   \
+        const T *v = (const T *)(const void *)vals;                                                 \
+        if (enc == ENC_VARINT) {                                                                    \
+            const unsigned char *p = data;                                                          \
+            uint64_t i = (uint64_t)-1;                                                              \
+            int64_t at[APPLY_CHUNK];                                                                \
+            for (size_t n0 = 0; n0 < count; n0 += APPLY_CHUNK) {                                    \
+                const size_t m = count - n0 < APPLY_CHUNK ? count - n0 : APPLY_CHUNK;               \
+                for (size_t k = 0; k < m; k++) {                                                    \
+                    i += 1 + leb_next(&p);                                                          \
+                    const uint64_t r = w == 1 ? i : fastdiv(i, magic);                              \
+                    at[k] = rm[r] + cofs + (int64_t)(i - r * w);                                    \
+                    if (APPLY_PF && k < APPLY_PF) __builtin_prefetch(d + at[k], 1);                 \
+                }                                                                                   \
+                for (size_t k = 0; k < m; k++) {                                                    \
+                    if (APPLY_PF && k + APPLY_PF < m) __builtin_prefetch(d + at[k + APPLY_PF], 1);  \
+                    d[at[k]] = v[n0 + k];                                                           \
+                }                                                                                   \
+            }                                                                                       \
+        } else {                                                                                    \
+            size_t n = 0;                                                                           \
+            for (size_t byte = 0; byte < ilen; byte++) {                                            \
+                unsigned b = data[byte];                                                            \
+                while (b) {                                                                         \
+                    const uint64_t i = byte * 8 + (uint64_t)__builtin_ctz(b);                       \
+                    b &= b - 1;                                                                     \
+                    const uint64_t r = w == 1 ? i : fastdiv(i, magic);                              \
+                    d[rm[r] + cofs + (int64_t)(i - r * w)] = v[n++];                                \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    } while (0)
+
+static void apply_inside(const int64_t *g, const tile_geo_t *t, uint64_t enc, size_t count, const unsigned char *data,
+                         size_t ilen, const unsigned char *vals)
+{
+    const int64_t *rm = (const int64_t *)(uintptr_t)g[7] + t->row0;
+    const int64_t cofs = (int64_t)t->c0 - g[8];
+    const uint64_t w = t->w, magic = w > 1 ? UINT64_MAX / w + 1 : 0;
+    unsigned char *dest = (unsigned char *)(uintptr_t)g[11];
+    switch (g[0]) {
+    case 1: APPLY_INSIDE(uint8_t); break;
+    case 2: APPLY_INSIDE(uint16_t); break;
+    case 4: APPLY_INSIDE(uint32_t); break;
+    default: APPLY_INSIDE(uint64_t); break;
+    }
+}
+
+/* Pass B of an encoded tile that the box cuts (or a strided buffer): the cursor, element by
+ * element, writing those inside the box. */
+static void apply_cut(const tile_geo_t *t, uint64_t enc, size_t count, const unsigned char *data, size_t ilen,
+                      const unsigned char *vals, cursor_t *q)
+{
+    const size_t esize = q->esize;
+    int64_t last = -1;
+    if (enc == ENC_VARINT) {
+        const unsigned char *p = data;
+        for (size_t n = 0; n < count; n++) {
+            const uint64_t gap = leb_next(&p);
+            cursor_skip(q, (size_t)(last < 0 ? gap : gap + 1));
+            last += 1 + (int64_t)gap;
+            const int64_t at = cursor_at(q);
+            if (at >= 0) elem_copy(q->dest + at * (int64_t)esize, vals + n * esize, esize);
+        }
+        return;
+    }
+    size_t n = 0;
+    for (size_t byte = 0; byte < ilen; byte++) {
+        unsigned b = data[byte];
+        while (b) {
+            const size_t i = byte * 8 + (size_t)__builtin_ctz(b);
+            b &= b - 1;
+            cursor_skip(q, (size_t)((int64_t)i - (last < 0 ? 0 : last)));
+            last = (int64_t)i;
+            const int64_t at = cursor_at(q);
+            if (at >= 0) elem_copy(q->dest + at * (int64_t)esize, vals + n * esize, esize);
+            n++;
+        }
+    }
+}
+
+/* Pass A of an encoded tile wholly inside its box: the stream holds exactly `count` indices,
+ * increasing, below the tile's elements, and nothing after them (the writes need no more). */
+static int check_inside(uint64_t enc, size_t count, size_t elems, const unsigned char *data, size_t ilen)
+{
+    if (enc == ENC_BITMAP) {
+        if (ilen != (elems + 7) / 8) return -1;
+        size_t n = 0;
+        for (size_t byte = 0; byte < ilen; byte++) n += (size_t)__builtin_popcount(data[byte]);
+        if (elems % 8 && (data[ilen - 1] >> (elems % 8))) return -1; /* bits past the tile */
+        return n == count ? 0 : -1;
+    }
+    if (enc != ENC_VARINT) return -1;
+    /* count the gaps and sum them: the last index is sum + count - 1. Eight one-byte gaps at a
+     * time where no byte has its continuation bit (most of a sparse tile's stream). */
+    size_t p = 0, n = 0;
+    uint64_t sum = 0;
+    while (p < ilen) {
+        if (p + 8 <= ilen) {
+            uint64_t w;
+            memcpy(&w, data + p, 8);
+            if (!(w & 0x8080808080808080ull)) {
+                const uint64_t x = (w & 0x00ff00ff00ff00ffull) + ((w >> 8) & 0x00ff00ff00ff00ffull);
+                sum += (x * 0x0001000100010001ull) >> 48;
+                n += 8, p += 8;
+                continue;
+            }
+        }
+        uint64_t gap = data[p++];
+        if (gap & 0x80) { /* at most three bytes: a tile has fewer than 2^21 elements */
+            if (p >= ilen) return -1;
+            const uint64_t b1 = data[p++];
+            gap = (gap & 0x7f) | (b1 & 0x7f) << 7;
+            if (b1 & 0x80) {
+                if (p >= ilen || data[p] & 0x80) return -1;
+                gap |= (uint64_t)data[p++] << 14;
+            }
+        }
+        sum += gap;
+        n++;
+    }
+    return n == count && sum + count <= elems ? 0 : -1;
 }
 
 /* tile ti in pass A (check=1: check it, fill the output arrays) or pass B (write host memory);
@@ -729,11 +982,21 @@ static int decode_tile(decode_t *D, size_t ti, size_t *in)
         rc = decode_raw(g, &t, data, len, pass, &q);
     } else if (count == 0 || count > elems || len < count * esize) {
         rc = -1;
-    } else if (pass == 0) {
-        rc = check_coded(&t, enc, count, data, len - count * esize, data + len - count * esize, &q);
     } else {
-        if (q.dest != NULL) write_coded(q.out_off, count, data + len - count * esize, q.dest, esize);
-        rc = 0;
+        const size_t ilen = len - count * esize;
+        const unsigned char *vals = data + ilen;
+        /* host buffers without output arrays: pass A checks, pass B decodes again and writes */
+        const int inside = q.dest != NULL && q.out_off == NULL && tile_inside(g, &t);
+        if (pass == 0 && inside) {
+            rc = check_inside(enc, count, elems, data, ilen);
+            q.in += rc == 0 ? count : 0;
+        } else if (pass == 0) {
+            rc = check_coded(&t, enc, count, data, ilen, vals, &q);
+        } else {
+            if (inside) apply_inside(g, &t, enc, count, data, ilen, vals);
+            else if (q.dest != NULL) apply_cut(&t, enc, count, data, ilen, vals, &q);
+            rc = 0;
+        }
     }
     *in += q.in;
     return rc;
@@ -798,8 +1061,7 @@ typedef struct {
 
 typedef struct {
     digest_t *D;
-    uint64_t *rowh; /* MAX_TILE_ROWS row hashes */
-    unsigned char *tmp; /* TILE_BYTES */
+    unsigned char *tmp; /* TILE_BYTES: a tile's rows gathered */
 } digest_job_t;
 
 /* tile (r, c) geometry -> its bytes in the destination, gathered into tmp: the tile's rows in
@@ -827,17 +1089,13 @@ static void *digest_worker(void *arg)
         const size_t esize = (size_t)g[0];
         if (tile_geo(g, T[1], &t) != 0 || esize * t.w * t.nrows > TILE_BYTES) { D->bad = 1; continue; }
         const int64_t *row_map = (const int64_t *)(uintptr_t)g[7];
-        const int whole_rows = g[2] >= g[1] || t.nrows == 1; /* one column block, or one row */
         const size_t seg = t.w * esize;
-        for (size_t r = 0; r < t.nrows; r++) {
-            const unsigned char *p = dest_row(g, row_map, t.row0 + r, t.c0, t.w, J->tmp + (whole_rows ? r * seg : 0));
-            if (whole_rows) {
-                if (p != J->tmp + r * seg) memcpy(J->tmp + r * seg, p, seg);
-            } else {
-                J->rowh[r] = H.oneshot(p, seg);
-            }
+        for (size_t r = 0; r < t.nrows; r++) { /* the tile's rows in order, as the publisher hashed them */
+            unsigned char *to = J->tmp + r * seg;
+            const unsigned char *p = dest_row(g, row_map, t.row0 + r, t.c0, t.w, to);
+            if (p != to) memcpy(to, p, seg);
         }
-        D->out[i] = whole_rows ? H.oneshot(J->tmp, t.nrows * seg) : H.oneshot(J->rowh, t.nrows * sizeof(uint64_t));
+        D->out[i] = H.oneshot(J->tmp, t.nrows * seg);
     }
     return NULL;
 }
@@ -875,9 +1133,8 @@ static PyObject *mod_digest(PyObject *m, PyObject *args, PyObject *kwds)
     int nj = D.ntiles > 16 ? threads : 1, nomem = 0;
     for (int t = 0; t < nj; t++) {
         jobs[t].D = &D;
-        jobs[t].rowh = malloc(MAX_TILE_ROWS * sizeof(uint64_t));
         jobs[t].tmp = malloc(TILE_BYTES);
-        if (!jobs[t].rowh || !jobs[t].tmp) nomem = 1;
+        if (!jobs[t].tmp) nomem = 1;
     }
     if (!nomem) {
         Py_BEGIN_ALLOW_THREADS
@@ -885,7 +1142,6 @@ static PyObject *mod_digest(PyObject *m, PyObject *args, PyObject *kwds)
         Py_END_ALLOW_THREADS
     }
     for (int t = 0; t < nj; t++) {
-        free(jobs[t].rowh);
         free(jobs[t].tmp);
     }
     PyBuffer_Release(&gb);
@@ -915,7 +1171,7 @@ static PyObject *mod_hash(PyObject *m, PyObject *arg)
 static PyMethodDef methods[] = {
     {"load_xxh3", mod_load_xxh3, METH_O, "load_xxh3(path) -> bool: take XXH3 from the xxhash extension at path"},
     {"stage", (PyCFunction)(void (*)(void))mod_stage, METH_VARARGS | METH_KEYWORDS,
-     "stage(shards, tiles, threads=1, streaming=0, arenas=None) -> arenas: compare-and-copy into staging"},
+     "stage(shards, tiles, threads=1, streaming=0, arenas=None, simd=1) -> arenas: compare-and-copy into staging"},
     {"place", mod_place, METH_VARARGS, "place(arenas, rows): copy encoded tiles (loc, len, dst) out of the arenas"},
     {"decode", (PyCFunction)(void (*)(void))mod_decode, METH_VARARGS | METH_KEYWORDS,
      "decode(geoms, tiles, threads=1, check=1) -> (first bad tile or -1, elements inside their boxes)"},

@@ -89,6 +89,9 @@ class DeltaPulls:
         self.ctx, self.links, self.batches = ctx, links, batches
         self._held: tuple[list[Entry], int] | None = None  # (the buffers' entries, the step they hold)
         self._plans: dict[object, DeltaPlan | None] = {}
+        # the changes read, kept for the next pull (its pages mapped: reading into fresh pages
+        # cost more than the read itself over tcp); at most an eighth of the buffers' bytes
+        self._scratch: np.ndarray | None = None
 
     # ---- what the buffers hold -------------------------------------------------------------
 
@@ -216,7 +219,7 @@ class DeltaPulls:
             raise _Fallback(
                 f"the changes ({moved} bytes) are not smaller than the buffers ({plan.whole_bytes})"
             )
-        reads.run(self.ctx.transport, self.ctx.options.read_timeout)
+        reads.run(self.ctx.transport, self.ctx.options.read_timeout, self._scratch_for(reads.nbytes, plan))
         words = self._words(chains, peers)
         if not words[0]:
             return Outcome(torn=True, sources=frozenset(chains))
@@ -233,6 +236,16 @@ class DeltaPulls:
             reads.count + plan_rows(plan, chains),
         )
         return Outcome(done=True, sources=frozenset(chains), work=work, elements=applied)
+
+    def _scratch_for(self, nbytes: int, plan: DeltaPlan) -> np.ndarray:
+        """Room for ``nbytes`` of changes: the kept scratch when it is large enough, else a new one
+        (a quarter larger, kept while it is small next to the buffers)."""
+        need = max(nbytes, 1)
+        if self._scratch is not None and len(self._scratch) >= need:
+            return self._scratch[:need]
+        room = np.empty(need + need // 4, dtype=np.uint8)
+        self._scratch = room if len(room) <= plan.whole_bytes // 8 else None
+        return room[:need]
 
     def _read_rows(self, plan: DeltaPlan, chains: dict[int, list[Link]], peers: dict[int, int]) -> int:
         """Phase 1: every link's index rows of the needed tiles (into each link's ``rows``)."""

@@ -118,8 +118,9 @@ class Reads:
         ops[:, 0], ops[:, 1] = peer, region
         self._pending.append((ops, offs))
 
-    def run(self, transport: Any, timeout: float | None) -> None:
-        self.scratch = np.empty(max(self.nbytes, 1), dtype=np.uint8)
+    def run(self, transport: Any, timeout: float | None, scratch: np.ndarray) -> None:
+        """Read everything into ``scratch`` (at least ``nbytes``)."""
+        self.scratch = scratch
         if not self._pending:
             return
         base = self.scratch.ctypes.data
@@ -155,9 +156,7 @@ class Reads:
             tb[:, 3] = links[k].rows[pos[idx], 2].view(np.int64)
             tb[:, 4] = lens[idx]
             parts.append(tb)
-        return _outputs(
-            plan, np.concatenate(parts) if parts else np.zeros((0, TD_COLS), dtype=np.int64), outs
-        )
+        return _outputs(plan, _in_memory_order(plan, parts), outs)
 
     def raw_tiles(self, plan: DeltaPlan) -> tuple[np.ndarray, list[Any]]:
         tb = np.zeros((len(self._raw), TD_COLS), dtype=np.int64)
@@ -167,30 +166,44 @@ class Reads:
         return _outputs(plan, tb, [])
 
 
+def _in_memory_order(plan: DeltaPlan, parts: list[np.ndarray]) -> np.ndarray:
+    """The decode table with each job's tiles band by band, the column blocks of a band together:
+    the writes then sweep each buffer forwards (tile order is column block major, which would
+    sweep a buffer once per column block)."""
+    if not parts:
+        return np.zeros((0, TD_COLS), dtype=np.int64)
+    tb = np.concatenate(parts)
+    nbands = plan.geoms[tb[:, 0], 3]
+    band, cb = tb[:, 1] % nbands, tb[:, 1] // nbands
+    return tb[np.lexsort((cb, band, tb[:, 0]))]
+
+
 def _outputs(plan: DeltaPlan, tb: np.ndarray, outs: list[Any]) -> tuple[np.ndarray, list[Any]]:
-    """The arrays pass A of decode fills: per element of every encoded tile its buffer offset (-1:
-    outside the box), pass B writing host buffers from them; for jobs decode cannot write itself
-    (another dtype, a device buffer) raw tiles' offsets too, and every value (8 bytes of room
-    each). ``outs`` gets the arrays, then one (job, offsets, values, [(first, count)]) per such job."""
+    """The arrays pass A of decode fills for jobs it cannot write itself (another dtype, a device
+    buffer): per element of their tiles its buffer offset (-1: outside the box) and its value (8
+    bytes of room each). Host buffers of the published dtype need none: pass A checks their
+    tiles and pass B decodes them again, writing each value in place. ``outs`` gets the arrays,
+    then one (job, offsets, values, [(first, count)]) per such job."""
     if not len(tb):
         return tb, outs
     native_jobs = np.fromiter((j.native for j in plan.jobs), bool, len(plan.jobs))
     conv = ~native_jobs[tb[:, 0]]
+    if not conv.any():
+        return tb, outs
     esize = plan.geoms[tb[:, 0], 0]
     word = tb[:, 3].astype(np.uint64)
     enc, n = (word >> _WORD).astype(np.int64), (word & _MASK).astype(np.int64)
     raw = enc == fmt.ENC_RAW
-    n = np.where(raw, np.where(conv, tb[:, 4] // np.maximum(esize, 1), 0), n)
+    n = np.where(conv, np.where(raw, tb[:, 4] // np.maximum(esize, 1), n), 0)
     start = np.concatenate(([0], np.cumsum(n)[:-1])).astype(np.int64)
     off = np.full(max(int(n.sum()), 1), -1, dtype=np.int64)
-    tb[:, 5] = off.ctypes.data + start * 8
+    vals = np.zeros(max(int(n.sum()), 1) * 8, dtype=np.uint8)
+    tb[conv, 5] = off.ctypes.data + start[conv] * 8
+    tb[conv, 6] = vals.ctypes.data + start[conv] * 8
     outs.append(off)  # kept alive until the pull is applied
-    if conv.any():
-        vals = np.zeros(max(int(n.sum()), 1) * 8, dtype=np.uint8)
-        tb[conv, 6] = vals.ctypes.data + start[conv] * 8
-        for j in np.unique(tb[conv, 0]).tolist():
-            mine = conv & (tb[:, 0] == j)
-            outs.append((j, off, vals, list(zip(start[mine].tolist(), n[mine].tolist()))))
+    for j in np.unique(tb[conv, 0]).tolist():
+        mine = conv & (tb[:, 0] == j)
+        outs.append((j, off, vals, list(zip(start[mine].tolist(), n[mine].tolist()))))
     return tb, outs
 
 

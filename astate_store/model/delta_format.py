@@ -7,9 +7,11 @@ rows (every dim but the last) by ``C`` columns (the last dim), and cut into *til
 most ``TILE_BYTES`` bytes, so that a consumer reading part of a shard reads the changes of the
 tiles its box touches and no others.
 
-- Columns: ``C`` elements are cut into ``gc`` blocks of ``TC`` (``COL_BLOCKS`` blocks once a row
-  holds at least ``COL_SPLIT_MIN`` elements, so a consumer split on the last dim in up to 8 even
-  parts reads only its own blocks; narrower still where one row passes ``TILE_BYTES``).
+- Columns: ``C`` elements are cut into ``gc`` blocks of ``TC`` once a row holds at least
+  ``COL_SPLIT_MIN`` elements: 8 blocks (else 4, else 2) when they are whole cache lines, so a
+  consumer split on the last dim in that many even parts reads only its own blocks; else about 8
+  blocks rounded up to whole lines (``_column_block``); narrower still where one row passes
+  ``TILE_BYTES``.
 - Rows: from the innermost leading dim outwards, whole dims while the tile stays within
   ``TILE_BYTES``; then dim ``d`` in blocks of ``t`` (so a split on ``d`` aligns too); the dims
   before ``d`` in blocks of 1. In the 2-D view a *band* is ``TB = t * M`` consecutive rows
@@ -27,9 +29,8 @@ tied weight's aliases share their shard's tiles):
 
 ``begin``/``end``: the tile's encoded bytes in the publisher's region (absolute offsets; empty
 for ``ENC_NONE`` and ``ENC_RAW``); ``count``: elements changed since the base version;
-``digest``: XXH3-64 of the tile at this version (0: unknown): of its bytes, rows in order, when
-they are one run of the shard's memory (one column block, or one row); else of its rows' XXH3-64s
-(8 little-endian bytes each), which the compare-and-copy takes while each row is in cache.
+``digest``: XXH3-64 of the tile at this version (0: unknown): of its bytes, its rows in order (the
+compare-and-copy gathers a column block's rows while each is in cache).
 Encodings (the bytes of a tile: an index part, then ``count`` values of ``esize`` bytes each,
 the new values in index order):
 
@@ -68,6 +69,7 @@ __all__ = [
 TILE_BYTES = 32 << 10
 COL_SPLIT_MIN = 512
 COL_BLOCKS = 8
+LINE_BYTES = 64  # a cache line: column blocks are whole lines where the row allows
 ROW_BYTES = 32
 ENC_NONE, ENC_VARINT, ENC_BITMAP, ENC_RAW = 0, 1, 2, 3
 ENC_SHIFT = 56
@@ -179,6 +181,20 @@ class Tiling:
         return np.ravel_multi_index(tuple(g.reshape(-1) for g in grids), lead).astype(np.int64)
 
 
+def _column_block(C: int, esize: int) -> int:
+    """Columns per block of a row of ``C`` elements cut in blocks: ``C / g`` for the first ``g`` of
+    8, 4, 2 that divides ``C`` into blocks of whole cache lines (so the blocks of a row align, as
+    do even tensor-parallel splits in up to ``g`` parts); else ``C / COL_BLOCKS`` rounded up to
+    whole lines. Whole lines keep the publisher's streaming stores whole and two threads of a
+    consumer off each other's lines."""
+    line = max(1, LINE_BYTES // esize)
+    for g in (COL_BLOCKS, COL_BLOCKS // 2, COL_BLOCKS // 4):
+        if C % g == 0 and (C // g) % line == 0:
+            return C // g
+    tc = -(-C // COL_BLOCKS)
+    return -(-tc // line) * line
+
+
 @functools.lru_cache(maxsize=65536)
 def tiling(sizes: tuple[int, ...], esize: int) -> Tiling:
     """The tiles of a shard of box ``sizes`` and element size ``esize`` (module docstring)."""
@@ -188,7 +204,7 @@ def tiling(sizes: tuple[int, ...], esize: int) -> Tiling:
     R = math.prod(lead)
     tc = max(C, 1)
     if C >= COL_SPLIT_MIN:
-        tc = -(-C // COL_BLOCKS)
+        tc = _column_block(C, esize)
     tc = max(1, min(tc, TILE_BYTES // esize))
     gc = -(-C // tc) if C else 0
     budget = max(1, TILE_BYTES // (tc * esize))
