@@ -144,7 +144,7 @@ static inline void elem_copy(unsigned char *d, const unsigned char *s, size_t es
 #define TL_COLS 4
 
 typedef void (*segment_fn)(const unsigned char *, const unsigned char *, unsigned char *, size_t, size_t, uint32_t,
-                           uint32_t *, unsigned char *, size_t *, int);
+                           uint32_t *, unsigned char *, size_t *, int, unsigned char *);
 
 typedef struct {
     unsigned char *buf;
@@ -270,8 +270,10 @@ static inline size_t take_changes(uint64_t m, const unsigned char *s, size_t i, 
  * element by element; the lines between are compared 64 bytes at a time and, with streaming,
  * written with non-temporal stores (whole lines only: a partial one would cost a read). */
 static void stage_segment(const unsigned char *s, const unsigned char *p, unsigned char *d, size_t w, size_t esize,
-                          uint32_t base, uint32_t *idx, unsigned char *vals, size_t *np, int streaming)
+                          uint32_t base, uint32_t *idx, unsigned char *vals, size_t *np, int streaming,
+                          unsigned char *gather)
 {
+    if (gather != NULL) memcpy(gather, s, w * esize);
     const size_t nb = w * esize;
     size_t h = (64 - ((uintptr_t)d & 63)) & 63;
     h -= h % esize;
@@ -301,9 +303,10 @@ static void stage_segment(const unsigned char *s, const unsigned char *p, unsign
  * compare and the copy cost a few instructions per line, so the pass runs at memory speed. */
 __attribute__((target("avx512f,avx512bw"))) static void stage_segment_avx512(
     const unsigned char *s, const unsigned char *p, unsigned char *d, size_t w, size_t esize, uint32_t base,
-    uint32_t *idx, unsigned char *vals, size_t *np, int streaming)
+    uint32_t *idx, unsigned char *vals, size_t *np, int streaming, unsigned char *gather)
 {
     const size_t nb = w * esize;
+    if (gather != NULL && p == NULL) memcpy(gather, s, nb);
     size_t h = (64 - ((uintptr_t)d & 63)) & 63;
     h -= h % esize;
     if (h > nb) h = nb;
@@ -319,10 +322,15 @@ __attribute__((target("avx512f,avx512bw"))) static void stage_segment_avx512(
         return;
     }
     const int inplace = p == d;
+    if (gather != NULL) { /* the head and tail here, the lines as they pass */
+        memcpy(gather, s, h);
+        memcpy(gather + body, s + body, nb - body);
+    }
     size_t n = stage_elems(s, p, d, 0, h, esize, base, idx, vals, *np);
     for (size_t i = h; i < body; i += 64) {
         const __m512i x = _mm512_loadu_si512((const void *)(s + i));
         const __m512i y = _mm512_loadu_si512((const void *)(p + i));
+        if (gather != NULL) _mm512_storeu_si512((void *)(gather + i), x);
         uint64_t m;
         switch (esize) {
         case 1: m = _mm512_cmpneq_epi8_mask(x, y); break;
@@ -450,10 +458,9 @@ static void stage_unit(stage_job_t *J, size_t u)
         for (size_t cb = cb0; cb < cb1; cb++) {
             const size_t c0 = cb * TC, w = TC < C - c0 ? TC : C - c0, i = cb - cb0;
             const size_t off = (r * C + c0) * esize;
+            unsigned char *gather = hashing && !contiguous ? tb->tmp + i * TILE_BYTES + (r - row0) * w * esize : NULL;
             S->segment(src + off, prev ? prev + off : NULL, dst + off, w, esize, (uint32_t)((r - row0) * w),
-                       tb->idx + i * TILE_BYTES, tb->vals + i * TILE_BYTES, &tb->n[i], S->streaming);
-            if (hashing && !contiguous) /* gathered while the row is in cache */
-                memcpy(tb->tmp + i * TILE_BYTES + (r - row0) * w * esize, src + off, w * esize);
+                       tb->idx + i * TILE_BYTES, tb->vals + i * TILE_BYTES, &tb->n[i], S->streaming, gather);
         }
     }
     for (size_t cb = cb0; cb < cb1; cb++) {
