@@ -633,6 +633,7 @@ typedef struct {
     size_t next;
     size_t bad;     /* first bad tile + 1 (0: none); atomic min */
     size_t written; /* elements written inside their boxes (atomic) */
+    int simd;       /* pass A's varint check with AVX-512 */
 } decode_t;
 
 typedef struct {
@@ -925,7 +926,35 @@ static void apply_cut(const tile_geo_t *t, uint64_t enc, size_t count, const uns
 
 /* Pass A of an encoded tile wholly inside its box: the stream holds exactly `count` indices,
  * increasing, below the tile's elements, and nothing after them (the writes need no more). */
-static int check_inside(uint64_t enc, size_t count, size_t elems, const unsigned char *data, size_t ilen)
+#if HAVE_AVX512
+/* The varint check of check_inside, 64 bytes at a time, for streams of one- and two-byte gaps (every
+ * tile of 16-bit or wider elements: fewer than 2^14 elements): a byte whose predecessor has its
+ * continuation bit is a gap's second byte, worth 128 times its low bits. 1: a longer gap (check
+ * element by element instead); else 0 or -1 as check_inside. */
+__attribute__((target("avx512f,avx512bw"))) static int check_varint_avx512(size_t count, size_t elems,
+                                                                          const unsigned char *data, size_t ilen)
+{
+    const __m512i low7 = _mm512_set1_epi8(0x7f), zero = _mm512_setzero_si512();
+    __m512i first = zero, second = zero; /* 64-bit lane sums of the gaps' first and second bytes */
+    uint64_t carry = 0, n = 0;
+    for (size_t p = 0; p < ilen; p += 64) {
+        const uint64_t valid = ilen - p >= 64 ? ~0ull : (1ull << (ilen - p)) - 1;
+        const __m512i x = _mm512_maskz_loadu_epi8(valid, data + p);
+        const uint64_t cont = _mm512_movepi8_mask(x); /* continuation bits */
+        const uint64_t after = (cont << 1) | carry;   /* bytes that follow one */
+        if (cont & after) return 1;                   /* a gap of three bytes or more */
+        carry = cont >> 63;
+        n += (uint64_t)__builtin_popcountll(~cont & valid);
+        const __m512i v = _mm512_and_si512(x, low7);
+        first = _mm512_add_epi64(first, _mm512_sad_epu8(_mm512_maskz_mov_epi8(~after & valid, v), zero));
+        second = _mm512_add_epi64(second, _mm512_sad_epu8(_mm512_maskz_mov_epi8(after & valid, v), zero));
+    }
+    const uint64_t sum = (uint64_t)_mm512_reduce_add_epi64(first) + 128 * (uint64_t)_mm512_reduce_add_epi64(second);
+    return !carry && n == count && sum + count <= elems ? 0 : -1;
+}
+#endif
+
+static int check_inside(uint64_t enc, size_t count, size_t elems, const unsigned char *data, size_t ilen, int simd)
 {
     if (enc == ENC_BITMAP) {
         if (ilen != (elems + 7) / 8) return -1;
@@ -935,6 +964,12 @@ static int check_inside(uint64_t enc, size_t count, size_t elems, const unsigned
         return n == count ? 0 : -1;
     }
     if (enc != ENC_VARINT) return -1;
+#if HAVE_AVX512
+    if (simd) {
+        const int rc = check_varint_avx512(count, elems, data, ilen);
+        if (rc <= 0) return rc;
+    }
+#endif
     /* count the gaps and sum them: the last index is sum + count - 1. Eight one-byte gaps at a
      * time where no byte has its continuation bit (most of a sparse tile's stream). */
     size_t p = 0, n = 0;
@@ -995,7 +1030,7 @@ static int decode_tile(decode_t *D, size_t ti, size_t *in)
         /* host buffers without output arrays: pass A checks, pass B decodes again and writes */
         const int inside = q.dest != NULL && q.out_off == NULL && tile_inside(g, &t);
         if (pass == 0 && inside) {
-            rc = check_inside(enc, count, elems, data, ilen);
+            rc = check_inside(enc, count, elems, data, ilen, D->simd);
             q.in += rc == 0 ? count : 0;
         } else if (pass == 0) {
             rc = check_coded(&t, enc, count, data, ilen, vals, &q);
@@ -1027,10 +1062,11 @@ static void *decode_worker(void *arg)
 
 static PyObject *mod_decode(PyObject *m, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"geoms", "tiles", "threads", "check", NULL};
+    static char *kwlist[] = {"geoms", "tiles", "threads", "check", "simd", NULL};
     PyObject *g_obj, *t_obj;
-    int threads = 1, check = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|ii", kwlist, &g_obj, &t_obj, &threads, &check)) return NULL;
+    int threads = 1, check = 1, simd = 1; /* simd 0: the scalar check even where AVX-512 runs (tests) */
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|iii", kwlist, &g_obj, &t_obj, &threads, &check, &simd))
+        return NULL;
     Py_buffer gb, tb;
     if (get_table(g_obj, &gb, GE_COLS, "geoms", 0) != 0) return NULL;
     if (get_table(t_obj, &tb, TD_COLS, "tiles", 0) != 0) {
@@ -1039,7 +1075,7 @@ static PyObject *mod_decode(PyObject *m, PyObject *args, PyObject *kwds)
     }
     if (threads < 1) threads = 1;
     if (threads > MAX_JOBS) threads = MAX_JOBS;
-    decode_t D = {gb.buf, (size_t)gb.shape[0], tb.buf, (size_t)tb.shape[0], check, 0, 0, 0};
+    decode_t D = {gb.buf, (size_t)gb.shape[0], tb.buf, (size_t)tb.shape[0], check, 0, 0, 0, simd && has_avx512()};
     decode_job_t jobs[MAX_JOBS];
     for (int t = 0; t < MAX_JOBS; t++) jobs[t].D = &D;
     int nj = D.ntiles > 64 ? threads : 1;
@@ -1181,7 +1217,7 @@ static PyMethodDef methods[] = {
      "stage(shards, tiles, threads=1, streaming=0, arenas=None, simd=1) -> arenas: compare-and-copy into staging"},
     {"place", mod_place, METH_VARARGS, "place(arenas, rows): copy encoded tiles (loc, len, dst) out of the arenas"},
     {"decode", (PyCFunction)(void (*)(void))mod_decode, METH_VARARGS | METH_KEYWORDS,
-     "decode(geoms, tiles, threads=1, check=1) -> (first bad tile or -1, elements inside their boxes)"},
+     "decode(geoms, tiles, threads=1, check=1, simd=1) -> (first bad tile or -1, elements inside their boxes)"},
     {"digest", (PyCFunction)(void (*)(void))mod_digest, METH_VARARGS | METH_KEYWORDS,
      "digest(geoms, tiles, out, threads=1): XXH3-64 of whole tiles of destination memory"},
     {"hash", mod_hash, METH_O, "hash(buffer) -> int: XXH3-64 of a contiguous buffer"},

@@ -152,3 +152,63 @@ def test_consumer_digests_match_the_publishers() -> None:
         out = np.zeros(t.ntiles, dtype=np.uint64)
         native().digest(geo, ids, out, threads=2)
         assert np.array_equal(out, tiles[slot.first[i] : slot.first[i + 1], 2])
+
+
+def _leb(gaps: list[int]) -> bytes:
+    out = bytearray()
+    for g in gaps:
+        while g >= 0x80:
+            out.append((g & 0x7F) | 0x80)
+            g >>= 7
+        out.append(g)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("simd", [1, 0], ids=["best", "scalar"])
+def test_decode_checks_every_tile_before_it_writes_one(simd: int) -> None:
+    """Pass A of a tile wholly inside its box: the gaps' count and sum against the tile, at every
+    length of gap; only a well-formed tile is applied (pass B), every value where its index says."""
+    t = fmt.tiling((64, 256), 2)  # one column block: tile 0 is 64 x 256 = 16384 elements
+    elems = int(t.tile_elements()[0])
+    rng = np.random.default_rng(1)
+    idx = np.sort(rng.choice(elems, 300, replace=False))
+    idx[-1] = elems - 1  # the last element: the largest index a tile may name
+    gaps = (np.diff(np.concatenate(([-1], idx))) - 1).tolist()
+    cases = {  # name: (index stream, count, well-formed)
+        "good": (_leb(gaps), len(idx), True),
+        "two-byte gaps": (_leb([12000] + [200] * 10), 11, True),
+        "one count too many": (_leb(gaps), len(idx) + 1, False),
+        "past the tile": (_leb([elems - 5, 10]), 2, False),
+        "cut in a gap": (_leb(gaps)[:-1] + b"\x80", len(idx), False),
+        "a three-byte gap": (_leb([1 << 14]), 1, False),  # 16384: past the tile
+    }
+    row_map = np.arange(t.R, dtype=np.int64) * t.C
+    for name, (stream, count, ok) in cases.items():
+        vals = rng.integers(1, 1 << 15, size=count, dtype=np.uint16)
+        data = np.frombuffer(stream + vals.tobytes(), np.uint8).copy()
+        dest = np.zeros(t.R * t.C, dtype=np.uint16)
+        geo = np.zeros((1, GE_COLS), dtype=np.int64)
+        geo[0] = (2, t.C, t.TC, t.nbands, t.gb, t.P, t.TB, row_map.ctypes.data, 0, t.C, 1, dest.ctypes.data)
+        tiles = np.zeros((1, 7), dtype=np.int64)
+        tiles[0, :5] = (0, 0, data.ctypes.data, count | (fmt.ENC_VARINT << fmt.ENC_SHIFT), len(data))
+        bad, inside = native().decode(geo, tiles, threads=1, check=1, simd=simd)
+        assert (bad == -1) == ok, name
+        if not ok:
+            continue
+        assert inside == count, name
+        native().decode(geo, tiles, threads=1, check=0, simd=simd)
+        at = np.cumsum(np.array(_gaps(stream)) + 1) - 1
+        want = np.zeros_like(dest)
+        want[at] = vals
+        assert np.array_equal(dest, want), name
+
+
+def _gaps(stream: bytes) -> list[int]:
+    out, g, shift = [], 0, 0
+    for b in stream:
+        g |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            out.append(g)
+            g = shift = 0
+    return out
