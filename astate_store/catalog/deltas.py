@@ -15,6 +15,7 @@ from typing import Any
 
 from astate_store.errors import CodecError
 from astate_store.model import codec
+from astate_store.model import delta_format as fmt
 
 __all__ = ["Delta", "delta_record", "delta_from_record"]
 
@@ -42,6 +43,7 @@ class Delta:
 def delta_record(step: int, epoch: int, rank: int, layout_id: str, d: Delta) -> dict[str, Any]:
     """The record fields (without ``schema``) of ``d`` for the piece (step, epoch, rank, layout)."""
     rec: dict[str, Any] = {
+        "format": fmt.FORMAT,
         "step": step,
         "epoch": epoch,
         "rank": rank,

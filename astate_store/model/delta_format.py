@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "FORMAT",
     "TILE_BYTES",
     "COL_SPLIT_MIN",
     "COL_BLOCKS",
@@ -66,6 +67,7 @@ __all__ = [
     "index_rows",
 ]
 
+FORMAT = 2  # the delta record's ``format``: this tiling and these digests (1: before whole-line blocks)
 TILE_BYTES = 32 << 10
 COL_SPLIT_MIN = 512
 COL_BLOCKS = 8

@@ -298,3 +298,24 @@ def test_records_a_version_needs_are_typed_errors() -> None:
     # A world size no piece can fill is reported without enumerating it.
     with pytest.raises(CatalogCorrupted, match=r"ranks \[1, 2, 3, 4, 5, 6, 7, 8\] \.\.\."):
         version_from_kvs(NS, 3, [_commit(3, 1, 10**15), _piece(3, 1, 0, 10**15)])
+
+
+def test_a_delta_record_of_another_tile_format_is_refused() -> None:
+    """A change map is read only by a reader of its tile format (model/delta_format.py FORMAT):
+    a record of another (an older publisher's) fails its schema, so its version is pulled whole."""
+    from astate_store.catalog.deltas import Delta, delta_from_record, delta_record
+
+    d = Delta(3, 0, 4096, 10, 8192, 640, 200, 10_000, 0x1234)
+    rec = delta_record(4, 1, 0, LID, d)
+    assert delta_from_record(codec.encode("delta", rec), 4, 1, 0, LID) == d
+    for other in ({**rec, "format": 1}, {k: v for k, v in rec.items() if k != "format"}):
+        data = _raw("delta", other)
+        with pytest.raises(CodecError):
+            delta_from_record(data, 4, 1, 0, LID)
+
+
+def _raw(kind: str, record: dict[str, Any]) -> bytes:
+    """A record encoded without the encoder's check (as another build would write it)."""
+    import msgpack
+
+    return msgpack.packb({"schema": f"{kind}/{codec.SCHEMA_VERSION}", **record}, use_bin_type=True)
