@@ -219,13 +219,18 @@ class DeltaPulls:
             raise _Fallback(
                 f"the changes ({moved} bytes) are not smaller than the buffers ({plan.whole_bytes})"
             )
-        reads.run(self.ctx.transport, self.ctx.options.read_timeout, self._scratch_for(reads.nbytes, plan))
-        words = self._words(chains, peers)
-        if not words[0]:
-            return Outcome(torn=True, sources=frozenset(chains))
-        if not words[1]:
-            raise _Fallback("an older version of the chain was overwritten during the read")
-        applied = self._apply(dests, plan, chains, reads)
+        room = self._take_scratch(reads.nbytes)
+        try:
+            reads.run(self.ctx.transport, self.ctx.options.read_timeout, room[: max(reads.nbytes, 1)])
+            words = self._words(chains, peers)
+            if not words[0]:
+                return Outcome(torn=True, sources=frozenset(chains))
+            if not words[1]:
+                raise _Fallback("an older version of the chain was overwritten during the read")
+            applied = self._apply(dests, plan, chains, reads)
+        finally:  # kept for the next pull while it is small next to the buffers
+            if len(room) <= plan.whole_bytes // 8:
+                self._scratch = room
         if self.ctx.options.verify:
             self.verify(_Check(version.step, plan, {r: links[-1].rows for r, links in chains.items()}), dests)
         work = Work(
@@ -237,15 +242,13 @@ class DeltaPulls:
         )
         return Outcome(done=True, sources=frozenset(chains), work=work, elements=applied)
 
-    def _scratch_for(self, nbytes: int, plan: DeltaPlan) -> np.ndarray:
-        """Room for ``nbytes`` of changes: the kept scratch when it is large enough, else a new one
-        (a quarter larger, kept while it is small next to the buffers)."""
-        need = max(nbytes, 1)
-        if self._scratch is not None and len(self._scratch) >= need:
-            return self._scratch[:need]
-        room = np.empty(need + need // 4, dtype=np.uint8)
-        self._scratch = room if len(room) <= plan.whole_bytes // 8 else None
-        return room[:need]
+    def _take_scratch(self, nbytes: int) -> np.ndarray:
+        """Room for ``nbytes`` of changes: the kept scratch when it is large enough (taken: a pull
+        running beside this one gets its own), else a new one, a quarter larger."""
+        room, self._scratch = self._scratch, None
+        if room is not None and len(room) >= max(nbytes, 1):
+            return room
+        return np.empty(max(nbytes, 1) + nbytes // 4, dtype=np.uint8)
 
     def _read_rows(self, plan: DeltaPlan, chains: dict[int, list[Link]], peers: dict[int, int]) -> int:
         """Phase 1: every link's index rows of the needed tiles (into each link's ``rows``)."""
