@@ -21,7 +21,9 @@ _RUN_TAG = orphans.tag_children()
 
 @pytest.fixture(scope="session")
 def etcd() -> Iterator[EmbeddedEtcd]:
-    server = EmbeddedEtcd().start()
+    # No fsync: the session's etcd is thrown away at the end, and a write must not wait on the disk
+    # that the tests' model files and checkpoints keep busy (a stalled etcd expires leases).
+    server = EmbeddedEtcd(extra_args=["--unsafe-no-fsync"]).start()
     # Child processes started by tests find the same server through the environment.
     os.environ["ASTATE_ETCD"] = server.endpoint
     yield server

@@ -16,6 +16,10 @@ import torch
 PROMPTS = [[1, 17, 33, 250, 7], [900, 3, 3, 511]]
 MAX_TOKENS = 8
 BLOCK = 128  # tokens per KV block of vLLM on CPU: a prompt longer than this fills a prefix-cache block
+# The publishers' lease in these tests: a vLLM engine (two, when another file's engine runs on the other
+# pytest worker) on the 2-core VM has starved etcd for 11-14 s at a time, and a publisher whose lease
+# expired is fenced (StaleSessionError); these tests are not about leases.
+LEASE_TTL = 60.0
 # prompts longer than one KV block: answered again after an update, a stale prefix cache shows
 LONG_PROMPTS = [[(7 * i + 3 * k) % 997 + 1 for i in range(200)] for k in range(2)]
 

@@ -54,7 +54,7 @@ def dense(etcd: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
     # first, with an empty cache: the fresh engine's answers to prompts longer than a KV block
     ref = {"long": V.long_run(llm), "sums": V.checksums(llm), "tokens": V.greedy(llm)}
     ns = "vllm-" + uuid.uuid4().hex[:10]
-    store = astate_store.connect(ns, etcd=etcd.endpoint)
+    store = astate_store.connect(ns, etcd=etcd.endpoint, lease_ttl=V.LEASE_TTL)
     store.put(1, V.hf_tensors(path))
     llm.init_weight_transfer_engine({"init_info": {"namespace": ns, "etcd": etcd.endpoint, "timeout": 30}})
     yield {"llm": llm, "ref": ref, "store": store, "ns": ns, "path": path, "other": other, "etcd": etcd}
@@ -411,7 +411,7 @@ def test_delta_updates_patch_the_engine_exactly(dense: dict[str, Any], tmp_path:
     preparation then reuses it."""
     llm, endpoint = dense["llm"], dense["etcd"].endpoint
     ns = "delta-" + uuid.uuid4().hex[:8]
-    pub = astate_store.connect(ns, etcd=endpoint, delta=True)
+    pub = astate_store.connect(ns, etcd=endpoint, delta=True, lease_ttl=V.LEASE_TTL)
     kinds: dict[int, str] = {}
     try:
         llm.init_weight_transfer_engine({"init_info": {"namespace": ns, "etcd": endpoint, "timeout": 30}})

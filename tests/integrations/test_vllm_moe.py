@@ -34,7 +34,7 @@ def moe(etcd: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     # parameter are the check, and the tokens are compared on TP=1 (test_vllm_serve.py)
     ref = {"sums": V.checksums(llm)}
     ns = "vllm-moe-" + uuid.uuid4().hex[:8]
-    store = astate_store.connect(ns, etcd=etcd.endpoint)
+    store = astate_store.connect(ns, etcd=etcd.endpoint, lease_ttl=V.LEASE_TTL)
     store.put(1, V.hf_tensors(path))
     llm.init_weight_transfer_engine({"init_info": {"namespace": ns, "etcd": etcd.endpoint}})
     yield {"llm": llm, "ref": ref, "store": store}
