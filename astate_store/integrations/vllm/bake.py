@@ -6,12 +6,9 @@ How (once per set of published tensors):
 1. Every parameter the loaders may write is swapped for a float64 placeholder filled with -1: the live
    parameter's memory for modules that are written in place, a fresh tensor of the *pre-processing*
    shape (as vLLM recorded it before ``process_weights_after_loading``) for staged modules.
-2. The model's own ``load_weights`` is driven with float64 placeholders of the published HF tensors
-   whose element ``i`` of tensor ``t`` holds ``t * 2**32 + i + 1`` (exact in float64).
-3. Each placeholder parameter is decoded: per HF tensor, the elements it received must form one N-d
-   box of that tensor laid out affinely in the parameter (then the box is a strided view of the
-   parameter); anything else (a permutation, a scaled or quantized copy) is a loader that transforms,
-   and raises :class:`NotACopy`.
+2. and 3. The model's own ``load_weights`` is driven with numbered placeholders and each parameter
+   decoded into a box of one HF tensor, as :mod:`astate_store.integrations.bake_common` describes
+   (a loader that transforms raises :class:`NotACopy`).
 4. Everything is put back (the live ``.data`` and the staged modules' kernel parameters).
 
 The engine-neutral part (placeholders, decoding) is :mod:`astate_store.integrations.bake_common`;
