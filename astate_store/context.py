@@ -34,6 +34,9 @@ __all__ = ["StoreOptions", "StoreContext", "sync_device"]
 
 log = logging.getLogger("astate_store")
 
+# StoreOptions.delta_choice: how a delta consumer chooses between the changes and a whole pull
+DELTA_CHOICES = ("bytes", "time")
+
 
 @dataclass(frozen=True)
 class StoreOptions:
@@ -80,11 +83,15 @@ class StoreOptions:
     # after each pull, check the tiles' XXH3 digests the publishers recorded (delta=True
     # publishers) against the buffers; a mismatch raises DeltaMismatch naming the tensor
     verify: bool = False
+    # delta=True consumers: "bytes" pulls through the changes whenever they are fewer bytes than the
+    # buffers; "time" only when this consumer measured that faster than a whole pull (on one host a
+    # whole pull is a memory copy: get/delta_choice.py)
+    delta_choice: str = "bytes"  # one of DELTA_CHOICES
 
     def __post_init__(self) -> None:
         """ValueError for a ``replicas`` that is not an int >= 0, a ``replica_timeout`` that is
-        not a number of seconds > 0 or a ``delta_budget`` outside [0, 4] (before anything is
-        created)."""
+        not a number of seconds > 0, a ``delta_budget`` outside [0, 4] or a ``delta_choice`` other
+        than "bytes" or "time" (before anything is created)."""
         r, t = self.replicas, self.replica_timeout
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ValueError(f"replicas must be an int >= 0 (replica servers to wait for), got {r!r}")
@@ -94,6 +101,8 @@ class StoreOptions:
         b = self.delta_budget
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 4:
             raise ValueError(f"delta_budget must be a fraction of the snapshot bytes in [0, 4], got {b!r}")
+        if self.delta_choice not in DELTA_CHOICES:
+            raise ValueError(f"delta_choice must be one of {DELTA_CHOICES}, got {self.delta_choice!r}")
 
     @classmethod
     def of(cls, fields: dict[str, object]) -> StoreOptions:

@@ -149,7 +149,9 @@ class Stats:
     was tried), ``plans`` and ``plan_hits`` (planner runs and cache hits), ``reads`` (transport
     read operations), ``local_conversions`` (buffers converted on this side), ``delta_pulls``
     (pulls served as deltas: only the changes since the buffers' step moved, docs/delta.md),
-    ``delta_elements`` (the elements those pulls wrote into the buffers), ``verified_tiles`` and
+    ``delta_elements`` (the elements those pulls wrote into the buffers), ``delta_declined`` (pulls
+    that could have gone through changes and went whole, measured faster: ``delta_choice="time"``),
+    ``verified_tiles`` and
     ``unverified_tiles`` (``verify=True``: tiles checked against their digests, and tiles of the
     buffers that could not be: held in part, converted, on a device, or without a digest),
     ``delivered_step`` and ``last_pull``.
@@ -178,6 +180,7 @@ class Stats:
     local_conversions: int = 0
     delta_pulls: int = 0
     delta_elements: int = 0
+    delta_declined: int = 0
     verified_tiles: int = 0
     unverified_tiles: int = 0
     puts: int = 0
@@ -233,6 +236,7 @@ _COUNTERS = (
     "local_conversions",
     "delta_pulls",
     "delta_elements",
+    "delta_declined",
     "verified_tiles",
     "unverified_tiles",
     "put_bytes",
@@ -414,6 +418,7 @@ _COUNTER_HELP = {
     "local_conversions": "Buffers converted to another dtype on the consumer.",
     "delta_pulls": "Pulls served as deltas: only the changes since the buffers' version were read.",
     "delta_elements": "Elements delta pulls wrote into buffers.",
+    "delta_declined": "Pulls that could go as deltas and went whole, measured faster (delta_choice=time).",
     "verified_tiles": "Tiles of pulled buffers checked against their publishers' digests (verify=True).",
     "unverified_tiles": "Tiles verify could not check (held in part, converted, no digest).",
     "put_bytes": "Bytes this rank published with put.",

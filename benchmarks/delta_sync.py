@@ -9,10 +9,12 @@ with delta over the put without, of the same tensors, in alternating order). Wha
 AdamW changed: the trainer counts the bf16 elements whose bits differ from the previous step's
 (``changed_fraction``), nothing is synthesised.
 
-Every version is pulled twice, side by side, by each consumer, into the same buffers: first as a delta
-(a store with ``delta=True``; the buffers hold the previous version), then whole (a store without
+Every version is pulled three times, side by side, by each consumer, into the same buffers: first as a
+delta (a store with ``delta=True``; the buffers hold the previous version), then whole (a store without
 delta, which writes every byte again; the delta store's next pull still finds the buffers holding the
-version it delivered):
+version it delivered), then by a store with ``delta_choice="time"`` (through the changes or whole,
+whichever its own pulls measured faster; the buffers already hold the version then, and its changes
+write the same values again, so each way costs what it costs on buffers holding the previous version):
 
 - ``tcp``: a consumer on host B pulls from host A over tcp. Host A and host B are two network
   namespaces joined by a veth link (needs root and iproute2): etcd, the trainer and the other roles
@@ -40,10 +42,13 @@ ones (SHA-256 per parameter) after both its updates.
 
 Keys: params, bytes (of one bf16 version), steps, changed_fraction (median over the trained
 steps), ratio_delta_tcp / ratio_delta_shm (median whole pull seconds / median delta pull seconds,
-with both medians as ``<path>_whole_seconds`` / ``<path>_delta_seconds``), bytes_ratio (bytes the
-delta pulls moved / bytes the whole pulls moved, over the trained steps, tcp), ratio_put (median put
-seconds with delta / without), ratio_vllm (median whole update / median delta update, seconds, with
-``vllm_whole_seconds``, ``vllm_delta_seconds``, ``vllm_nokeep_seconds``, ``vllm_kept_bytes``), exact,
+with both medians as ``<path>_whole_seconds`` / ``<path>_delta_seconds``), ratio_time_tcp /
+ratio_time_shm (median whole pull seconds / median seconds of the ``delta_choice="time"`` store, with
+``<path>_time_seconds`` and ``<path>_time_ways``: per trained step, ``d`` through changes, ``w`` whole),
+bytes_ratio (bytes the delta pulls moved / bytes the whole pulls moved, over the trained steps, tcp),
+ratio_put (median put seconds with delta / without), ratio_vllm (median whole update / median delta
+update, seconds, with ``vllm_whole_seconds``, ``vllm_delta_seconds``, ``vllm_nokeep_seconds``,
+``vllm_kept_bytes``), exact,
 per_step [...] (the engine's update phases too), null_reasons, date, load (the 1-minute load average
 at the start; ``load_end`` at the end), cores. Appended to benchmarks/results/delta_sync.jsonl unless
 ``--small``. Memory: about 11 GB for the trainer (fp32 masters, AdamW, the published bf16 copy,
@@ -293,6 +298,7 @@ def consumer(role: str, endpoint: str, ns: str, small: bool, oracle: str, cmds: 
     stores = {
         "delta": Store(ns, endpoint=endpoint, session_id=f"{ns}-{role}-d", delta=True),
         "whole": Store(ns, endpoint=endpoint, session_id=f"{ns}-{role}-w"),
+        "time": Store(ns, endpoint=endpoint, session_id=f"{ns}-{role}-t", delta=True, delta_choice="time"),
     }
     # One set of buffers for both (memory): the whole pull rewrites the version the delta pull left, so
     # the delta store's next pull still finds them holding it. The delta pull goes first: it is checked
@@ -303,7 +309,7 @@ def consumer(role: str, endpoint: str, ns: str, small: bool, oracle: str, cmds: 
         while (cmd := cmds.get(timeout=TIMEOUT))[0] == "pull":
             k = cmd[1]
             info: dict[str, Any] = {"step": k}
-            for which in ("delta", "whole"):
+            for which in ("delta", "whole", "time"):
                 st = stores[which]
                 before = st.stats
                 t = time.perf_counter()
@@ -312,13 +318,14 @@ def consumer(role: str, endpoint: str, ns: str, small: bool, oracle: str, cmds: 
                 after = st.stats
                 assert got == k, (got, k)
                 info[f"{which}_bytes"] = after.pull_bytes - before.pull_bytes
+                if which != "whole":
+                    info[f"{which}_pull"] = after.delta_pulls > before.delta_pulls
                 if which == "delta":
-                    info["delta_pull"] = after.delta_pulls > before.delta_pulls
                     info["delta_elements"] = after.delta_elements - before.delta_elements
                 info[f"{which}_exact"] = all(
                     torch.equal(b.view(torch.int16), ref[n].view(torch.int16)) for n, b in bufs.items()
                 )
-            info["exact"] = info["delta_exact"] and info["whole_exact"]
+            info["exact"] = info["delta_exact"] and info["whole_exact"] and info["time_exact"]
             tr = stores["whole"].transport
             info["streamed_bytes"] = tr.streamed_bytes if hasattr(tr, "streamed_bytes") else None
             _send(out, role, "pull", info)
@@ -560,6 +567,12 @@ def summarize(result: dict[str, Any], per_step: list[dict[str, Any]], load0: flo
         result[f"{path}_whole_seconds"] = _median([x["whole_seconds"] for x in rows])
         result[f"{path}_delta_seconds"] = _median([x["delta_seconds"] for x in rows])
         result[f"{path}_delta_pulls"] = sum(bool(x.get("delta_pull")) for x in rows)
+        result[f"ratio_time_{path}"] = _ratio(
+            _median([x["whole_seconds"] for x in rows]), _median([x["time_seconds"] for x in rows])
+        )
+        result[f"{path}_time_seconds"] = _median([x["time_seconds"] for x in rows])
+        # step by step: d through changes, w whole
+        result[f"{path}_time_ways"] = "".join("d" if x.get("time_pull") else "w" for x in rows)
     src = "tcp" if any("tcp" in r for r in trained) else "shm"
     moved = sum(r[src]["delta_bytes"] for r in trained)
     whole = sum(r[src]["whole_bytes"] for r in trained)

@@ -227,13 +227,16 @@ class Consumer:
         try:
             version = self.ctx.catalog.versions.layouts_of(version)
             t.metadata += _now() - t0
-            if self.ctx.options.delta and self.delta.held(dests) is not None:
+            warm = self.delta.held(dests) is not None  # these buffers took the last pull
+            if self.ctx.options.delta and warm:
                 got = self._delta(version, dests, t)
                 if got is not None:
                     return got
             self.delta.forget()  # the buffers are written whole from here: no base until it succeeds
             check = self.delta.verify_rows(version, dests) if self.ctx.options.verify else None
+            t1 = _now()
             sources = self._pull(version, dests, t)
+            self.delta.choice.took_whole(dests, _now() - t1, warm)
         except BaseException:
             readers.end_read(step, self.ctx.reader_id)
             raise

@@ -11,7 +11,9 @@ Call sequence (``Consumer._read_once`` -> :meth:`DeltaPulls.pull`), the buffers 
 1. the chain: per publisher rank, N's delta record names its base; the versions between are
    read (one etcd round trip each) until M: every link in the same staged layout, each with a
    step word. No chain (a restarted publisher, a new layout, a bad record): whole;
-2. the plan (``delta_plan``, cached per layouts and buffers): the tiles each buffer needs;
+2. the plan (``delta_plan``, cached per layouts and buffers): the tiles each buffer needs; with
+   ``delta_choice="time"`` (``delta_choice``), whole if that was measured faster for the bytes the
+   records say the changes take;
 3. the index rows of those tiles, of every link, in one batched read;
 4. per tile: raw when any link says so (read from N's slot, the buffer's part only), else each
    link's encoded changes; more bytes than a whole pull of the same buffers: whole;
@@ -25,6 +27,7 @@ Call sequence (``Consumer._read_once`` -> :meth:`DeltaPulls.pull`), the buffers 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +38,7 @@ from astate_store.catalog import Version
 from astate_store.context import StoreContext
 from astate_store.errors import CatalogError, DeltaMismatch, TransportError, VersionNotFound
 from astate_store.get.batches import Batches, Work
+from astate_store.get.delta_choice import DeltaChoice
 from astate_store.get.delta_plan import DeltaPlan, plan_delta
 from astate_store.get.delta_reads import Link, Reads, convert, fields
 from astate_store.get.links import Links
@@ -92,6 +96,7 @@ class DeltaPulls:
         # the changes read, kept for the next pull (its pages mapped: reading into fresh pages
         # cost more than the read itself over tcp); at most an eighth of the buffers' bytes
         self._scratch: np.ndarray | None = None
+        self.choice = DeltaChoice(ctx.options.delta_choice)  # through the changes or whole
 
     # ---- what the buffers hold -------------------------------------------------------------
 
@@ -121,10 +126,19 @@ class DeltaPulls:
             return Outcome(done=True, work=empty)
         if m >= version.step:
             return Outcome(why=f"the buffers hold step {m}, not older than {version.step}")
+        t0 = time.perf_counter()
         try:
             chains = self._chains(version, m)
             plan = self._plan(version, dests)
-            return self._run(version, dests, plan, chains)
+            expect = expected_bytes(plan, chains)
+            why = self.choice.whole_instead(dests, expect)
+            if why is not None:
+                self.ctx.stats.delta_declined += 1
+                return Outcome(why=why)
+            out = self._run(version, dests, plan, chains)
+            if out.done:
+                self.choice.took_delta(dests, expect, time.perf_counter() - t0)
+            return out
         except _Fallback as exc:
             return Outcome(why=str(exc))
         except TransportError as exc:  # before any byte was applied
@@ -419,6 +433,19 @@ class DeltaPulls:
                     native().decode(plan.geoms, tiles, threads=threads(), check=0)
                     convert(dests, plan, outs)
         return applied
+
+
+def expected_bytes(plan: DeltaPlan, chains: dict[int, list[Link]]) -> int:
+    """What the pull would move, from the records alone (before any read): per link, the index rows
+    of the tiles the buffers need and its encoded changes in the share of its tiles they need (raw
+    tiles, read from N's slot, are not counted)."""
+    n = 0
+    for r, links in chains.items():
+        rp = plan.ranks[r]
+        need = len(rp.need)
+        share = need / max(int(rp.first[-1]), 1)
+        n += sum(need * fmt.ROW_BYTES + int(ln.delta.data_bytes * share) for ln in links)
+    return n
 
 
 def version_step(chains: dict[int, list[Link]]) -> int:

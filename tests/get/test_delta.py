@@ -444,3 +444,36 @@ def test_pulling_the_step_the_buffers_hold_moves_nothing(store_factory: Any) -> 
     cons.get_into(buf, step=1, timeout=30)
     assert cons.get_into(buf, timeout=30) == 1 and torch.equal(buf["w"], w)
     assert cons.stats.last_pull is not None and cons.stats.last_pull.bytes == 0
+
+
+def test_delta_choice_by_time_pulls_exactly_either_way(world: Any) -> None:
+    """``delta_choice="time"``: the second and third pulls go through the changes (their cost is
+    measured), later ones whichever way was measured faster; every pull is exact either way. A pull
+    declined (a delta priced far above a whole pull) goes whole, and the buffers then hold its
+    step, so the next pull can go through changes again."""
+    pubs, store = world(2)
+    cons = store(delta=True, delta_choice="time")
+    bufs = buffers("whole")
+    for step in range(1, 7):
+        pubs.put(step)
+        assert cons.get_into(bufs, step=step, timeout=30) == step
+        assert same_bits(bufs, expected_whole(step, pubs.dense)) == [], step
+    st = cons.stats
+    assert st.delta_pulls >= 2, st
+    assert st.delta_pulls + st.delta_declined == 5, st  # every pull after the first could be a delta
+    choice = cons._consumer.delta.choice
+    choice._delta, choice._whole = 1.0, 1e-3  # a second per byte through changes: go whole
+    pubs.put(7)
+    assert cons.get_into(bufs, step=7, timeout=30) == 7
+    assert same_bits(bufs, expected_whole(7, pubs.dense)) == []
+    assert (cons.stats.delta_pulls, cons.stats.delta_declined) == (st.delta_pulls, st.delta_declined + 1)
+    choice._delta, choice._whole = 1e-12, 1.0  # and a delta far below a whole pull: through changes
+    pubs.put(8)
+    assert cons.get_into(bufs, step=8, timeout=30) == 8
+    assert same_bits(bufs, expected_whole(8, pubs.dense)) == []
+    assert cons.stats.delta_pulls == st.delta_pulls + 1
+
+
+def test_delta_choice_is_checked() -> None:
+    with pytest.raises(ValueError, match="delta_choice"):
+        Store("delta-choice", endpoint="127.0.0.1:1", delta=True, delta_choice="fast")

@@ -97,6 +97,9 @@ class AstateInitInfo(WeightTransferInitInfo):
     # keep the staging between updates (staged modules' in blocking updates, a prepared update's all of
     # it; see prepared.py), so that the next pull into it is a delta; None: whenever ``delta`` is on
     keep_staging: bool | None = None
+    # with delta: "bytes" (through the changes whenever they are fewer bytes) or "time" (only when this
+    # worker measured that faster than a whole pull: on one host a whole pull is a memory copy)
+    delta_choice: str = "bytes"
 
 
 @dataclass
@@ -237,7 +240,12 @@ class AstateWeightTransferEngine(WeightTransferEngine[AstateInitInfo, AstateUpda
         self.keep_staging, self._kept, self._held = self.delta if keep is None else bool(keep), None, None
         # a consumer: rank / world size are publisher settings, not this worker's vLLM rank
         self.store = astate_store.connect(
-            init_info.namespace, etcd=init_info.etcd, rank=0, world_size=1, delta=self.delta
+            init_info.namespace,
+            etcd=init_info.etcd,
+            rank=0,
+            world_size=1,
+            delta=self.delta,
+            delta_choice=init_info.delta_choice,
         )
         self.paths = decide(self.model)
         self.followers = tied_followers(self.model, self.paths)

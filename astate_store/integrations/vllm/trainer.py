@@ -64,6 +64,8 @@ class AstateTrainerInitInfo(TrainerInitInfo):
     # the engine keeps its staging between updates (staged modules', a prepared update's), where delta
     # pulls apply; None: the engine's default (kept when delta is on)
     keep_staging: bool | None = None
+    # the engine's choice between the changes and a whole pull: "bytes" or "time" (engine.py)
+    delta_choice: str = "bytes"
 
 
 class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
@@ -103,6 +105,7 @@ class AstateTrainerEngine(TrainerWeightTransferEngine[AstateTrainerInitInfo]):
                     "timeout": init_info.timeout,
                     "delta": init_info.delta,
                     "keep_staging": init_info.keep_staging,
+                    "delta_choice": init_info.delta_choice,
                 }
             )
         return engine
