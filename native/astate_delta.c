@@ -934,6 +934,9 @@ static void apply_cut(const tile_geo_t *t, uint64_t enc, size_t count, const uns
 __attribute__((target("avx512f,avx512bw"))) static int check_varint_avx512(size_t count, size_t elems,
                                                                           const unsigned char *data, size_t ilen)
 {
+    /* a last byte with its continuation bit starts a gap the stream lacks (`carry` below sees this
+     * only at a 64-byte boundary) */
+    if (ilen && (data[ilen - 1] & 0x80)) return -1;
     const __m512i low7 = _mm512_set1_epi8(0x7f), zero = _mm512_setzero_si512();
     __m512i first = zero, second = zero; /* 64-bit lane sums of the gaps' first and second bytes */
     uint64_t carry = 0, n = 0;

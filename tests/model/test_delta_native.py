@@ -181,6 +181,7 @@ def test_decode_checks_every_tile_before_it_writes_one(simd: int) -> None:
         "past the tile": (_leb([elems - 5, 10]), 2, False),
         "cut in a gap": (_leb(gaps)[:-1] + b"\x80", len(idx), False),
         "a three-byte gap": (_leb([1 << 14]), 1, False),  # 16384: past the tile
+        "a dangling continuation byte": (_leb([5]) + b"\x80", 1, False),  # in a last block shorter than 64
     }
     row_map = np.arange(t.R, dtype=np.int64) * t.C
     for name, (stream, count, ok) in cases.items():
