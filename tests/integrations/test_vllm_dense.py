@@ -439,6 +439,20 @@ def test_delta_updates_patch_the_engine_exactly(dense: dict[str, Any], tmp_path:
             else:
                 kinds[step] = f"{deltas} {moved}"
         assert all(s["kept_bytes"] > 0 for s in update_status(llm))  # the staging, kept
+        # delta_choice "time": an unknown choice is refused; with it every update is exact whichever way
+        # it goes: the first whole (a new store), then through changes while their cost is learned
+        init = {"namespace": ns, "etcd": endpoint, "timeout": 30}
+        with pytest.raises(Exception, match="delta_choice"):
+            llm.init_weight_transfer_engine({"init_info": {**init, "delta_choice": "fast"}})
+        llm.init_weight_transfer_engine({"init_info": {**init, "delta_choice": "time"}})
+        timed = []
+        for step, path, cur in _sparse_versions(tensors, tmp_path, range(9, 13)):
+            pub.put(step, cur)
+            before = _pulls(llm)
+            assert update_weights(llm, step) == step
+            assert V.served(llm, path) == [], step
+            timed.append([a["delta"] - b["delta"] for a, b in zip(_pulls(llm), before)])
+        assert timed[0] == [0, 0] and [1, 1] in timed[1:], timed
     finally:
         pub.close()
         llm.init_weight_transfer_engine({"init_info": {"namespace": dense["ns"], "etcd": endpoint}})
