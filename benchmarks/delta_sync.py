@@ -81,6 +81,7 @@ sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(_HERE, ".."))
 
 import torch  # noqa: E402
+from _hosts import VethPair, netns_python  # noqa: E402
 
 CTX = mp.get_context("spawn")
 TIMEOUT = 900.0
@@ -421,7 +422,7 @@ class Roles:
         )
         exe = mp.spawn.get_executable()
         if netns is not None:  # the interpreter started through `ip netns exec` (host B)
-            mp.spawn.set_executable(_netns_exec(netns))
+            mp.spawn.set_executable(netns_python(netns))
         try:
             p.start()
         finally:
@@ -457,15 +458,6 @@ class Roles:
             if p.is_alive():
                 p.kill()
                 p.join(10)
-
-
-def _netns_exec(netns: str) -> str:
-    path = os.path.join(tempfile.gettempdir(), f"{netns}-python.sh")
-    if not os.path.exists(path):
-        with open(path, "w") as f:
-            f.write(f'#!/bin/sh\nexec ip netns exec {netns} {sys.executable} "$@"\n')
-        os.chmod(path, 0o700)
-    return path
 
 
 def _median(xs: list[float]) -> float | None:
@@ -603,46 +595,6 @@ def summarize(result: dict[str, Any], per_step: list[dict[str, Any]], load0: flo
     return result
 
 
-# ------------------------------------------------------------------------------------ hosts
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
-
-
-class Hosts:
-    """Two network namespaces joined by a veth pair: (A's name, A's address, B's name)."""
-
-    def __init__(self) -> None:
-        tag = "%06x" % int.from_bytes(os.urandom(3), "big")
-        self.net = f"10.233.{int.from_bytes(os.urandom(1), 'big') % 254 + 1}"
-        self.a, self.b = f"delta-{tag}-a", f"delta-{tag}-b"
-        self.devs = (f"da{tag}", f"db{tag}")
-
-    def __enter__(self) -> Hosts:
-        try:
-            for ns in (self.a, self.b):
-                _ip("netns", "add", ns)
-            _ip("link", "add", self.devs[0], "type", "veth", "peer", "name", self.devs[1])
-            for ns, dev, addr in ((self.a, self.devs[0], ".1"), (self.b, self.devs[1], ".2")):
-                _ip("link", "set", dev, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{self.net}{addr}/24", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for ns in (self.a, self.b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
-            try:
-                os.unlink(os.path.join(tempfile.gettempdir(), f"{ns}-python.sh"))
-            except OSError:
-                pass
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="trained steps (each published)")
@@ -675,17 +627,17 @@ def outer(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if os.geteuid() != 0:
             raise PermissionError("network namespaces need root")
-        hosts = Hosts().__enter__()
+        hosts = VethPair("delta", net=233).open()
     except (OSError, subprocess.CalledProcessError) as exc:
         why = f"no network namespaces here ({exc}): no second host"
         cmd, hosts = [*me, "--no-hosts", why], None
     else:
-        cmd = ["ip", "netns", "exec", hosts.a, *me, "--a-addr", f"{hosts.net}.1", "--b-ns", hosts.b]
+        cmd = ["ip", "netns", "exec", hosts.a, *me, "--a-addr", hosts.a_addr, "--b-ns", hosts.b]
     try:
         p = subprocess.run(tied_to_caller(cmd), stdout=subprocess.PIPE, text=True, timeout=TIMEOUT * 4)
     finally:
         if hosts is not None:
-            hosts.__exit__()
+            hosts.close()
     for ln in reversed(p.stdout.splitlines()):
         if ln.startswith("{"):
             return dict(json.loads(ln))

@@ -55,6 +55,8 @@ if _HERE not in sys.path:
 if os.path.dirname(_HERE) not in sys.path:
     sys.path.insert(1, os.path.dirname(_HERE))
 
+from _hosts import VethPair, ip  # noqa: E402
+
 from tests.support.faults import fuzz, hostile  # noqa: E402
 from tests.support.faults.driver import Actor, Died, EtcdProcess, Hang, Pool, SetupError  # noqa: E402
 from tests.support.faults.model import LAYOUTS, slope_per_100  # noqa: E402
@@ -611,39 +613,19 @@ def case_etcd_member_loss(suite: Suite, entry: Entry) -> None:
 # ---- network namespaces ----------------------------------------------------------------------
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(["ip", *args], check=check, capture_output=True, timeout=20)
-
-
-class Hosts:
-    """Two test hosts (network namespaces) joined by a veth pair; removed on close."""
+class Hosts(VethPair):
+    """Two test hosts (network namespaces) joined by a veth pair, made at once; removed on close."""
 
     def __init__(self) -> None:
         if os.geteuid() != 0:
             raise Skip("network namespaces need root")
         if shutil.which("ip") is None:
             raise Skip("iproute2 (ip) is not installed")
-        tag = "%06x" % random.getrandbits(24)
-        self.a, self.b = f"af-{tag}-a", f"af-{tag}-b"
-        self.va, self.vb = f"fa{tag}", f"fb{tag}"
-        net = f"10.232.{random.randint(1, 254)}"
-        self.addr_a = f"{net}.1"
+        super().__init__("af")
         try:
-            _ip("netns", "add", self.a)
+            self.open()
         except (OSError, subprocess.SubprocessError) as exc:
-            raise Skip(f"cannot create network namespaces here: {exc}") from None
-        try:
-            _ip("netns", "add", self.b)
-            _ip("link", "add", self.va, "type", "veth", "peer", "name", self.vb)
-            _ip("link", "set", self.va, "netns", self.a)
-            _ip("link", "set", self.vb, "netns", self.b)
-            for ns, dev, addr in ((self.a, self.va, f"{net}.1"), (self.b, self.vb, f"{net}.2")):
-                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-        except Exception:
-            self.close()
-            raise
+            raise Skip(f"cannot make two network-namespace hosts here: {exc}") from None
 
     def _tc(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(
@@ -657,31 +639,27 @@ class Hosts:
         """Whether ``tc netem`` works here (the kernel may lack sch_netem)."""
         if shutil.which("tc") is None:
             return False
-        ok = self._tc("add", "dev", self.va, "root", "netem", "loss", "0%", check=False).returncode == 0
+        ok = self._tc("add", "dev", self.a_dev, "root", "netem", "loss", "0%", check=False).returncode == 0
         if ok:
-            self._tc("del", "dev", self.va, "root", check=False)
+            self._tc("del", "dev", self.a_dev, "root", check=False)
         return ok
 
     def cut(self, how: str) -> None:
         """``netem``: 100% loss on A's end; ``down``: A's end down; ``down_b``: B's end down."""
         if how == "netem":
-            self._tc("add", "dev", self.va, "root", "netem", "loss", "100%")
+            self._tc("add", "dev", self.a_dev, "root", "netem", "loss", "100%")
         elif how == "down_b":
-            _ip("-n", self.b, "link", "set", self.vb, "down")
+            ip("-n", self.b, "link", "set", self.b_dev, "down")
         else:
-            _ip("-n", self.a, "link", "set", self.va, "down")
+            ip("-n", self.a, "link", "set", self.a_dev, "down")
 
     def restore(self, how: str) -> None:
         if how == "netem":
-            self._tc("del", "dev", self.va, "root", check=False)
+            self._tc("del", "dev", self.a_dev, "root", check=False)
         elif how == "down_b":
-            _ip("-n", self.b, "link", "set", self.vb, "up", check=False)
+            ip("-n", self.b, "link", "set", self.b_dev, "up", check=False)
         else:
-            _ip("-n", self.a, "link", "set", self.va, "up", check=False)
-
-    def close(self) -> None:
-        for ns in (self.a, self.b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+            ip("-n", self.a, "link", "set", self.a_dev, "up", check=False)
 
 
 def case_netns_link_cut(suite: Suite, entry: Entry) -> None:
@@ -714,7 +692,7 @@ def case_netns_link_cut(suite: Suite, entry: Entry) -> None:
                 # so the bytes cross the veth link.
                 env = {"ASTATE_SHM_DIRECT": "0"}
                 et = t.take_in(hosts.a, env)
-                ep = et.must("etcd_start", hosts.addr_a, timeout=t.left(60))["endpoint"]
+                ep = et.must("etcd_start", hosts.a_addr, timeout=t.left(60))["endpoint"]
                 pub = t.take_in(hosts.a, env)
                 con = t.take_in(hosts.b, env)
                 ns = suite.ns("nl")

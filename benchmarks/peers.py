@@ -53,7 +53,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -64,6 +63,7 @@ sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(_HERE, ".."))
 
 import _peer_workers as P  # noqa: E402
+from _hosts import VethPair, netns_python  # noqa: E402
 from sync_bench import measure_memcpy  # noqa: E402
 
 CTX = mp.get_context("spawn")
@@ -129,7 +129,7 @@ class Group:
             p.start()
         else:  # the interpreter started through `ip netns exec` (its own /sys, as a real host)
             exe = mp.spawn.get_executable()
-            mp.spawn.set_executable(_netns_exec(netns))
+            mp.spawn.set_executable(netns_python(netns))
             try:
                 p.start()
             finally:
@@ -162,16 +162,6 @@ class Group:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-
-
-def _netns_exec(netns: str) -> str:
-    """A one-line wrapper that runs this interpreter inside ``netns`` (made once per namespace)."""
-    path = os.path.join(tempfile.gettempdir(), f"{netns}-python.sh")
-    if not os.path.exists(path):
-        with open(path, "w") as f:
-            f.write(f'#!/bin/sh\nexec ip netns exec {netns} {sys.executable} "$@"\n')
-        os.chmod(path, 0o700)
-    return path
 
 
 def run_system(kind: str, cfg: dict[str, Any], hosts: Hosts) -> dict[str, Any]:
@@ -216,55 +206,28 @@ def run_gloo(nbytes: int, iters: int, hosts: Hosts) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ hosts
 
 
-class Hosts:
-    """Where trainers (a) and the rollout (b) run: this host, or two network namespaces."""
+class Hosts(VethPair):
+    """Where trainers (a) and the rollout (b) run: two network namespaces (``two``), or this host
+    (a and b None, loopback addresses)."""
 
     def __init__(self, two: bool) -> None:
+        super().__init__("peers")
         self.two = two
-        self.a: str | None = None
-        self.b: str | None = None
-        self.a_addr = "127.0.0.1"
-        self.b_addr = "127.0.0.1"
-        self.a_dev: str | None = None
-        self.b_dev: str | None = None
-        self._links: list[str] = []
+        if not two:
+            self.a = self.b = self.a_dev = self.b_dev = None  # type: ignore[assignment]
+            self.a_addr = self.b_addr = "127.0.0.1"
 
     def __enter__(self) -> Hosts:
         if not self.two:
             return self
         if os.geteuid() != 0:
             raise PermissionError("--hosts 2 needs root (network namespaces)")
-        tag = "%06x" % random.getrandbits(24)
-        net = f"10.232.{random.randint(1, 254)}"
-        self.a, self.b = f"peers-{tag}-a", f"peers-{tag}-b"
-        self.a_addr, self.b_addr = f"{net}.1", f"{net}.2"
-        self.a_dev, self.b_dev = f"pa{tag}", f"pb{tag}"
-        try:
-            for ns in (self.a, self.b):
-                _ip("netns", "add", ns)
-            _ip("link", "add", f"pa{tag}", "type", "veth", "peer", "name", f"pb{tag}")
-            for ns, dev, addr in ((self.a, f"pa{tag}", self.a_addr), (self.b, f"pb{tag}", self.b_addr)):
-                _ip("link", "set", dev, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-        except BaseException:
-            self.__exit__()
-            raise
+        self.open()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for ns in (self.a, self.b):
-            if ns:
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
-                try:
-                    os.unlink(os.path.join(tempfile.gettempdir(), f"{ns}-python.sh"))
-                except OSError:
-                    pass
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+        if self.two:
+            self.close()
 
 
 class Etcd:

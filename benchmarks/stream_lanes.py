@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(_HERE, ".."))
 
 import peers  # noqa: E402
 import torch  # noqa: E402
+from _hosts import netns_python  # noqa: E402
 
 CTX = mp.get_context("spawn")
 TENSORS = 16
@@ -98,7 +99,7 @@ def _start(target: Any, args: tuple[Any, ...], netns: str | None) -> Any:
     p = CTX.Process(target=target, args=args, daemon=True)
     exe = mp.spawn.get_executable()
     if netns is not None:
-        mp.spawn.set_executable(peers._netns_exec(netns))
+        mp.spawn.set_executable(netns_python(netns))
     try:
         p.start()
     finally:
