@@ -142,6 +142,7 @@ def test_bad_input_is_refused_and_the_engine_keeps_its_weights(sg: dict[str, Any
     refused(sg, "a", norm, "int32")
     refused(sg, "a", "not committed", namespace="nobody-" + uuid.uuid4().hex[:8], timeout=1.0)
     refused(sg, "a", "namespace", namespace="")
+    refused(sg, "a", "delta_choice", "fast", delta_choice="fast")
     for name, words in [
         ("astate:{not json", "not JSON"),
         ('astate:{"namespace": "x", "bad": 1}', "unknown fields"),
@@ -173,6 +174,10 @@ def test_a_delta_update_moves_what_changed_and_sglangs_own_writes_make_the_next_
         assert engine.call("checksums") != mixed
         assert update(sg, step=step) == step
         assert engine.call("checksums") == mixed
+    # delta_choice "time": a store of its own (the first update whole), then exact whichever way it pulls
+    for which in ("b", "a", "b"):
+        assert update(sg, step=publish(sg, which), delta_choice="time") > step
+        assert_serves(sg, which)
 
 
 def test_cold_start_from_an_astate_checkpoint(sg: dict[str, Any]) -> None:

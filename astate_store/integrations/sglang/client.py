@@ -73,14 +73,17 @@ def update(
     timeout: float = 60.0,
     checkpoint: str | None = None,
     delta: bool = True,
+    delta_choice: str = "bytes",
 ) -> int:
     """Update an offline ``sglang.Engine`` to the newest committed version ``>= step`` of
     ``namespace`` (``step=None``: the newest committed; ``checkpoint=URI``: cold start from the
     newest astate checkpoint under it, or its ``step``; ``delta``: pull only what changed since the
-    version the engine holds, where the publisher records changes). Returns the step delivered."""
+    version the engine holds, where the publisher records changes; ``delta_choice``: "bytes", or
+    "time": through the changes only when measured faster than a whole pull, docs/delta.md). Returns
+    the step delivered."""
     from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
 
-    request = Request(namespace, etcd, step, timeout, checkpoint, delta)
+    request = Request(namespace, etcd, step, timeout, checkpoint, delta, delta_choice)
     _session(engine.begin_weight_update(), "begin_weight_update")
     try:
         ok, message = engine.update_weights_from_tensor(
@@ -121,11 +124,12 @@ def update_http(
     timeout: float = 60.0,
     checkpoint: str | None = None,
     delta: bool = True,
+    delta_choice: str = "bytes",
     api_key: str | None = None,
 ) -> int:
     """As :func:`update`, for an SGLang server at ``url`` (``sglang.launch_server``; its admin routes
     take ``api_key`` if it has one). Returns the step delivered."""
-    request = Request(namespace, etcd, step, timeout, checkpoint, delta)
+    request = Request(namespace, etcd, step, timeout, checkpoint, delta, delta_choice)
     wait = timeout + 600.0  # the engine waits up to `timeout` for the commit, then pulls
     info = _call(url, "/server_info", None, api_key, 60.0)
     if LOADER not in (info.get("custom_weight_loader") or []):

@@ -71,7 +71,7 @@ class _Rank:
 
     def __init__(self) -> None:
         self.store: astate_store.Store | None = None
-        self.source: tuple[str, str, bool] | None = None  # (namespace, etcd, delta) of the store
+        self.source: tuple[str, str, bool, str] | None = None  # (namespace, etcd, delta, choice) of the store
         self.plan: _Plan | None = None
         self.last_step: int | None = None
         self.last_seconds: dict[str, float] = {}
@@ -107,14 +107,19 @@ class _Rank:
         _post_load(model)
 
     def _connect(self, request: Request) -> astate_store.Store:
-        source = (request.namespace, repr(request.etcd), request.delta)
+        source = (request.namespace, repr(request.etcd), request.delta, request.delta_choice)
         if self.store is None or self.source != source:
             if self.store is not None:  # the plan stays: it depends on the published names and shapes only
                 self.store.close()
                 self.store = None
             # a consumer: rank / world size are publisher settings, not this engine's TP rank
             self.store = astate_store.connect(
-                request.namespace, etcd=request.etcd, rank=0, world_size=1, delta=request.delta
+                request.namespace,
+                etcd=request.etcd,
+                rank=0,
+                world_size=1,
+                delta=request.delta,
+                delta_choice=request.delta_choice,
             )
             self.source = source
         return self.store

@@ -42,6 +42,9 @@ class Request:
     timeout: float = 60.0  # seconds to wait for that version to commit
     checkpoint: str | None = None  # cold start: fill from the newest astate checkpoint under this URI
     delta: bool = True  # pull delta versions: only what changed since the version the parameters hold
+    # with delta: "bytes" (through the changes whenever they are fewer bytes) or "time" (only when this
+    # rank's pulls measured that faster than a whole pull); the store checks the value
+    delta_choice: str = "bytes"
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -66,6 +69,8 @@ class Request:
             )
         if not isinstance(self.delta, bool):
             raise LayoutError(f"astate request: 'delta' must be true or false, got {self.delta!r}")
+        if not isinstance(self.delta_choice, str):
+            raise LayoutError(f"astate request: 'delta_choice' must be a string, got {self.delta_choice!r}")
         if self.checkpoint is not None and not isinstance(self.checkpoint, str):
             raise LayoutError(f"astate request: 'checkpoint' must be a URI string, got {self.checkpoint!r}")
 
