@@ -15,7 +15,8 @@ What is measured (per set of buffers; new buffers start again):
   known before any read, so that a pull that goes whole reads nothing first); the first one into a
   set of buffers builds its plan and maps fresh scratch, so only later ones count;
 - a whole pull: seconds per pull. The first one into a set of buffers is cold (it maps the sources'
-  memory and touches fresh pages: about 3x a warm one here), so it is kept apart, as an upper bound.
+  memory and touches fresh pages: 2x to 3x a warm one over shm here), so it is kept apart, as an
+  upper bound.
 
 Call sequence (``DeltaPulls.pull``, once the chain and the plan are known):
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 __all__ = ["DeltaChoice"]
 
-_COLD = 4.0  # a cold whole pull costs at most this many times a warm one (about 3x measured)
+_COLD = 4.0  # a cold whole pull costs at most this many times a warm one (2x to 3x measured)
 _EXPLORE = 8  # with both ways measured, every 8th choice takes the slower way if they are close
 _CLOSE = 1.5  # "close": the slower prediction within this factor of the faster
 _NEW = 0.5  # weight of the newest pull in a moving average
