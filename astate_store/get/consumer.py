@@ -236,7 +236,7 @@ class Consumer:
             check = self.delta.verify_rows(version, dests) if self.ctx.options.verify else None
             t1 = _now()
             sources = self._pull(version, dests, t)
-            self.delta.choice.took_whole(dests, _now() - t1, warm)
+            self.delta.pulled_whole(dests, _now() - t1, warm)
         except BaseException:
             readers.end_read(step, self.ctx.reader_id)
             raise

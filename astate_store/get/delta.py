@@ -96,7 +96,7 @@ class DeltaPulls:
         # the changes read, kept for the next pull (its pages mapped: reading into fresh pages
         # cost more than the read itself over tcp); at most an eighth of the buffers' bytes
         self._scratch: np.ndarray | None = None
-        self.choice = DeltaChoice(ctx.options.delta_choice)  # through the changes or whole
+        self._choice = DeltaChoice(ctx.options.delta_choice)  # through the changes or whole
 
     # ---- what the buffers hold -------------------------------------------------------------
 
@@ -107,6 +107,11 @@ class DeltaPulls:
     def forget(self) -> None:
         """The buffers' bytes are no base any more (written, torn, or ``Store.forget``)."""
         self._held = None
+
+    def pulled_whole(self, dests: list[Entry], seconds: float, warm: bool) -> None:
+        """A whole pull into ``dests`` took ``seconds`` (``warm``: they took the last pull too): what
+        ``delta_choice="time"`` weighs the changes against."""
+        self._choice.took_whole(dests, seconds, warm)
 
     def held(self, dests: list[Entry]) -> int | None:
         """The step these very buffers hold, if known."""
@@ -131,13 +136,13 @@ class DeltaPulls:
             chains = self._chains(version, m)
             plan = self._plan(version, dests)
             expect = expected_bytes(plan, chains)
-            why = self.choice.whole_instead(dests, expect)
+            why = self._choice.whole_instead(dests, expect)
             if why is not None:
                 self.ctx.stats.delta_declined += 1
                 return Outcome(why=why)
             out = self._run(version, dests, plan, chains)
             if out.done:
-                self.choice.took_delta(dests, expect, time.perf_counter() - t0)
+                self._choice.took_delta(dests, expect, time.perf_counter() - t0)
             return out
         except _Fallback as exc:
             return Outcome(why=str(exc))

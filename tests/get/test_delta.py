@@ -461,7 +461,7 @@ def test_delta_choice_by_time_pulls_exactly_either_way(world: Any) -> None:
     st = cons.stats
     assert st.delta_pulls >= 2, st
     assert st.delta_pulls + st.delta_declined == 5, st  # every pull after the first could be a delta
-    choice = cons._consumer.delta.choice
+    choice = cons._consumer.delta._choice
     choice._delta, choice._whole = 1.0, 1e-3  # a second per byte through changes: go whole
     pubs.put(7)
     assert cons.get_into(bufs, step=7, timeout=30) == 7
